@@ -1,0 +1,34 @@
+"""``nsa-bench``: one command, one sub-command per bench or tool.
+
+Each sub-command lives in its own module under :mod:`nsa_bench` and exposes
+``add_arguments(parser)`` and ``run(args) -> int``; this table is the only place that lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# sub-command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nsa-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    return int(module.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The hyper-parameters of one NSA layer, with the paper's defaults and their validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+PhiKind = Literal["avg", "mlp"]
+
+
+@dataclass(frozen=True)
+class NSAConfig:
+    """Shapes and block geometry of one NSA layer (NSA-SPEC.md, "Symbols").
+
+    Attributes:
+        num_q_heads: HQ, query heads.
+        num_kv_heads: H, key/value heads; the G = HQ / H query heads of a group share them.
+        head_dim_qk: dk, query/key head dim.
+        head_dim_v: dv, value head dim.
+        cmp_block: l, compression block length.
+        cmp_stride: d, compression stride; divides ``cmp_block`` and ``sel_block``.
+        sel_block: l', selection block length.
+        num_selected: n, selected blocks per query, forced blocks included (n >= 3).
+        window: w, sliding window length, the query itself included.
+        phi: ``"avg"`` (mean over the block) or ``"mlp"`` (learned, with intra-block positions).
+        scale: softmax scale; ``None`` means ``head_dim_qk ** -0.5``.
+        rope_theta: RoPE base for the rotary embedding of queries and keys.
+    """
+
+    num_q_heads: int = 64
+    num_kv_heads: int = 4
+    head_dim_qk: int = 192
+    head_dim_v: int = 128
+    cmp_block: int = 32
+    cmp_stride: int = 16
+    sel_block: int = 64
+    num_selected: int = 16
+    window: int = 512
+    phi: PhiKind = "avg"
+    scale: float | None = None
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int",) and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"NSAConfig.{f.name} must be an int, got {value!r}")
+        for name in (
+            "num_q_heads",
+            "num_kv_heads",
+            "head_dim_qk",
+            "head_dim_v",
+            "cmp_block",
+            "cmp_stride",
+            "sel_block",
+            "num_selected",
+            "window",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"NSAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_q_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"NSAConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.cmp_block % self.cmp_stride != 0:
+            raise ValueError(
+                f"NSAConfig.cmp_stride ({self.cmp_stride}) must divide cmp_block ({self.cmp_block})"
+            )
+        if self.sel_block % self.cmp_stride != 0:
+            raise ValueError(
+                f"NSAConfig.cmp_stride ({self.cmp_stride}) must divide sel_block ({self.sel_block})"
+            )
+        if self.num_selected < 3:
+            raise ValueError(
+                f"NSAConfig.num_selected must be >= 3 to hold the forced initial and two local "
+                f"blocks, got {self.num_selected}"
+            )
+        if self.phi not in ("avg", "mlp"):
+            raise ValueError(f"NSAConfig.phi must be 'avg' or 'mlp', got {self.phi!r}")
+        if self.head_dim_qk % 2 != 0:
+            raise ValueError(
+                f"NSAConfig.head_dim_qk must be even for the rotary embedding, got {self.head_dim_qk}"
+            )
+        if self.scale is not None and not self.scale > 0:
+            raise ValueError(f"NSAConfig.scale must be positive, got {self.scale}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"NSAConfig.rope_theta must be positive, got {self.rope_theta}")
+
+    @property
+    def group_size(self) -> int:
+        """G = HQ / H, query heads per key/value head."""
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def softmax_scale(self) -> float:
+        """The softmax scale in use: ``scale`` or ``head_dim_qk ** -0.5``."""
+        return self.scale if self.scale is not None else self.head_dim_qk**-0.5

@@ -1,0 +1,174 @@
+"""The seam between the reference ops and faster backends.
+
+Each op of an NSA layer (``OPS``) has implementations ("backends") registered here. The reference
+implementation of every op is registered by nsa-core itself with the lowest priority and supports
+everything, so resolution always ends somewhere correct. Other packages register faster backends
+through the ``nsa.backends`` entry-point group: each entry point names a callable that receives
+this module's :func:`register_backend`. nsa-core never imports them.
+
+A backend's ``supports(ctx, toggles)`` returns ``None`` when it can serve the call, or the reason
+it cannot. :func:`resolve` walks the backends from the highest priority down and returns the first
+that accepts, together with every rejection and its reason; each rejection of a backend that the
+user asked for through a toggle is logged once. :func:`routing_report` renders the decision for a
+given context, so the choice is observable.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+import torch
+
+from nsa_core.debug_log import debug_log, log_once
+from nsa_core.toggles import Toggles, get_toggles
+
+OPS = (
+    "compressed_attention",
+    "selected_attention",
+    "sliding_attention",
+)
+ENTRY_POINT_GROUP = "nsa.backends"
+
+
+@dataclass(frozen=True)
+class OpContext:
+    """What a backend needs to know to accept or refuse one call of an op.
+
+    ``seq_len`` is the number of keys of the longest sequence (tokens), ``varlen`` whether the call
+    packs sequences with ``cu_seqlens``.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    seq_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+    requires_grad: bool
+    varlen: bool
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def device_capability(self) -> tuple[int, int] | None:
+        if self.device.type != "cuda":
+            return None
+        major, minor = torch.cuda.get_device_capability(self.device)
+        return (major, minor)
+
+
+Supports = Callable[[OpContext, Toggles], "str | None"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of ``op``: ``fn`` has the reference op's signature."""
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    supports: Supports
+    priority: int = 0
+    requested_by: Callable[[Toggles], bool] = field(default=lambda toggles: False)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The backend chosen for one context, and why each preferred backend was passed over."""
+
+    op: str
+    backend: Backend
+    rejected: tuple[tuple[str, str], ...]
+
+
+_backends: dict[str, list[Backend]] = {op: [] for op in OPS}
+_entry_points_loaded = False
+
+
+def register_backend(backend: Backend) -> None:
+    """Add ``backend``; a backend of the same op and name replaces the earlier one."""
+    if backend.op not in _backends:
+        raise ValueError(f"unknown op {backend.op!r}; known ops: {', '.join(OPS)}")
+    rows = [b for b in _backends[backend.op] if b.name != backend.name]
+    rows.append(backend)
+    rows.sort(key=lambda b: -b.priority)
+    _backends[backend.op] = rows
+
+
+def load_entry_points() -> None:
+    """Import the backends other installed packages declare (once per process)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        register = ep.load()
+        register(register_backend)
+        debug_log("registry.entry_point", name=ep.name, value=ep.value)
+
+
+def backends(op: str) -> list[Backend]:
+    """The backends of ``op``, highest priority first (entry points loaded)."""
+    load_entry_points()
+    if op not in _backends:
+        raise ValueError(f"unknown op {op!r}; known ops: {', '.join(OPS)}")
+    return list(_backends[op])
+
+
+def resolve(op: str, ctx: OpContext, toggles: Toggles | None = None) -> Resolution:
+    """Pick the highest-priority backend of ``op`` that accepts ``ctx``."""
+    toggles = get_toggles() if toggles is None else toggles
+    rejected: list[tuple[str, str]] = []
+    for backend in backends(op):
+        reason = backend.supports(ctx, toggles)
+        if reason is None:
+            debug_log("registry.resolve", op=op, backend=backend.name, rejected=len(rejected))
+            return Resolution(op=op, backend=backend, rejected=tuple(rejected))
+        rejected.append((backend.name, reason))
+        if backend.requested_by(toggles):
+            log_once(
+                f"fallback:{op}:{backend.name}:{reason}",
+                "registry.fallback",
+                op=op,
+                backend=backend.name,
+                reason=repr(reason),
+            )
+    raise RuntimeError(f"no backend accepts op {op!r} for {ctx}; rejections: {rejected}")
+
+
+def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
+    """One line per op: the chosen backend and the reasons the preferred ones were passed over."""
+    lines = []
+    for op in OPS:
+        res = resolve(op, ctx, toggles)
+        why = "; ".join(f"{name}: {reason}" for name, reason in res.rejected)
+        lines.append(f"{op:22s} -> {res.backend.name}" + (f"   (passed over {why})" if why else ""))
+    return "\n".join(lines)
+
+
+def _always(ctx: OpContext, toggles: Toggles) -> str | None:
+    return None
+
+
+def register_reference_backends() -> None:
+    """Register nsa-core's reference ops (priority 0, accept every call)."""
+    from nsa_core.ops.compressed_attention import compressed_attention
+    from nsa_core.ops.selected_attention import selected_attention
+    from nsa_core.ops.sliding_attention import sliding_attention
+
+    for op, fn in (
+        ("compressed_attention", compressed_attention),
+        ("selected_attention", selected_attention),
+        ("sliding_attention", sliding_attention),
+    ):
+        register_backend(Backend(op=op, name="reference", fn=fn, supports=_always, priority=0))
+
+
+logging.getLogger("nsa").addHandler(logging.NullHandler())
