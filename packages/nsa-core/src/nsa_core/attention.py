@@ -1,0 +1,310 @@
+"""NSAAttention: one Native Sparse Attention layer with prefill and KV-cached decode."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nsa_core.blocks import num_cmp_blocks
+from nsa_core.cache import NSACache
+from nsa_core.config import NSAConfig
+from nsa_core.ops._common import check_cu_seqlens, check_rank, shape
+from nsa_core.ops.combine import gated_combine
+from nsa_core.ops.compress import CompressMLP, compress
+from nsa_core.ops.selection import select_blocks
+from nsa_core.reads import expected_reads
+from nsa_core.registry import OpContext, resolve
+from nsa_core.rope import apply_rope
+
+BRANCHES = ("cmp", "slc", "win")
+
+
+@dataclass
+class BranchInputs:
+    """Projected inputs of the three branches for T tokens.
+
+    q [B, T, HQ, dk] and every key are rotated by token position; values are not.
+    ``k["cmp"]``/``v["cmp"]`` are the raw (uncompressed) compressed-branch keys and values.
+    gates [B, T, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+    """
+
+    q: torch.Tensor
+    k: dict[str, torch.Tensor]
+    v: dict[str, torch.Tensor]
+    gates: torch.Tensor
+
+
+@dataclass
+class DecodeStats:
+    """What one decode step at ``position`` read, per sequence and kv head ([B, H] each).
+
+    ``reads_*`` count the key/value tokens each branch actually gathered; ``reads_expected`` is
+    NSA-SPEC.md's formula for that position.
+    """
+
+    position: int
+    reads_cmp: torch.Tensor
+    reads_slc: torch.Tensor
+    reads_win: torch.Tensor
+    reads_expected: int
+
+    @property
+    def reads_actual(self) -> torch.Tensor:
+        """[B, H] total tokens read by the step."""
+        return self.reads_cmp + self.reads_slc + self.reads_win
+
+
+def positions_of(
+    batch_t: int, cu_seqlens: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[T] token positions; with cu_seqlens they restart at 0 in each packed sequence."""
+    positions = torch.arange(batch_t, device=device)
+    if cu_seqlens is None:
+        return positions
+    starts = cu_seqlens[:-1].to(torch.int64)
+    seq = torch.bucketize(positions, cu_seqlens[1:].to(torch.int64), right=True)
+    return positions - starts[seq.clamp_max(starts.numel() - 1)]
+
+
+class NSAAttention(nn.Module):
+    """Native Sparse Attention over hidden states x [B, T, hidden_size].
+
+    Projections: q (HQ*dk), per branch k (H*dk) and v (H*dv), a gate MLP (hidden -> hidden ->
+    3*HQ, GELU, sigmoid) and the output projection (HQ*dv -> hidden). With ``config.phi ==
+    "mlp"`` the compressed branch learns ``phi_k`` and ``phi_v``; otherwise phi is the mean.
+    Each attention op goes through nsa_core's backend registry (the reference unless a faster
+    backend accepts the call).
+    """
+
+    def __init__(self, config: NSAConfig, hidden_size: int, *, bias: bool = False) -> None:
+        super().__init__()
+        if hidden_size < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
+        self.config = config
+        self.hidden_size = hidden_size
+        hq, h = config.num_q_heads, config.num_kv_heads
+        dk, dv = config.head_dim_qk, config.head_dim_v
+        self.q_proj = nn.Linear(hidden_size, hq * dk, bias=bias)
+        self.k_proj = nn.ModuleDict(
+            {b: nn.Linear(hidden_size, h * dk, bias=bias) for b in BRANCHES}
+        )
+        self.v_proj = nn.ModuleDict(
+            {b: nn.Linear(hidden_size, h * dv, bias=bias) for b in BRANCHES}
+        )
+        self.gate = nn.Sequential(
+            nn.Linear(hidden_size, hidden_size), nn.GELU(), nn.Linear(hidden_size, 3 * hq)
+        )
+        self.o_proj = nn.Linear(hq * dv, hidden_size, bias=bias)
+        self.phi_k: CompressMLP | None = None
+        self.phi_v: CompressMLP | None = None
+        if config.phi == "mlp":
+            self.phi_k = CompressMLP(dk, config.cmp_block)
+            self.phi_v = CompressMLP(dv, config.cmp_block)
+
+    # ----------------------------------------------------------------------------- pieces
+
+    def branch_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> BranchInputs:
+        """Project x [B, T, hidden] at ``positions`` [T] into q, per-branch k/v and gates."""
+        cfg = self.config
+        batch, t, _ = x.shape
+        hq, h = cfg.num_q_heads, cfg.num_kv_heads
+        q = apply_rope(
+            self.q_proj(x).view(batch, t, hq, cfg.head_dim_qk), positions, cfg.rope_theta
+        )
+        k = {
+            b: apply_rope(
+                self.k_proj[b](x).view(batch, t, h, cfg.head_dim_qk), positions, cfg.rope_theta
+            )
+            for b in BRANCHES
+        }
+        v = {b: self.v_proj[b](x).view(batch, t, h, cfg.head_dim_v) for b in BRANCHES}
+        gates = torch.sigmoid(self.gate(x)).view(batch, t, hq, 3)
+        return BranchInputs(q=q, k=k, v=v, gates=gates)
+
+    def compress_kv(
+        self, k_raw: torch.Tensor, v_raw: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """phi over every complete block: raw [B, T, H, d] -> k_cmp [B, N, H, dk], v_cmp [B, N, H, dv]."""
+        cfg = self.config
+        k_cmp = compress(k_raw, cfg.cmp_block, cfg.cmp_stride, self.phi_k, cu_seqlens=cu_seqlens)
+        v_cmp = compress(v_raw, cfg.cmp_block, cfg.cmp_stride, self.phi_v, cu_seqlens=cu_seqlens)
+        return k_cmp, v_cmp
+
+    def _context(self, q: torch.Tensor, seq_len: int, varlen: bool) -> OpContext:
+        cfg = self.config
+        return OpContext(
+            device=q.device,
+            dtype=q.dtype,
+            seq_len=seq_len,
+            num_q_heads=cfg.num_q_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim_qk=cfg.head_dim_qk,
+            head_dim_v=cfg.head_dim_v,
+            requires_grad=torch.is_grad_enabled() and q.requires_grad,
+            varlen=varlen,
+        )
+
+    def branch_outputs(
+        self,
+        q: torch.Tensor,
+        k_cmp: torch.Tensor,
+        v_cmp: torch.Tensor,
+        k_slc: torch.Tensor,
+        v_slc: torch.Tensor,
+        k_win: torch.Tensor,
+        v_win: torch.Tensor,
+        *,
+        q_start: int = 0,
+        win_start: int | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """o_cmp, o_slc, o_win [B, Tq, HQ, dv] and the block indices [B, Tq, H, n] used.
+
+        q [B, Tq, HQ, dk] at positions ``q_start + r``; k_slc/v_slc hold every token from 0;
+        k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
+        """
+        cfg = self.config
+        scale = cfg.softmax_scale
+        varlen = cu_seqlens is not None
+        ctx = self._context(q, k_slc.shape[1], varlen)
+        indices, _ = select_blocks(
+            q.detach(),
+            k_cmp.detach(),
+            cfg.cmp_block,
+            cfg.cmp_stride,
+            cfg.sel_block,
+            cfg.num_selected,
+            scale,
+            q_start=q_start,
+            cu_seqlens=cu_seqlens,
+        )
+        o_cmp = resolve("compressed_attention", ctx).backend.fn(
+            q,
+            k_cmp,
+            v_cmp,
+            cfg.cmp_block,
+            cfg.cmp_stride,
+            scale,
+            q_start=q_start,
+            cu_seqlens=cu_seqlens,
+        )
+        o_slc = resolve("selected_attention", ctx).backend.fn(
+            q, k_slc, v_slc, indices, cfg.sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+        )
+        o_win = resolve("sliding_attention", ctx).backend.fn(
+            q,
+            k_win,
+            v_win,
+            cfg.window,
+            scale,
+            q_start=q_start if win_start is None else win_start,
+            cu_seqlens=cu_seqlens,
+        )
+        return o_cmp, o_slc, o_win, indices
+
+    # ----------------------------------------------------------------------------- entry points
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        check_rank("x", x, 3, "[B, T, hidden]")
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x {shape(x)} must end in hidden_size={self.hidden_size}")
+        w = self.q_proj.weight
+        if x.dtype != w.dtype:
+            raise TypeError(f"x dtype {x.dtype} differs from the layer's {w.dtype}")
+        if x.device != w.device:
+            raise ValueError(f"x is on {x.device} but the layer is on {w.device}")
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal NSA over x [B, T, hidden] (or packed sequences with cu_seqlens, B == 1)."""
+        self._check_x(x)
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
+        positions = positions_of(x.shape[1], cu_seqlens, x.device)
+        inp = self.branch_inputs(x, positions)
+        k_cmp, v_cmp = self.compress_kv(inp.k["cmp"], inp.v["cmp"], cu_seqlens)
+        o_cmp, o_slc, o_win, _ = self.branch_outputs(
+            inp.q,
+            k_cmp,
+            v_cmp,
+            inp.k["slc"],
+            inp.v["slc"],
+            inp.k["win"],
+            inp.v["win"],
+            cu_seqlens=cu_seqlens,
+        )
+        o = gated_combine(o_cmp, o_slc, o_win, inp.gates)
+        return self.o_proj(o.flatten(2))
+
+    def prefill(self, x: torch.Tensor, capacity: int = 0) -> tuple[torch.Tensor, NSACache]:
+        """forward(x) and a cache holding exactly what len(x) decode steps would leave."""
+        self._check_x(x)
+        batch, t, _ = x.shape
+        cfg = self.config
+        positions = torch.arange(t, device=x.device)
+        inp = self.branch_inputs(x, positions)
+        k_cmp, v_cmp = self.compress_kv(inp.k["cmp"], inp.v["cmp"])
+        o_cmp, o_slc, o_win, _ = self.branch_outputs(
+            inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"]
+        )
+        y = self.o_proj(gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
+        cache = NSACache.empty(
+            cfg, batch, capacity=max(capacity, t), device=x.device, dtype=x.dtype
+        )
+        with torch.no_grad():
+            cache.append_tokens(
+                inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
+            )
+            cache.append_blocks(k_cmp, v_cmp, consumed=k_cmp.shape[1] * cfg.cmp_stride)
+        return y, cache
+
+    def decode(self, x: torch.Tensor, cache: NSACache) -> tuple[torch.Tensor, DecodeStats]:
+        """One step: x [B, 1, hidden] is the token at position ``cache.length``; advances cache."""
+        self._check_x(x)
+        if x.shape[1] != 1:
+            raise ValueError(f"decode takes one token per sequence, x {shape(x)}")
+        if cache.config != self.config or cache.k_slc.shape[0] != x.shape[0]:
+            raise ValueError("cache was built for another layer config or batch size")
+        cfg = self.config
+        t = cache.length
+        inp = self.branch_inputs(x, torch.tensor([t], device=x.device))
+        cache.append_tokens(
+            inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
+        )
+        if num_cmp_blocks(t + 1, cfg.cmp_block, cfg.cmp_stride) > cache.num_cmp:
+            # The token at i*d + l - 1 completes block i: the first l raw tokens.
+            k_blk, v_blk = self.compress_kv(
+                cache.k_raw[:, : cfg.cmp_block], cache.v_raw[:, : cfg.cmp_block]
+            )
+            cache.append_blocks(k_blk, v_blk, consumed=cfg.cmp_stride)
+        o_cmp, o_slc, o_win, indices = self.branch_outputs(
+            inp.q,
+            cache.k_cmp,
+            cache.v_cmp,
+            cache.k_slc,
+            cache.v_slc,
+            cache.k_win,
+            cache.v_win,
+            q_start=t,
+            win_start=cache.k_win.shape[1] - 1,
+        )
+        y = self.o_proj(gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
+        stats = DecodeStats(
+            position=t,
+            reads_cmp=torch.full_like(indices[:, 0, :, 0], cache.num_cmp),
+            reads_slc=gathered_tokens(indices[:, 0], t, cfg.sel_block),
+            reads_win=torch.full_like(indices[:, 0, :, 0], cache.k_win.shape[1]),
+            reads_expected=expected_reads(t, cfg),
+        )
+        return y, stats
+
+
+def gathered_tokens(block_indices: torch.Tensor, position: int, sel_block: int) -> torch.Tensor:
+    """[B, H] tokens the selected branch reads: sum over distinct valid j of |block j ∩ [0, t]|."""
+    idx = block_indices.to(torch.int64).sort(dim=-1).values
+    distinct = torch.ones_like(idx, dtype=torch.bool)
+    distinct[..., 1:] = idx[..., 1:] != idx[..., :-1]
+    start = idx * sel_block
+    size = (torch.clamp(start + sel_block, max=position + 1) - start).clamp_min(0)
+    return torch.where((idx >= 0) & distinct, size, torch.zeros_like(size)).sum(-1).to(torch.int32)

@@ -1,0 +1,49 @@
+"""Block arithmetic of NSA-SPEC.md: compressed blocks, selection blocks and their overlap."""
+
+from __future__ import annotations
+
+import torch
+
+
+def num_cmp_blocks(length: int, cmp_block: int, cmp_stride: int) -> int:
+    """N_cmp(L): complete compressed blocks ``[i*d, i*d + l)`` inside a prefix of ``length`` tokens."""
+    return 0 if length < cmp_block else (length - cmp_block) // cmp_stride + 1
+
+
+def num_sel_blocks(length: int, sel_block: int) -> int:
+    """Selection blocks ``[j*l', (j+1)*l')`` that hold at least one of ``length`` tokens."""
+    return -(-length // sel_block)
+
+
+def cmp_block_overlap(
+    num_cmp: int,
+    num_sel: int,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """c [num_cmp, num_sel]: ``|[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d`` (paper Eq. 9, aligned to overlap).
+
+    For l=32, d=16, l'=64 selection block j takes compressed blocks 4j-1 .. 4j+3 with weights 1,2,2,2,1.
+    """
+    i = torch.arange(num_cmp, device=device).unsqueeze(1)
+    j = torch.arange(num_sel, device=device).unsqueeze(0)
+    lo = torch.maximum(i * cmp_stride, j * sel_block)
+    hi = torch.minimum(i * cmp_stride + cmp_block, (j + 1) * sel_block)
+    return (hi - lo).clamp_min(0).to(dtype) / cmp_stride
+
+
+def cmp_cu_seqlens(cu_seqlens: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:
+    """cu_seqlens [S+1] over tokens -> [S+1] over the compressed blocks of each sequence (packed)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    counts = torch.where(
+        lengths < cmp_block,
+        torch.zeros_like(lengths),
+        torch.div(lengths - cmp_block, cmp_stride, rounding_mode="floor") + 1,
+    )
+    out = torch.zeros_like(cu_seqlens)
+    out[1:] = torch.cumsum(counts, 0).to(cu_seqlens.dtype)
+    return out

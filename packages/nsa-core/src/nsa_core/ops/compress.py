@@ -1,0 +1,93 @@
+"""Compression phi: one key (or value) per block of l tokens taken every d tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nsa_core.blocks import num_cmp_blocks
+from nsa_core.ops._common import check_cu_seqlens, check_rank, shape, spans
+
+
+def split_blocks(x: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:
+    """x [B, T, H, D] -> blocks [B, N, l, H, D], block i = tokens [i*d, i*d + l), N = N_cmp(T)."""
+    check_rank("x", x, 4, "[B, T, H, D]")
+    if cmp_block < 1 or cmp_stride < 1 or cmp_block % cmp_stride != 0:
+        raise ValueError(
+            f"cmp_stride ({cmp_stride}) must be >= 1 and divide cmp_block ({cmp_block})"
+        )
+    batch, t, h, d = x.shape
+    n = num_cmp_blocks(t, cmp_block, cmp_stride)
+    if n == 0:
+        return x.new_zeros(batch, 0, cmp_block, h, d)
+    # unfold gives [B, N, H, D, l]; blocks overlap when l > d, so this is a strided view.
+    return x.unfold(1, cmp_block, cmp_stride).permute(0, 1, 4, 2, 3)
+
+
+def compress_avg(blocks: torch.Tensor) -> torch.Tensor:
+    """phi = mean over the block: blocks [B, N, l, H, D] -> [B, N, H, D]."""
+    check_rank("blocks", blocks, 5, "[B, N, l, H, D]")
+    return blocks.mean(dim=2)
+
+
+class CompressMLP(nn.Module):
+    """Learned phi: blocks [B, N, l, H, D] -> [B, N, H, D], weights shared by all heads.
+
+    Adds a learned intra-block position embedding ``pos [l, D]``, flattens a block to ``l*D``
+    (token-major: element ``p*D + c`` is token p, channel c) and applies
+    ``fc2(GELU(fc1(.)))`` with hidden width D (NSA-SPEC.md's choice).
+    """
+
+    def __init__(self, head_dim: int, cmp_block: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.cmp_block = cmp_block
+        self.pos = nn.Parameter(torch.zeros(cmp_block, head_dim))
+        self.fc1 = nn.Linear(cmp_block * head_dim, head_dim)
+        self.fc2 = nn.Linear(head_dim, head_dim)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, blocks: torch.Tensor) -> torch.Tensor:
+        check_rank("blocks", blocks, 5, "[B, N, l, H, D]")
+        if blocks.shape[2] != self.cmp_block or blocks.shape[4] != self.head_dim:
+            raise ValueError(
+                f"blocks {shape(blocks)} must be [B, N, l={self.cmp_block}, H, D={self.head_dim}]"
+            )
+        x = blocks + self.pos[:, None, :]
+        x = x.permute(0, 1, 3, 2, 4).flatten(3)  # [B, N, H, l*D]
+        return self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+Phi = nn.Module
+
+
+def compress(
+    x: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    phi: nn.Module | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Compressed keys or values of a whole prefix.
+
+    Args:
+        x: [B, T, H, D] raw (rotated) keys or values of the compressed branch.
+        cmp_block, cmp_stride: l and d.
+        phi: a module mapping blocks [B, N, l, H, D] -> [B, N, H, D]; None means the mean.
+        cu_seqlens: int32 [S+1] for packed sequences (B == 1); the blocks of each sequence are
+            packed in order, ``nsa_core.blocks.cmp_cu_seqlens`` gives their offsets.
+
+    Returns:
+        [B, N, H, D] with N = N_cmp(T) (or the sum of N_cmp(L_s) when varlen).
+    """
+    check_rank("x", x, 4, "[B, T, H, D]")
+
+    def one(part: torch.Tensor) -> torch.Tensor:
+        blocks = split_blocks(part, cmp_block, cmp_stride)
+        return compress_avg(blocks) if phi is None else phi(blocks)
+
+    if cu_seqlens is None:
+        return one(x)
+    check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
+    return torch.cat([one(x[:, s:e]) for s, e in spans(cu_seqlens)], dim=1)

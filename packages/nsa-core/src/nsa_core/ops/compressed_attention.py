@@ -1,0 +1,130 @@
+"""Compressed branch: each query attends to the compressed blocks that end at or before it."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
+from nsa_core.ops._common import (
+    check_attention_args,
+    check_cu_seqlens,
+    compute_dtype,
+    masked_softmax,
+    query_chunk,
+    spans,
+)
+
+
+def cmp_visible(
+    positions: torch.Tensor, num_cmp: int, cmp_block: int, cmp_stride: int
+) -> torch.Tensor:
+    """[len(positions), num_cmp] bool: query at t sees block i iff ``i*d + l - 1 <= t``."""
+    last = torch.arange(num_cmp, device=positions.device) * cmp_stride + cmp_block - 1
+    return last.unsqueeze(0) <= positions.unsqueeze(1)
+
+
+def cmp_probs(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float,
+    q_start: int,
+) -> torch.Tensor:
+    """p_cmp [B, H, Tq, G, N]: softmax over the visible compressed keys, in the compute dtype.
+
+    Rows that see no block are all zero. Callers chunk over queries to bound memory.
+    """
+    batch, tq, hq, dk = q.shape
+    n, h = k_cmp.shape[1], k_cmp.shape[2]
+    dtype = compute_dtype(q.dtype)
+    qg = q.to(dtype).view(batch, tq, h, hq // h, dk).permute(0, 2, 1, 3, 4)
+    kc = k_cmp.to(dtype).permute(0, 2, 1, 3)  # [B, H, N, dk]
+    scores = torch.einsum("bhtgd,bhnd->bhtgn", qg, kc) * scale
+    positions = torch.arange(q_start, q_start + tq, device=q.device)
+    visible = cmp_visible(positions, n, cmp_block, cmp_stride)  # [Tq, N]
+    return masked_softmax(scores, visible[None, None, :, None, :])
+
+
+def compressed_attention(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """o_cmp = sum_i p_cmp[i] * v_cmp[i] over the blocks visible to each query.
+
+    Args:
+        q: [B, Tq, HQ, dk]; row r sits at position ``q_start + r``.
+        k_cmp: [B, N, H, dk], v_cmp: [B, N, H, dv]; block i covers tokens [i*d, i*d + l).
+        cmp_block, cmp_stride: l and d.
+        scale: softmax scale, default dk ** -0.5.
+        q_start: position of q[:, 0].
+        cu_seqlens: int32 [S+1] over tokens for packed sequences (B == 1, q_start == 0);
+            k_cmp/v_cmp are packed per sequence as ``nsa_core.blocks.cmp_cu_seqlens`` says.
+
+    Returns:
+        o [B, Tq, HQ, dv] in q's dtype; zero for rows that see no block.
+    """
+    batch, tq, hq, h, dk, dv = check_attention_args(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp")
+    if cmp_block < 1 or cmp_stride < 1 or cmp_block % cmp_stride != 0:
+        raise ValueError(
+            f"cmp_stride ({cmp_stride}) must be >= 1 and divide cmp_block ({cmp_block})"
+        )
+    scale = dk**-0.5 if scale is None else scale
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
+        if q_start != 0:
+            raise ValueError("varlen compressed_attention needs q_start == 0")
+        cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+        if int(cmp_cu[-1]) != k_cmp.shape[1]:
+            raise ValueError(
+                f"k_cmp holds {k_cmp.shape[1]} blocks but cu_seqlens {cu_seqlens.tolist()} "
+                f"implies {int(cmp_cu[-1])} (l={cmp_block}, d={cmp_stride})"
+            )
+        outs = [
+            _compressed_dense(
+                q[:, s:e], k_cmp[:, cs:ce], v_cmp[:, cs:ce], cmp_block, cmp_stride, scale, 0
+            )
+            for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu))
+        ]
+        return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
+    if q_start < 0:
+        raise ValueError(f"q_start must be >= 0, got {q_start}")
+    needed = num_cmp_blocks(q_start + tq, cmp_block, cmp_stride)
+    if k_cmp.shape[1] < needed:
+        raise ValueError(
+            f"queries up to position {q_start + tq - 1} see {needed} compressed blocks, "
+            f"but k_cmp holds {k_cmp.shape[1]}"
+        )
+    return _compressed_dense(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start)
+
+
+def _compressed_dense(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float,
+    q_start: int,
+) -> torch.Tensor:
+    batch, tq, hq, _ = q.shape
+    n, h, dv = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
+    if tq == 0 or n == 0:
+        return q.new_zeros(batch, tq, hq, dv)
+    dtype = compute_dtype(q.dtype)
+    vc = v_cmp.to(dtype).permute(0, 2, 1, 3)  # [B, H, N, dv]
+    chunk = query_chunk(hq * n)
+    outs = []
+    for c0 in range(0, tq, chunk):
+        c1 = min(tq, c0 + chunk)
+        p = cmp_probs(q[:, c0:c1], k_cmp, cmp_block, cmp_stride, scale, q_start + c0)
+        o = torch.einsum("bhtgn,bhnd->bhtgd", p, vc)
+        outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
+    return torch.cat(outs, dim=1).to(q.dtype)

@@ -1,0 +1,162 @@
+"""Block scoring (paper Eq. 8-10) and top-n selection with the forced initial and local blocks."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_core.blocks import cmp_block_overlap, cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
+from nsa_core.ops._common import (
+    check_attention_args,
+    check_cu_seqlens,
+    check_rank,
+    query_chunk,
+    spans,
+)
+from nsa_core.ops.compressed_attention import cmp_probs
+
+
+def block_scores(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+) -> torch.Tensor:
+    """S [B, Tq, H, Nsel]: group-summed selection scores, Nsel = ceil((q_start + Tq) / l').
+
+    ``s[t, h, j] = sum_i c[i, j] * p_cmp[t, h, i]`` with c the overlap of compressed block i with
+    selection block j in units of d, then ``S[t, g, j] = sum of s over the G heads of group g``.
+    Computed in float32 (float64 for float64 inputs) without gradient: selection is discrete.
+
+    Args:
+        q: [B, Tq, HQ, dk]; k_cmp: [B, N, H, dk] compressed keys.
+    """
+    check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
+    batch, tq, hq, dk = q.shape
+    n_cmp, h = k_cmp.shape[1], k_cmp.shape[2]
+    scale = dk**-0.5 if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n_sel = num_sel_blocks(q_start + tq, sel_block)
+    with torch.no_grad():
+        overlap = cmp_block_overlap(
+            n_cmp, n_sel, cmp_block, cmp_stride, sel_block, device=q.device, dtype=dtype
+        )
+        chunk = query_chunk(hq * (n_cmp + n_sel))
+        outs = []
+        for c0 in range(0, tq, chunk):
+            c1 = min(tq, c0 + chunk)
+            p = cmp_probs(
+                q[:, c0:c1].to(dtype), k_cmp.to(dtype), cmp_block, cmp_stride, scale, q_start + c0
+            )  # [B, H, C, G, N]
+            s = p.sum(dim=3) @ overlap  # group sum commutes with the linear map c
+            outs.append(s.permute(0, 2, 1, 3))
+        if not outs:
+            return q.new_zeros(batch, 0, h, n_sel, dtype=dtype)
+        return torch.cat(outs, dim=1)
+
+
+def topn_blocks(
+    scores: torch.Tensor, num_selected: int, sel_block: int, *, q_start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Choose n blocks per (b, t, group): the forced ones, then the best scores.
+
+    Block j is valid for the query at t iff ``j*l' <= t``. Forced: the valid members of
+    {0, t // l', t // l' - 1}. The other slots go to the highest scores among valid, non-forced
+    blocks, ties to the lower j. Fewer than n valid blocks: all valid blocks.
+
+    Args:
+        scores: [B, Tq, H, Nsel] with Nsel >= ceil((q_start + Tq) / l').
+        num_selected: n.
+
+    Returns:
+        indices [B, Tq, H, n] int32, ascending, padded with -1 at the end; counts [B, Tq, H] int32.
+    """
+    check_rank("scores", scores, 4, "[B, T, H, Nsel]")
+    batch, tq, h, n_sel = scores.shape
+    if n_sel < num_sel_blocks(q_start + tq, sel_block):
+        raise ValueError(
+            f"scores {list(scores.shape)} hold {n_sel} blocks; queries up to position "
+            f"{q_start + tq - 1} need {num_sel_blocks(q_start + tq, sel_block)}"
+        )
+    t = torch.arange(q_start, q_start + tq, device=scores.device)
+    jt = torch.div(t, sel_block, rounding_mode="floor").unsqueeze(1)  # [Tq, 1]
+    j = torch.arange(n_sel, device=scores.device).unsqueeze(0)  # [1, Nsel]
+    valid = (j <= jt).unsqueeze(1)  # [Tq, 1, Nsel], broadcast over heads
+    forced = valid & ((j == 0) | (j == jt) | (j == jt - 1)).unsqueeze(1)
+    inf = torch.tensor(float("inf"), dtype=scores.dtype, device=scores.device)
+    key = torch.where(forced, inf, torch.where(valid, scores, -inf))
+    # A stable descending sort keeps equal scores in ascending j: the tie rule.
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    take = min(num_selected, n_sel)
+    top = order[..., :take]
+    chosen = valid.expand(batch, tq, h, n_sel).gather(-1, top)
+    top = torch.where(chosen, top, torch.full_like(top, n_sel)).sort(dim=-1).values
+    top = torch.where(top == n_sel, torch.full_like(top, -1), top)
+    if take < num_selected:
+        top = torch.nn.functional.pad(top, (0, num_selected - take), value=-1)
+    return top.to(torch.int32), chosen.sum(dim=-1).to(torch.int32)
+
+
+def select_blocks(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    num_selected: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score the selection blocks and pick n per query and group (chunked over queries).
+
+    Args:
+        q: [B, Tq, HQ, dk]; row r at position q_start + r.
+        k_cmp: [B, N, H, dk] compressed keys (packed per sequence when varlen).
+        cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0); indices are local
+            to each sequence.
+
+    Returns:
+        indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H] int32.
+    """
+    check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
+    batch, tq, hq, _ = q.shape
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
+        if q_start != 0:
+            raise ValueError("varlen select_blocks needs q_start == 0")
+        cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+        parts = [
+            select_blocks(
+                q[:, s:e], k_cmp[:, cs:ce], cmp_block, cmp_stride, sel_block, num_selected, scale
+            )
+            for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu))
+        ]
+        h = k_cmp.shape[2]
+        if not parts:
+            empty = torch.zeros(batch, 0, h, dtype=torch.int32, device=q.device)
+            return empty.unsqueeze(-1).expand(batch, 0, h, num_selected), empty
+        return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+    needed = num_cmp_blocks(q_start + tq, cmp_block, cmp_stride)
+    if k_cmp.shape[1] < needed:
+        raise ValueError(
+            f"queries up to position {q_start + tq - 1} see {needed} compressed blocks, "
+            f"but k_cmp holds {k_cmp.shape[1]}"
+        )
+    n_sel = num_sel_blocks(q_start + tq, sel_block)
+    chunk = query_chunk(hq * (k_cmp.shape[1] + n_sel) + 2 * n_sel)
+    indices, counts = [], []
+    for c0 in range(0, max(tq, 1), chunk):
+        c1 = min(tq, c0 + chunk)
+        s = block_scores(
+            q[:, c0:c1], k_cmp, cmp_block, cmp_stride, sel_block, scale, q_start=q_start + c0
+        )
+        s = torch.nn.functional.pad(s, (0, n_sel - s.shape[-1]))
+        i, c = topn_blocks(s, num_selected, sel_block, q_start=q_start + c0)
+        indices.append(i)
+        counts.append(c)
+    return torch.cat(indices, 1), torch.cat(counts, 1)

@@ -1,0 +1,82 @@
+"""Sliding branch: each query attends to the last w tokens, itself included."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_core.ops._common import (
+    check_attention_args,
+    check_cu_seqlens,
+    check_q_start,
+    compute_dtype,
+    masked_softmax,
+    query_chunk,
+    spans,
+)
+
+
+def sliding_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Query at t attends to tokens [max(0, t - w + 1), t].
+
+    Args:
+        q: [B, Tq, HQ, dk]; row r sits at position q_start + r.
+        k: [B, Tk, H, dk], v: [B, Tk, H, dv], the sliding branch's keys and values.
+        window: w >= 1.
+        scale: softmax scale, default dk ** -0.5.
+        cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0).
+
+    Returns:
+        o [B, Tq, HQ, dv] in q's dtype.
+    """
+    batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    scale = dk**-0.5 if scale is None else scale
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
+        if q_start != 0 or k.shape[1] != tq:
+            raise ValueError("varlen sliding_attention needs q_start == 0 and k with q's tokens")
+        outs = [
+            _sliding_dense(q[:, s:e], k[:, s:e], v[:, s:e], window, scale, 0)
+            for s, e in spans(cu_seqlens)
+        ]
+        return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
+    check_q_start(q_start, tq, k.shape[1])
+    return _sliding_dense(q, k, v, window, scale, q_start)
+
+
+def _sliding_dense(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, q_start: int
+) -> torch.Tensor:
+    batch, tq, hq, dk = q.shape
+    h, dv = k.shape[2], v.shape[3]
+    g = hq // h
+    if tq == 0:
+        return q.new_zeros(batch, 0, hq, dv)
+    dtype = compute_dtype(q.dtype)
+    chunk = max(1, min(window, query_chunk(hq * 2 * window)))
+    outs = []
+    for c0 in range(0, tq, chunk):
+        c1 = min(tq, c0 + chunk)
+        t0, t1 = q_start + c0, q_start + c1  # query positions [t0, t1)
+        k0 = max(0, t0 - window + 1)  # keys [k0, t1) cover every window in the chunk
+        kc = k[:, k0:t1].to(dtype).permute(0, 2, 1, 3)  # [B, H, K, dk]
+        vc = v[:, k0:t1].to(dtype).permute(0, 2, 1, 3)
+        qc = q[:, c0:c1].to(dtype).view(batch, c1 - c0, h, g, dk).permute(0, 2, 1, 3, 4)
+        scores = torch.einsum("bhtgd,bhkd->bhtgk", qc, kc) * scale
+        t = torch.arange(t0, t1, device=q.device).unsqueeze(1)
+        p = torch.arange(k0, t1, device=q.device).unsqueeze(0)
+        visible = (p <= t) & (p > t - window)  # [C, K]
+        probs = masked_softmax(scores, visible[None, None, :, None, :])
+        o = torch.einsum("bhtgk,bhkd->bhtgd", probs, vc)
+        outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
+    return torch.cat(outs, dim=1).to(q.dtype)
