@@ -126,7 +126,10 @@ class NSAAttention(nn.Module):
     def compress_kv(
         self, k_raw: torch.Tensor, v_raw: torch.Tensor, cu_seqlens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """phi over every complete block: raw [B, T, H, d] -> k_cmp [B, N, H, dk], v_cmp [B, N, H, dv]."""
+        """phi over every complete block.
+
+        k_raw [B, T, H, dk], v_raw [B, T, H, dv] -> k_cmp [B, N, H, dk], v_cmp [B, N, H, dv].
+        """
         cfg = self.config
         k_cmp = compress(k_raw, cfg.cmp_block, cfg.cmp_stride, self.phi_k, cu_seqlens=cu_seqlens)
         v_cmp = compress(v_raw, cfg.cmp_block, cfg.cmp_stride, self.phi_v, cu_seqlens=cu_seqlens)
@@ -235,7 +238,8 @@ class NSAAttention(nn.Module):
             cu_seqlens=cu_seqlens,
         )
         o = gated_combine(o_cmp, o_slc, o_win, inp.gates)
-        return self.o_proj(o.flatten(2))
+        y: torch.Tensor = self.o_proj(o.flatten(2))
+        return y
 
     def prefill(self, x: torch.Tensor, capacity: int = 0) -> tuple[torch.Tensor, NSACache]:
         """forward(x) and a cache holding exactly what len(x) decode steps would leave."""

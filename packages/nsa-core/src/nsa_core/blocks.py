@@ -6,7 +6,7 @@ import torch
 
 
 def num_cmp_blocks(length: int, cmp_block: int, cmp_stride: int) -> int:
-    """N_cmp(L): complete compressed blocks ``[i*d, i*d + l)`` inside a prefix of ``length`` tokens."""
+    """N_cmp(L): complete blocks ``[i*d, i*d + l)`` inside a prefix of ``length`` tokens."""
     return 0 if length < cmp_block else (length - cmp_block) // cmp_stride + 1
 
 
@@ -25,9 +25,10 @@ def cmp_block_overlap(
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """c [num_cmp, num_sel]: ``|[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d`` (paper Eq. 9, aligned to overlap).
+    """c [num_cmp, num_sel] = ``|[i*d, i*d+l) ∩ [j*l', (j+1)*l')| / d`` (paper Eq. 9 by overlap).
 
-    For l=32, d=16, l'=64 selection block j takes compressed blocks 4j-1 .. 4j+3 with weights 1,2,2,2,1.
+    For l=32, d=16, l'=64, selection block j takes compressed blocks 4j-1 .. 4j+3 with weights
+    1, 2, 2, 2, 1.
     """
     i = torch.arange(num_cmp, device=device).unsqueeze(1)
     j = torch.arange(num_sel, device=device).unsqueeze(0)
@@ -37,7 +38,7 @@ def cmp_block_overlap(
 
 
 def cmp_cu_seqlens(cu_seqlens: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:
-    """cu_seqlens [S+1] over tokens -> [S+1] over the compressed blocks of each sequence (packed)."""
+    """cu_seqlens [S+1] over tokens -> [S+1] over each sequence's compressed blocks, packed."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
     counts = torch.where(
         lengths < cmp_block,

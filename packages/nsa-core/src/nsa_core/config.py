@@ -80,7 +80,8 @@ class NSAConfig:
             raise ValueError(f"NSAConfig.phi must be 'avg' or 'mlp', got {self.phi!r}")
         if self.head_dim_qk % 2 != 0:
             raise ValueError(
-                f"NSAConfig.head_dim_qk must be even for the rotary embedding, got {self.head_dim_qk}"
+                "NSAConfig.head_dim_qk must be even for the rotary embedding, "
+                f"got {self.head_dim_qk}"
             )
         if self.scale is not None and not self.scale > 0:
             raise ValueError(f"NSAConfig.scale must be positive, got {self.scale}")

@@ -10,7 +10,7 @@ from nsa_core.ops._common import check_rank
 def rope_angles(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., head_dim / 2] for integer ``positions`` [...]; frequency i is theta^(-2i/D)."""
+    """cos, sin [..., D/2] for integer ``positions`` [...]; frequency i is theta^(-2i/D)."""
     if head_dim % 2 != 0:
         raise ValueError(f"rotary head_dim must be even, got {head_dim}")
     work = torch.float64 if dtype == torch.float64 else torch.float32

@@ -5,11 +5,11 @@ naming the toggle. Other modules call :func:`get_toggles` and never read ``os.en
 
 | toggle | type | default | meaning |
 |---|---|---|---|
-| NSA_USE_TRITON_SEL | bool | 1 | allow the Triton selected-attention backend where the device policy allows it |
-| NSA_TRITON_SEL_FORCE | bool | 0 | use Triton selection even where the device policy says fall back (tests) |
+| NSA_USE_TRITON_SEL | bool | 1 | Triton selected attention where the device policy allows it |
+| NSA_TRITON_SEL_FORCE | bool | 0 | Triton selection even where the device policy falls back |
 | NSA_SEL_TRITON_ALLOW_GRAD | bool | 1 | allow the Triton backend when gradients are required |
 | NSA_SEL_TRITON_MIN_L | int | 0 | shortest sequence (tokens) routed to Triton selection |
-| NSA_SEL_TRITON_GROUP | bool | 1 | group-centric kernels (one program serves all G heads of a kv head) |
+| NSA_SEL_TRITON_GROUP | bool | 1 | group-centric kernels (a program serves a kv head's G heads) |
 | NSA_SEL_TRITON_BLOCK_D | int | 0 | Triton tile over dk; 0 = the kernel's own choice |
 | NSA_SEL_TRITON_BLOCK_L | int | 0 | Triton tile over keys; 0 = the kernel's own choice |
 | NSA_SEL_TRITON_BLOCK_DV | int | 0 | Triton tile over dv; 0 = the kernel's own choice |

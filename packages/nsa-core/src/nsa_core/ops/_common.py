@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 # Upper bound on the elements of the largest intermediate one query chunk may create; it keeps
@@ -28,7 +30,7 @@ def check_attention_args(
     k_name: str = "k",
     v_name: str = "v",
 ) -> tuple[int, int, int, int, int, int]:
-    """Check q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; return (B, Tq, HQ, H, dk, dv)."""
+    """Check q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; -> (B, Tq, HQ, H, dk, dv)."""
     check_rank("q", q, 4, "[B, T, HQ, dk]")
     check_rank(k_name, k, 4, "[B, T, H, dk]")
     check_rank(v_name, v, 4, "[B, T, H, dv]")
@@ -84,7 +86,7 @@ def check_cu_seqlens(
     values = cu_seqlens.tolist()
     if values[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
-    if any(b < a for a, b in zip(values, values[1:])):
+    if any(b < a for a, b in itertools.pairwise(values)):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
     if values[-1] != total:
         raise ValueError(f"cu_seqlens must end at T={total}, got {values[-1]}")
@@ -93,7 +95,7 @@ def check_cu_seqlens(
 def spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """[(start, end)] of each packed sequence."""
     values = [int(x) for x in cu_seqlens.tolist()]
-    return list(zip(values[:-1], values[1:]))
+    return list(itertools.pairwise(values))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -55,7 +55,8 @@ class CompressMLP(nn.Module):
             )
         x = blocks + self.pos[:, None, :]
         x = x.permute(0, 1, 3, 2, 4).flatten(3)  # [B, N, H, l*D]
-        return self.fc2(nn.functional.gelu(self.fc1(x)))
+        out: torch.Tensor = self.fc2(nn.functional.gelu(self.fc1(x)))
+        return out
 
 
 Phi = nn.Module

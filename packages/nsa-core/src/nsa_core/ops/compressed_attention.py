@@ -71,7 +71,7 @@ def compressed_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype; zero for rows that see no block.
     """
-    batch, tq, hq, h, dk, dv = check_attention_args(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp")
+    batch, tq, hq, _, dk, dv = check_attention_args(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp")
     if cmp_block < 1 or cmp_stride < 1 or cmp_block % cmp_stride != 0:
         raise ValueError(
             f"cmp_stride ({cmp_stride}) must be >= 1 and divide cmp_block ({cmp_block})"
@@ -91,7 +91,7 @@ def compressed_attention(
             _compressed_dense(
                 q[:, s:e], k_cmp[:, cs:ce], v_cmp[:, cs:ce], cmp_block, cmp_stride, scale, 0
             )
-            for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu))
+            for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu), strict=True)
         ]
         return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
     if q_start < 0:
@@ -115,7 +115,7 @@ def _compressed_dense(
     q_start: int,
 ) -> torch.Tensor:
     batch, tq, hq, _ = q.shape
-    n, h, dv = k_cmp.shape[1], k_cmp.shape[2], v_cmp.shape[3]
+    n, dv = k_cmp.shape[1], v_cmp.shape[3]
     if tq == 0 or n == 0:
         return q.new_zeros(batch, tq, hq, dv)
     dtype = compute_dtype(q.dtype)

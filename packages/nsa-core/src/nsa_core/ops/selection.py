@@ -134,7 +134,7 @@ def select_blocks(
             select_blocks(
                 q[:, s:e], k_cmp[:, cs:ce], cmp_block, cmp_stride, sel_block, num_selected, scale
             )
-            for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu))
+            for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu), strict=True)
         ]
         h = k_cmp.shape[2]
         if not parts:

@@ -37,7 +37,7 @@ def sliding_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
+    batch, tq, hq, _, dk, dv = check_attention_args(q, k, v)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     scale = dk**-0.5 if scale is None else scale
