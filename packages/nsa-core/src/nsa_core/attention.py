@@ -13,6 +13,8 @@ from nsa_core.config import NSAConfig
 from nsa_core.ops._common import check_cu_seqlens, check_rank, shape
 from nsa_core.ops.combine import gated_combine
 from nsa_core.ops.compress import CompressMLP, compress
+from nsa_core.ops.compressed_attention import cmp_visible
+from nsa_core.ops.selected_attention import selected_visibility
 from nsa_core.ops.selection import select_blocks
 from nsa_core.reads import expected_reads
 from nsa_core.registry import OpContext, resolve
@@ -272,7 +274,8 @@ class NSAAttention(nn.Module):
             raise ValueError("cache was built for another layer config or batch size")
         cfg = self.config
         t = cache.length
-        inp = self.branch_inputs(x, torch.tensor([t], device=x.device))
+        positions = torch.tensor([t], device=x.device)
+        inp = self.branch_inputs(x, positions)
         cache.append_tokens(
             inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
         )
@@ -294,21 +297,14 @@ class NSAAttention(nn.Module):
             win_start=cache.k_win.shape[1] - 1,
         )
         y = self.o_proj(gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
+        # Count the keys each branch's softmax actually covered, from the masks the ops use.
+        slc = selected_visibility(indices, cfg.sel_block, t, t + 1)[:, 0].sum(-1)  # [B, H]
+        cmp = cmp_visible(positions, cache.num_cmp, cfg.cmp_block, cfg.cmp_stride).sum()
         stats = DecodeStats(
             position=t,
-            reads_cmp=torch.full_like(indices[:, 0, :, 0], cache.num_cmp),
-            reads_slc=gathered_tokens(indices[:, 0], t, cfg.sel_block),
-            reads_win=torch.full_like(indices[:, 0, :, 0], cache.k_win.shape[1]),
+            reads_cmp=torch.full_like(slc, int(cmp)),
+            reads_slc=slc,
+            reads_win=torch.full_like(slc, cache.k_win.shape[1]),
             reads_expected=expected_reads(t, cfg),
         )
         return y, stats
-
-
-def gathered_tokens(block_indices: torch.Tensor, position: int, sel_block: int) -> torch.Tensor:
-    """[B, H] tokens the selected branch reads: sum over distinct valid j of |block j ∩ [0, t]|."""
-    idx = block_indices.to(torch.int64).sort(dim=-1).values
-    distinct = torch.ones_like(idx, dtype=torch.bool)
-    distinct[..., 1:] = idx[..., 1:] != idx[..., :-1]
-    start = idx * sel_block
-    size = (torch.clamp(start + sel_block, max=position + 1) - start).clamp_min(0)
-    return torch.where((idx >= 0) & distinct, size, torch.zeros_like(size)).sum(-1).to(torch.int32)

@@ -95,6 +95,26 @@ def selected_attention(
     return _selected_dense(q, k, v, block_indices, sel_block, scale, q_start)
 
 
+def selected_visibility(
+    block_indices: torch.Tensor, sel_block: int, q_start: int, num_keys: int
+) -> torch.Tensor:
+    """visible [B, Tq, H, num_keys] bool: token p is visible to the query at ``q_start + r``.
+
+    p is visible iff its block ``p // sel_block`` is among the row's indices and ``p <= t``; -1
+    entries select nothing and repeated entries change nothing (a union of blocks).
+    """
+    batch, tq, h, _ = block_indices.shape
+    num_blocks = num_sel_blocks(num_keys, sel_block)
+    idx = block_indices.to(torch.int64)
+    # Scatter into one spare column so -1 lands somewhere harmless.
+    member = torch.zeros(batch, tq, h, num_blocks + 1, dtype=torch.bool, device=idx.device)
+    member.scatter_(-1, torch.where(idx < 0, num_blocks, idx), True)
+    token_member = member[..., :num_blocks].repeat_interleave(sel_block, dim=-1)[..., :num_keys]
+    t = torch.arange(q_start, q_start + tq, device=idx.device).view(1, tq, 1, 1)
+    p = torch.arange(num_keys, device=idx.device).view(1, 1, 1, num_keys)
+    return token_member & (p <= t)
+
+
 def _selected_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,42 +125,24 @@ def _selected_dense(
     q_start: int,
 ) -> torch.Tensor:
     batch, tq, hq, dk = q.shape
-    tk, h, dv = k.shape[1], k.shape[2], v.shape[3]
+    h, dv = k.shape[2], v.shape[3]
     g = hq // h
-    n = block_indices.shape[-1]
-    out = q.new_zeros(batch, tq, hq, dv)
-    if tq == 0 or tk == 0 or n == 0:
-        return out
+    if tq == 0 or block_indices.shape[-1] == 0:
+        return q.new_zeros(batch, tq, hq, dv)
     dtype = compute_dtype(q.dtype)
-    num_blocks = num_sel_blocks(tk, sel_block)
-    pad = num_blocks * sel_block - tk
-    # [B, H, num_blocks, l', d]: keys grouped by selection block, so one gather fetches a block.
-    kb = torch.nn.functional.pad(k.to(dtype), (0, 0, 0, 0, 0, pad))
-    vb = torch.nn.functional.pad(v.to(dtype), (0, 0, 0, 0, 0, pad))
-    kb = kb.view(batch, num_blocks, sel_block, h, dk).permute(0, 3, 1, 2, 4)
-    vb = vb.view(batch, num_blocks, sel_block, h, dv).permute(0, 3, 1, 2, 4)
-    offsets = torch.arange(sel_block, device=q.device)
-    b_idx = torch.arange(batch, device=q.device).view(batch, 1, 1, 1)
-    h_idx = torch.arange(h, device=q.device).view(1, h, 1, 1)
-
-    chunk = query_chunk(hq * n * sel_block + h * n * sel_block * (dk + dv))
+    # Dense scores against the causal prefix, masked to the selected blocks: no gather copies,
+    # memory O(chunk * T) per chunk, and the union of blocks falls out of the mask.
+    chunk = query_chunk(hq * (q_start + tq))
     outs = []
     for c0 in range(0, tq, chunk):
         c1 = min(tq, c0 + chunk)
-        idx = block_indices[:, c0:c1].to(torch.int64).sort(dim=-1).values  # [B, C, H, n]
-        repeated = torch.zeros_like(idx, dtype=torch.bool)
-        repeated[..., 1:] = idx[..., 1:] == idx[..., :-1]
-        live = (idx >= 0) & ~repeated
-        idx = idx.clamp_min(0).permute(0, 2, 1, 3)  # [B, H, C, n]
-        live = live.permute(0, 2, 1, 3)
-        kg = kb[b_idx, h_idx, idx]  # [B, H, C, n, l', dk]
-        vg = vb[b_idx, h_idx, idx]
-        pos = idx.unsqueeze(-1) * sel_block + offsets  # [B, H, C, n, l']
-        t = torch.arange(q_start + c0, q_start + c1, device=q.device).view(1, 1, -1, 1, 1)
-        visible = (live.unsqueeze(-1) & (pos <= t)).flatten(3)  # [B, H, C, n*l']
+        keys = q_start + c1  # the chunk's queries see no token past its last position
+        kc = k[:, :keys].to(dtype).permute(0, 2, 1, 3)  # [B, H, K, dk]
+        vc = v[:, :keys].to(dtype).permute(0, 2, 1, 3)
         qc = q[:, c0:c1].to(dtype).view(batch, c1 - c0, h, g, dk).permute(0, 2, 1, 3, 4)
-        scores = torch.einsum("bhcgd,bhckd->bhcgk", qc, kg.flatten(3, 4)) * scale
-        probs = masked_softmax(scores, visible.unsqueeze(3))
-        oc = torch.einsum("bhcgk,bhckd->bhcgd", probs, vg.flatten(3, 4))
-        outs.append(oc.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
+        visible = selected_visibility(block_indices[:, c0:c1], sel_block, q_start + c0, keys)
+        scores = torch.einsum("bhtgd,bhkd->bhtgk", qc, kc) * scale
+        probs = masked_softmax(scores, visible.permute(0, 2, 1, 3).unsqueeze(3))
+        o = torch.einsum("bhtgk,bhkd->bhtgd", probs, vc)
+        outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
     return torch.cat(outs, dim=1).to(q.dtype)
