@@ -12,7 +12,9 @@ import sys
 from collections.abc import Sequence
 
 # sub-command -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("nsa_bench.demo", "small NSA prefill + decode: routing and a reads table"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
