@@ -14,6 +14,8 @@ from collections.abc import Sequence
 # sub-command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("nsa_bench.demo", "small NSA prefill + decode: routing and a reads table"),
+    "decode": ("nsa_bench.decode_bench", "decode step per context length, whole and per branch"),
+    "summarize": ("nsa_bench.summarize", "per-branch shares and reads of a decode CSV"),
 }
 
 

@@ -274,7 +274,7 @@ class NSAAttention(nn.Module):
             raise ValueError("cache was built for another layer config or batch size")
         cfg = self.config
         t = cache.length
-        positions = torch.tensor([t], device=x.device)
+        positions = torch.arange(t, t + 1, device=x.device)  # no host copy: graph-capturable
         inp = self.branch_inputs(x, positions)
         cache.append_tokens(
             inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
@@ -299,10 +299,10 @@ class NSAAttention(nn.Module):
         y = self.o_proj(gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
         # Count the keys each branch's softmax actually covered, from the masks the ops use.
         slc = selected_visibility(indices, cfg.sel_block, t, t + 1)[:, 0].sum(-1)  # [B, H]
-        cmp = cmp_visible(positions, cache.num_cmp, cfg.cmp_block, cfg.cmp_stride).sum()
+        cmp = cmp_visible(positions, cache.num_cmp, cfg.cmp_block, cfg.cmp_stride).sum(-1)
         stats = DecodeStats(
             position=t,
-            reads_cmp=torch.full_like(slc, int(cmp)),
+            reads_cmp=cmp.expand_as(slc),
             reads_slc=slc,
             reads_win=torch.full_like(slc, cache.k_win.shape[1]),
             reads_expected=expected_reads(t, cfg),

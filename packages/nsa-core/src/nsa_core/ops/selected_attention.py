@@ -31,7 +31,10 @@ def check_block_indices(
         )
     if block_indices.device != device:
         raise ValueError(f"block_indices is on {block_indices.device} but q is on {device}")
-    if block_indices.numel():
+    # The range check reads the indices on the host; a CUDA graph capture cannot, so it is
+    # skipped there (the eager run before capture has checked the same shapes).
+    capturing = block_indices.is_cuda and torch.cuda.is_current_stream_capturing()
+    if block_indices.numel() and not capturing:
         lo, hi = int(block_indices.min()), int(block_indices.max())
         if lo < -1 or hi >= num_blocks:
             raise ValueError(
