@@ -242,6 +242,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _env() -> dict[str, object]:
-    from nsa_bench.env import collect_env
+    from nsa_bench.env import collect
 
-    return dict(collect_env())
+    return dict(collect())

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Triton selected attention on a GPU host: GPU parity tests, then the prefill bench against
+# fla-core's selection kernel (same block indices), the GQA group sweep and a tile-config sweep.
+# Run from the repository root; about 6-8 minutes of GPU time on an H100/H200.
+#
+#   OUT=/some/dir ci/gpu_sel.sh
+#
+# Inputs (environment, all optional):
+#   OUT          output folder (default: artifacts/gpu_sel)
+#   SEL_TESTS    full | quick | none   (default full: every GPU test of the selection kernels;
+#                quick: the G sweep, varlen, determinism and a slice of the seeds' matrix)
+#   SEL_T        prefill lengths (default 8192,16384,32768,65536)
+#   SEL_GROUPS   G sweep at the largest T (default 1,2,4,8,16)
+#   SEL_CONFIGS  ';'-separated SelConfig strings timed at the largest T (default: a small sweep of
+#                warps/stages/key tiles; set to "" to skip)
+#   SEL_BENCH_ARGS  extra arguments for `nsa-bench sel --prefill`
+# Carried wheels: every .carry/*.whl (fla-core for the peer) is installed with --no-deps into a
+# site dir on PYTHONPATH; without fla-core the bench reports the peer as unavailable.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/artifacts/gpu_sel}"
+mkdir -p "$OUT"
+PYTHON="${PYTHON:-python3}"
+SITE="${SEL_SITE:-/tmp/nsa_sel_site}"
+SEL_TESTS="${SEL_TESTS:-full}"
+SEL_T="${SEL_T:-8192,16384,32768,65536}"
+SEL_GROUPS="${SEL_GROUPS:-1,2,4,8,16}"
+DEFAULT_CONFIGS="fwd_warps=4,fwd_stages=2;fwd_warps=4,fwd_stages=4;fwd_warps=8,fwd_stages=3;fwd_warps=2,fwd_stages=3"
+DEFAULT_CONFIGS+=";rows_per_prog=4;rows_per_prog=16;kv_hint=2;block_l=32,fwd_stages=4"
+DEFAULT_CONFIGS+=";dq_warps=8,dkv_warps=8;dkv_rows=128,dkv_warps=8;dkv_stages=3"
+SEL_CONFIGS="${SEL_CONFIGS-$DEFAULT_CONFIGS}"
+export PYTHONUNBUFFERED=1
+
+shopt -s nullglob
+wheels=(.carry/*.whl)
+if ((${#wheels[@]})); then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${wheels[@]}" \
+    >"$OUT/pip.log" 2>&1 || echo "warning: installing carried wheels failed (see pip.log)"
+fi
+export PYTHONPATH="$ROOT/packages/nsa-core/src:$ROOT/packages/nsa-kernels/src:$ROOT/packages/nsa-bench/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+{
+  date -u +"date %Y-%m-%dT%H:%M:%SZ"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
+  "$PYTHON" - <<'PY'
+import torch, triton
+p = torch.cuda.get_device_properties(0)
+print(f"torch {torch.__version__} cuda {torch.version.cuda} triton {triton.__version__}")
+print(f"device {p.name} sm_{p.major}{p.minor} sms {p.multi_processor_count} "
+      f"l2 {getattr(p, 'L2_cache_size', 0) / 2**20:.0f} MiB")
+try:
+    import fla
+    print("fla-core", fla.__version__)
+except Exception as exc:
+    print("fla-core unavailable:", exc)
+PY
+  git rev-parse --short HEAD 2>/dev/null || echo "commit unknown"
+} | tee "$OUT/env.txt"
+
+tests_rc=0
+case "$SEL_TESTS" in
+  full) select=() ;;
+  quick) select=(-k "group_sizes or varlen or deterministic or quick or (matrix and 512-128-128)") ;;
+  none) select=() ;;
+  *) echo "SEL_TESTS must be full, quick or none" >&2; exit 2 ;;
+esac
+if [[ "$SEL_TESTS" != none ]]; then
+  start=$SECONDS
+  timeout 330 "$PYTHON" -m pytest packages/nsa-kernels/tests/selection -m gpu -q -x -p no:cacheprovider \
+    -n 4 "${select[@]}" >"$OUT/tests.log" 2>&1
+  tests_rc=$?
+  echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s; $(tail -n 1 "$OUT/tests.log")"
+fi
+
+start=$SECONDS
+timeout 420 "$PYTHON" -m nsa_bench.cli sel --prefill --T "$SEL_T" --groups "$SEL_GROUPS" \
+  --configs "$SEL_CONFIGS" --csv "$OUT/sel_prefill.csv" --json "$OUT/sel_prefill.json" \
+  ${SEL_BENCH_ARGS:-} >"$OUT/sel_prefill.txt" 2>"$OUT/sel_prefill.log"
+bench_rc=$?
+echo "prefill bench: rc=$bench_rc in $((SECONDS - start)) s"
+[[ $bench_rc -ne 0 ]] && tail -n 20 "$OUT/sel_prefill.log"
+
+echo
+grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -n 3
+cat "$OUT/sel_prefill.txt" 2>/dev/null
+exit $(( tests_rc != 0 || bench_rc != 0 ))

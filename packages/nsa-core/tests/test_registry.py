@@ -1,0 +1,317 @@
+"""The backend registry: the reference is always there, resolution is by priority and support,
+every rejection carries its reason, and the decision is observable."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from nsa_core import registry
+from nsa_core.debug_log import reset_log_state
+from nsa_core.ops.compressed_attention import compressed_attention
+from nsa_core.ops.selected_attention import selected_attention
+from nsa_core.ops.sliding_attention import sliding_attention
+from nsa_core.registry import (
+    OPS,
+    Backend,
+    OpContext,
+    Resolution,
+    backends,
+    register_backend,
+    resolve,
+    routing_report,
+)
+from nsa_core.toggles import Toggles
+
+REFERENCE_FNS = {
+    "compressed_attention": compressed_attention,
+    "selected_attention": selected_attention,
+    "sliding_attention": sliding_attention,
+}
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[None]:
+    """Only nsa-core's reference backends, no entry points; the previous state is restored."""
+    saved = {op: list(rows) for op, rows in registry._backends.items()}
+    saved_loaded = registry._entry_points_loaded
+    registry._backends.clear()
+    registry._backends.update({op: [] for op in OPS})
+    registry._entry_points_loaded = True
+    registry.register_reference_backends()
+    reset_log_state()
+    try:
+        yield
+    finally:
+        registry._backends.clear()
+        registry._backends.update(saved)
+        registry._entry_points_loaded = saved_loaded
+        reset_log_state()
+
+
+def context(**overrides: Any) -> OpContext:
+    base = OpContext(
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        seq_len=128,
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim_qk=64,
+        head_dim_v=32,
+        requires_grad=False,
+        varlen=False,
+    )
+    return replace(base, **overrides)
+
+
+def accept(ctx: OpContext, toggles: Toggles) -> str | None:
+    return None
+
+
+def reject_because(reason: str) -> Callable[[OpContext, Toggles], str | None]:
+    def supports(ctx: OpContext, toggles: Toggles) -> str | None:
+        return reason
+
+    return supports
+
+
+def only_float64(ctx: OpContext, toggles: Toggles) -> str | None:
+    return None if ctx.dtype == torch.float64 else f"dtype {ctx.dtype} is not float64"
+
+
+def dummy(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("the registry must not call a backend's fn")
+
+
+def test_reference_backends_registered_for_every_op() -> None:
+    """In the live registry (entry points included), every op ends in the reference."""
+    for op in OPS:
+        rows = backends(op)
+        refs = [b for b in rows if b.name == "reference"]
+        assert len(refs) == 1, op
+        assert refs[0].fn is REFERENCE_FNS[op]
+        assert refs[0].priority == 0
+        assert [b.priority for b in rows] == sorted((b.priority for b in rows), reverse=True)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+@pytest.mark.parametrize("ctx", [context(), context(device=torch.device("meta")),
+                                 context(dtype=torch.bfloat16, varlen=True, requires_grad=True)])
+def test_reference_accepts_every_context(ctx: OpContext) -> None:
+    for op in OPS:
+        res = resolve(op, ctx, Toggles())
+        assert res.backend.name == "reference"
+        assert res.backend.fn is REFERENCE_FNS[op]
+        assert res.rejected == ()
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_resolve_picks_highest_priority_that_supports() -> None:
+    op = "selected_attention"
+    register_backend(Backend(op, "f64-only", dummy, only_float64, priority=20))
+    register_backend(Backend(op, "always", dummy, accept, priority=10))
+    register_backend(Backend(op, "low", dummy, accept, priority=5))
+
+    res = resolve(op, context(dtype=torch.float64), Toggles())
+    assert res.backend.name == "f64-only"
+    assert res.rejected == ()
+
+    res = resolve(op, context(dtype=torch.float32), Toggles())
+    assert res.backend.name == "always"
+    assert res.rejected == (("f64-only", "dtype torch.float32 is not float64"),)
+
+    # Other ops are untouched.
+    assert resolve("sliding_attention", context(), Toggles()).backend.name == "reference"
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_every_rejection_carries_its_reason_in_priority_order() -> None:
+    op = "compressed_attention"
+    register_backend(Backend(op, "b", dummy, reject_because("needs CUDA"), priority=2))
+    register_backend(Backend(op, "a", dummy, reject_because("seq_len < 1024"), priority=3))
+    register_backend(Backend(op, "c", dummy, reject_because("no varlen"), priority=1))
+    res = resolve(op, context(), Toggles())
+    assert isinstance(res, Resolution)
+    assert res.op == op
+    assert res.backend.name == "reference"
+    assert res.rejected == (("a", "seq_len < 1024"), ("b", "needs CUDA"), ("c", "no varlen"))
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_supports_sees_the_toggles() -> None:
+    op = "sliding_attention"
+
+    def fa2_if_enabled(ctx: OpContext, toggles: Toggles) -> str | None:
+        return None if toggles.use_fa2 else "NSA_USE_FA2=0"
+
+    register_backend(Backend(op, "fa2", dummy, fa2_if_enabled, priority=10))
+    assert resolve(op, context(), Toggles(use_fa2=True)).backend.name == "fa2"
+    res = resolve(op, context(), Toggles(use_fa2=False))
+    assert res.backend.name == "reference"
+    assert res.rejected == (("fa2", "NSA_USE_FA2=0"),)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_same_name_replaces_earlier_registration() -> None:
+    op = "selected_attention"
+    register_backend(Backend(op, "triton", dummy, reject_because("old"), priority=10))
+    register_backend(Backend(op, "triton", dummy, accept, priority=10))
+    assert [b.name for b in backends(op)] == ["triton", "reference"]
+    assert resolve(op, context(), Toggles()).backend.name == "triton"
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_requested_backend_rejection_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    op = "selected_attention"
+    register_backend(
+        Backend(
+            op,
+            "triton",
+            dummy,
+            reject_because("sm 8.9 falls back"),
+            priority=10,
+            requested_by=lambda toggles: toggles.use_triton_sel,
+        )
+    )
+    register_backend(Backend(op, "quiet", dummy, reject_because("not asked for"), priority=5))
+    with caplog.at_level(logging.WARNING, logger="nsa"):
+        for _ in range(3):
+            assert resolve(op, context(), Toggles(use_triton_sel=True)).backend.name == "reference"
+    fallback = [r for r in caplog.records if "registry.fallback" in r.getMessage()]
+    assert len(fallback) == 1
+    message = fallback[0].getMessage()
+    assert fallback[0].levelno == logging.WARNING
+    assert "backend=triton" in message
+    assert f"op={op}" in message
+    assert "sm 8.9 falls back" in message
+    assert "quiet" not in caplog.text  # nobody asked for it: its rejection is not a fallback
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_unrequested_rejection_is_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    op = "selected_attention"
+    register_backend(
+        Backend(
+            op,
+            "triton",
+            dummy,
+            reject_because("disabled"),
+            priority=10,
+            requested_by=lambda toggles: toggles.use_triton_sel,
+        )
+    )
+    with caplog.at_level(logging.WARNING, logger="nsa"):
+        resolve(op, context(), Toggles(use_triton_sel=False))
+    assert "registry.fallback" not in caplog.text
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_routing_report_shows_every_op() -> None:
+    register_backend(
+        Backend("selected_attention", "triton", dummy, reject_because("needs CUDA"), priority=10)
+    )
+    register_backend(Backend("sliding_attention", "fa2", dummy, accept, priority=10))
+    report = routing_report(context(), Toggles())
+    lines = report.splitlines()
+    assert len(lines) == len(OPS)
+    for op, line in zip(OPS, lines, strict=True):
+        assert line.startswith(op)
+    by_op = dict(zip(OPS, lines, strict=True))
+    assert "-> reference" in by_op["compressed_attention"]
+    assert "passed over" not in by_op["compressed_attention"]
+    assert "-> reference" in by_op["selected_attention"]
+    assert "triton: needs CUDA" in by_op["selected_attention"]
+    assert "-> fa2" in by_op["sliding_attention"]
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_unknown_op_raises() -> None:
+    with pytest.raises(ValueError, match="unknown op 'dense_attention'.*selected_attention"):
+        register_backend(Backend("dense_attention", "x", dummy, accept))
+    with pytest.raises(ValueError, match="unknown op 'dense_attention'"):
+        resolve("dense_attention", context(), Toggles())
+    with pytest.raises(ValueError, match="unknown op 'dense_attention'"):
+        backends("dense_attention")
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_no_backend_accepting_raises_with_rejections() -> None:
+    """Only reachable when the reference is gone; the error lists every reason."""
+    registry._backends["sliding_attention"] = []
+    register_backend(Backend("sliding_attention", "x", dummy, reject_because("never")))
+    with pytest.raises(RuntimeError, match="no backend accepts op 'sliding_attention'.*never"):
+        resolve("sliding_attention", context(), Toggles())
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_entry_points_register_backends_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nsa.backends group: each entry point's callable receives register_backend."""
+    calls: list[str] = []
+
+    def register_fake(register: Callable[[Backend], None]) -> None:
+        calls.append("registered")
+        register(Backend("sliding_attention", "plugin", dummy, accept, priority=7))
+
+    class FakeEntryPoint:
+        name = "fake"
+        value = "fake_pkg.registration:register"
+
+        def load(self) -> Callable[[Callable[[Backend], None]], None]:
+            return register_fake
+
+    def fake_entry_points(*, group: str) -> list[FakeEntryPoint]:
+        assert group == registry.ENTRY_POINT_GROUP
+        return [FakeEntryPoint()]
+
+    monkeypatch.setattr(registry, "entry_points", fake_entry_points)
+    registry._entry_points_loaded = False
+    assert resolve("sliding_attention", context(), Toggles()).backend.name == "plugin"
+    assert resolve("sliding_attention", context(), Toggles()).backend.name == "plugin"
+    assert calls == ["registered"]
+    assert [b.name for b in backends("sliding_attention")] == ["plugin", "reference"]
+
+
+def test_op_context_group_size_and_capability() -> None:
+    ctx = context(num_q_heads=12, num_kv_heads=4)
+    assert ctx.group_size == 3
+    assert ctx.device_capability is None  # not a CUDA device
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_module_routes_through_registry() -> None:
+    """NSAAttention calls whatever the registry resolves, for each of the three ops."""
+    from nsa_core import NSAAttention, NSAConfig
+
+    called: list[str] = []
+
+    def spy(op: str) -> Callable[..., torch.Tensor]:
+        reference = REFERENCE_FNS[op]
+
+        def fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+            called.append(op)
+            out: torch.Tensor = reference(*args, **kwargs)
+            return out
+
+        return fn
+
+    for op in OPS:
+        register_backend(Backend(op, "spy", spy(op), accept, priority=1))
+    cfg = NSAConfig(
+        num_q_heads=2,
+        num_kv_heads=1,
+        head_dim_qk=4,
+        head_dim_v=4,
+        cmp_block=4,
+        cmp_stride=2,
+        sel_block=4,
+        num_selected=3,
+        window=3,
+    )
+    layer = NSAAttention(cfg, 8)
+    layer(torch.randn(1, 10, 8))
+    assert sorted(called) == sorted(OPS)

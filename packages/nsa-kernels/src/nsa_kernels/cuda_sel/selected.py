@@ -1,0 +1,61 @@
+"""Selected-branch attention forward on the experimental CUDA kernel (``csrc/sel_fwd.cu``)."""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_kernels.cuda_sel.build import load_extension
+
+CUDA_SEL_DTYPES = (torch.float16, torch.bfloat16)
+CUDA_SEL_MAX_HEAD_DIM = 256
+
+
+def sequence_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """int32 [T]: for each packed token, the packed index where its sequence starts."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    return torch.repeat_interleave(cu_seqlens[:-1], lengths).to(torch.int32).contiguous()
+
+
+def selected_attention_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """nsa_core ``selected_attention`` on the CUDA kernel (forward only).
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] (fp16 or bf16, CUDA), block_indices
+    [B, Tq, H, n] int32/int64 (-1 padded) -> o [B, Tq, HQ, dv]. Query t (= q_start + row, or its
+    position inside its packed sequence) attends to the union of the tokens p <= t of its selected
+    blocks of sel_block tokens. Varlen: B == 1, int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
+
+    Raises RuntimeError when gradients are required (the kernel has no backward) or when the
+    extension cannot be built here.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(
+            "cuda_sel is forward only and these inputs require grad; "
+            "call it under torch.no_grad() or use another selected_attention backend"
+        )
+    if q.dim() != 4 or block_indices.dim() != 4:
+        raise ValueError("q must be [B, Tq, HQ, dk] and block_indices [B, Tq, H, n]")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    seq_start = None
+    if cu_seqlens is not None:
+        if q.shape[0] != 1 or q_start != 0 or k.shape[1] != q.shape[1]:
+            raise ValueError("varlen needs B == 1, q_start == 0 and k with q's tokens")
+        if cu_seqlens.dtype != torch.int32 or int(cu_seqlens[-1]) != q.shape[1]:
+            raise ValueError("cu_seqlens must be int32 [S+1] ending at T")
+        seq_start = sequence_starts(cu_seqlens)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    indices = block_indices.to(torch.int32)
+    if indices.stride(-1) != 1:
+        indices = indices.contiguous()
+    ext = load_extension()
+    out: torch.Tensor = ext.sel_fwd(q, k, v, indices, seq_start, sel_block, float(scale), q_start)
+    return out

@@ -1,0 +1,195 @@
+"""FlexAttention fallback of the sliding and compressed branches (CUDA, compiled).
+
+Each query sees one interval of keys ``[lo[i], hi[i]]`` (:mod:`nsa_kernels.fa2.intervals`); the
+mask_mod reads lo/hi and the block mask is built straight from them: a 128-query tile needs the key
+tiles between its first query's lo and its last query's hi (both non-decreasing). Nothing O(T^2)
+is materialised, and FlexAttention skips every key tile outside the band, so the sliding branch
+costs O(T * w) and the compressed one about half the dense Tq x N work.
+
+Only the compiled FlexAttention is fast: uncompiled it falls back to a dense reference that ignores
+the block sparsity and materialises all scores. :func:`interval_attention_flex` therefore compiles
+on CUDA and runs eagerly elsewhere (CPU tests of the mask logic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from nsa_core.blocks import cmp_cu_seqlens
+from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
+from nsa_kernels.fa2.intervals import (
+    compressed_intervals,
+    compressed_intervals_varlen,
+    sliding_intervals,
+    sliding_intervals_varlen,
+)
+
+FLEX_BLOCK = 128
+
+_compiled: Callable[..., Any] | None = None
+
+
+def flex_missing_reason() -> str | None:
+    """Why FlexAttention is not usable in this torch, or None."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError as exc:
+        return f"torch {torch.__version__} has no FlexAttention ({exc})"
+    return None
+
+
+def _flex(device: torch.device) -> Callable[..., Any]:
+    global _compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention)
+    return _compiled
+
+
+def interval_block_tables(
+    lo: torch.Tensor, hi: torch.Tensor, kv_len: int, block: int = FLEX_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_num_blocks [Qb] and kv_indices [Qb, KVb] (int32) of the key tiles each query tile touches.
+
+    lo, hi int64 [Tq], non-decreasing. Query tile b covers rows [b*block, (b+1)*block); every key it
+    may see lies in [lo[first row], hi[last row]], i.e. key tiles first//block .. last//block, which
+    are the first kv_num_blocks[b] entries of row b. BlockMask wants one column per key tile (it
+    transposes the table for the backward pass), so the rest of a row repeats valid tile numbers
+    that are never read.
+    """
+    tq = lo.numel()
+    num_q_blocks = -(-tq // block)
+    num_kv_blocks = max(1, -(-kv_len // block))
+    tiles = torch.arange(num_q_blocks, device=lo.device)
+    first = lo[tiles * block]
+    last = hi[torch.clamp((tiles + 1) * block, max=tq) - 1]
+    count = torch.where(last >= first, last // block - first // block + 1, torch.zeros_like(first))
+    columns = torch.arange(num_kv_blocks, device=lo.device)
+    indices = first.div(block, rounding_mode="floor").unsqueeze(1) + columns
+    indices = indices.clamp(0, num_kv_blocks - 1)
+    return count.to(torch.int32), indices.to(torch.int32)
+
+
+def interval_attention_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Query row i attends to keys ``[lo[i], hi[i]]`` (inclusive; ``hi < lo``: output 0).
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; lo, hi int64 [Tq], non-decreasing.
+    Returns o [B, Tq, HQ, dv] in q's dtype.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, tq, hq, _ = q.shape
+    tk, dv = k.shape[1], v.shape[3]
+    if tq == 0 or tk == 0:
+        return q.new_zeros(batch, tq, hq, dv)
+    num_blocks, indices = interval_block_tables(lo, hi, tk)
+    # mask_mod may be evaluated on the padding rows of the last query tile: give them an empty
+    # interval instead of reading past the end of lo/hi.
+    padded = num_blocks.numel() * FLEX_BLOCK
+    lo_pad = torch.ones(padded, dtype=torch.int64, device=q.device)
+    hi_pad = torch.zeros(padded, dtype=torch.int64, device=q.device)
+    lo_pad[:tq], hi_pad[:tq] = lo, hi
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx >= lo_pad[q_idx]) & (kv_idx <= hi_pad[q_idx])
+
+    block_mask = BlockMask.from_kv_blocks(
+        num_blocks[None, None],
+        indices[None, None],
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(tq, tk),
+    )
+    out: torch.Tensor = _flex(q.device)(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+def sliding_attention_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """nsa_core ``sliding_attention`` on FlexAttention: query t sees keys [max(0, t - w + 1), t].
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]. Varlen: B == 1,
+    int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
+    """
+    batch, tq, _, _, dk, _ = check_qkv(q, k, v)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    scale = dk**-0.5 if scale is None else scale
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch, tq)
+        if q_start != 0 or k.shape[1] != tq:
+            raise ValueError("varlen sliding attention needs q_start == 0 and k with q's tokens")
+        lo, hi = sliding_intervals_varlen(cu_seqlens, window)
+    else:
+        if q_start < 0 or q_start + tq > k.shape[1]:
+            raise ValueError(
+                f"queries [{q_start}, {q_start + tq}) need keys k holds ({k.shape[1]})"
+            )
+        lo, hi = sliding_intervals(tq, q_start, window, q.device)
+        k, v = k[:, : q_start + tq], v[:, : q_start + tq]
+    return interval_attention_flex(q, k, v, lo, hi, scale)
+
+
+def compressed_attention_flex(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """nsa_core ``compressed_attention`` on FlexAttention: query t sees blocks i*d + l - 1 <= t.
+
+    q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv]; rows that see
+    no block are 0. Varlen: B == 1, q_start == 0, k_cmp packed per ``cmp_cu_seqlens``.
+    """
+    batch, tq, _, _, dk, _ = check_qkv(q, k_cmp, v_cmp, ("k_cmp", "v_cmp"))
+    scale = dk**-0.5 if scale is None else scale
+    if cmp_stride < 1 or cmp_block % cmp_stride != 0:
+        raise ValueError(f"cmp_stride ({cmp_stride}) must divide cmp_block ({cmp_block})")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch, tq)
+        if q_start != 0:
+            raise ValueError("varlen compressed attention needs q_start == 0")
+        cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+        if int(cmp_cu[-1]) != k_cmp.shape[1]:
+            raise ValueError(
+                f"k_cmp holds {k_cmp.shape[1]} blocks, cu_seqlens implies {int(cmp_cu[-1])}"
+            )
+        lo, hi = compressed_intervals_varlen(cu_seqlens, cmp_cu, cmp_block, cmp_stride)
+    else:
+        lo, hi = compressed_intervals(tq, q_start, cmp_block, cmp_stride, q.device)
+        if tq and int(hi[-1]) >= k_cmp.shape[1]:
+            raise ValueError(f"queries see {int(hi[-1]) + 1} blocks, k_cmp holds {k_cmp.shape[1]}")
+    return interval_attention_flex(q, k_cmp, v_cmp, lo, hi, scale)

@@ -1,0 +1,77 @@
+"""When FA-2 and its torch fallbacks serve the sliding and compressed branches.
+
+The registry asks the backends from the highest priority down; the first that accepts serves.
+
+| priority | backend | serves when |
+|---|---|---|
+| 30 | ``fa2`` | NSA_USE_FA2=1, CUDA sm80+, flash_attn imports, fp16/bf16, head dims <= 256, |
+| | | and at least NSA_FA2_MIN_LEN_WIN / NSA_FA2_MIN_LEN_CMP tokens |
+| 20 | ``flex`` | NSA_USE_FA2=1, FA-2 refused; CUDA, FlexAttention present, G a power of two, |
+| | | and at least ``FLEX_MIN_LEN`` tokens |
+| 10 | ``sdpa`` | NSA_USE_FA2=1 and neither of the above accepted |
+| 0 | ``reference`` | everything else (nsa-core) |
+
+The fallbacks only stand in for FA-2 when it was asked for: without NSA_USE_FA2 the reference
+keeps serving, as before. FA-2 is the backend the user requested, so each of its refusals is logged
+once by the registry with the reason returned here.
+"""
+
+from __future__ import annotations
+
+from nsa_core.registry import OpContext
+from nsa_core.toggles import Toggles
+from nsa_kernels.fa2._flash import unsupported_reason
+from nsa_kernels.fa2.flex import flex_missing_reason
+
+# Below this many tokens the compile and block-mask setup of FlexAttention are not repaid, and
+# the chunked SDPA serves. Provisional: `nsa-bench fa2` times both and prints where flex wins.
+FLEX_MIN_LEN = 1024
+
+FA2_PRIORITY = 30
+FLEX_PRIORITY = 20
+SDPA_PRIORITY = 10
+
+_NOT_REQUESTED = "NSA_USE_FA2 is off (this backend only stands in for FA-2)"
+
+
+def fa2_requested(toggles: Toggles) -> bool:
+    return toggles.use_fa2
+
+
+def _fa2_supports(ctx: OpContext, toggles: Toggles, min_len: int, toggle: str) -> str | None:
+    if not toggles.use_fa2:
+        return "NSA_USE_FA2 is off"
+    reason = unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim_qk, ctx.head_dim_v)
+    if reason is not None:
+        return reason
+    if ctx.seq_len < min_len:
+        return f"seq_len {ctx.seq_len} < {toggle}={min_len}"
+    return None
+
+
+def fa2_sliding_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    return _fa2_supports(ctx, toggles, toggles.fa2_min_len_win, "NSA_FA2_MIN_LEN_WIN")
+
+
+def fa2_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    return _fa2_supports(ctx, toggles, toggles.fa2_min_len_cmp, "NSA_FA2_MIN_LEN_CMP")
+
+
+def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    if not toggles.use_fa2:
+        return _NOT_REQUESTED
+    if ctx.device.type != "cuda":
+        return f"FlexAttention is only used compiled, on CUDA (device is {ctx.device.type})"
+    missing = flex_missing_reason()
+    if missing is not None:
+        return missing
+    g = ctx.group_size
+    if g & (g - 1):
+        return f"FlexAttention's decode kernel needs a power-of-two group size, G={g}"
+    if ctx.seq_len < FLEX_MIN_LEN:
+        return f"seq_len {ctx.seq_len} < {FLEX_MIN_LEN}: FlexAttention's setup is not repaid"
+    return None
+
+
+def sdpa_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    return None if toggles.use_fa2 else _NOT_REQUESTED

@@ -1,0 +1,172 @@
+"""Torch SDPA fallback of the sliding and compressed branches: one masked SDPA call per query chunk.
+
+Each query sees one interval of keys (:mod:`nsa_kernels.fa2.intervals`), and the intervals move
+forward with the queries, so a chunk of C queries needs only the keys between its first query's lo
+and its last query's hi. The mask of a chunk is [C, span]: memory stays O(T * w) for the sliding
+branch and O(C * N) per chunk for the compressed one, never O(T^2).
+
+GQA without copying K/V: the G query heads of a kv head are folded into the query rows
+(q [B, C, H, G, dk] -> [B, H, C*G, dk]), so SDPA sees H heads and every mask row is repeated G
+times. A query that sees no key (compressed branch, t < l - 1) is given one dummy key so SDPA never
+normalises an empty row (NaN) and its output is then set to exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nsa_core.blocks import cmp_cu_seqlens
+from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
+from nsa_kernels.fa2.intervals import (
+    compressed_intervals,
+    compressed_intervals_varlen,
+    sliding_intervals,
+    sliding_intervals_varlen,
+)
+
+# Largest element count of one chunk's biggest intermediate: the [rows, span] mask on CUDA (the
+# fused SDPA kernels never hold scores), the [B, HQ, rows, span] scores on CPU (math kernel).
+CUDA_CHUNK_ELEMENTS = 1 << 26
+CPU_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(lo: list[int], hi: list[int], row_cost: int, budget: int) -> list[tuple[int, int]]:
+    """Cut queries into [c0, c1) whose ``(c1 - c0) * row_cost * span`` stays within budget.
+
+    span = hi[c1 - 1] - lo[c0] + 1 grows with c1 because lo and hi are non-decreasing, so the
+    largest c1 that fits is found by bisection; a chunk always holds at least one query.
+    """
+    out = []
+    c0, total = 0, len(lo)
+    while c0 < total:
+        good, bad = c0 + 1, total + 1
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if (mid - c0) * row_cost * max(1, hi[mid - 1] - lo[c0] + 1) <= budget:
+                good = mid
+            else:
+                bad = mid
+        out.append((c0, good))
+        c0 = good
+    return out
+
+
+def interval_attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    scale: float,
+    *,
+    budget: int | None = None,
+) -> torch.Tensor:
+    """Query row i attends to keys ``[lo[i], hi[i]]`` (inclusive; ``hi < lo``: output 0).
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; lo, hi int64 [Tq], non-decreasing.
+    Returns o [B, Tq, HQ, dv] in q's dtype.
+    """
+    batch, tq, hq, dk = q.shape
+    h, dv = k.shape[2], v.shape[3]
+    g = hq // h
+    if tq == 0:
+        return q.new_zeros(batch, 0, hq, dv)
+    on_cuda = q.device.type == "cuda"
+    row_cost = g if on_cuda else batch * hq
+    if budget is None:
+        budget = CUDA_CHUNK_ELEMENTS if on_cuda else CPU_CHUNK_ELEMENTS
+    lo_list, hi_list = lo.tolist(), hi.tolist()
+    outs = []
+    for c0, c1 in _chunks(lo_list, hi_list, row_cost, budget):
+        rows = c1 - c0
+        first, last = lo_list[c0], hi_list[c1 - 1]
+        if last < first:  # every query of the chunk sees nothing
+            outs.append(q.new_zeros(batch, rows, hq, dv))
+            continue
+        keys = torch.arange(first, last + 1, device=q.device)
+        lo_c, hi_c = lo[c0:c1].unsqueeze(1), hi[c0:c1].unsqueeze(1)
+        empty = hi_c < lo_c  # [C, 1]
+        visible = ((keys >= lo_c) & (keys <= hi_c)) | (empty & (keys == first))
+        mask = visible.unsqueeze(1).expand(rows, g, keys.numel()).reshape(rows * g, -1)
+        qf = q[:, c0:c1].reshape(batch, rows, h, g, dk).permute(0, 2, 1, 3, 4)
+        o = F.scaled_dot_product_attention(
+            qf.reshape(batch, h, rows * g, dk),
+            k[:, first : last + 1].transpose(1, 2),
+            v[:, first : last + 1].transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+        )
+        o = o.reshape(batch, h, rows, g, dv).permute(0, 2, 1, 3, 4).reshape(batch, rows, hq, dv)
+        outs.append(torch.where(empty.view(1, rows, 1, 1), torch.zeros_like(o), o))
+    return torch.cat(outs, dim=1)
+
+
+def sliding_attention_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """nsa_core ``sliding_attention`` on torch SDPA: query t sees keys [max(0, t - w + 1), t].
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]. Varlen: B == 1,
+    int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
+    """
+    batch, tq, _, _, dk, _ = check_qkv(q, k, v)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    scale = dk**-0.5 if scale is None else scale
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch, tq)
+        if q_start != 0 or k.shape[1] != tq:
+            raise ValueError("varlen sliding attention needs q_start == 0 and k with q's tokens")
+        lo, hi = sliding_intervals_varlen(cu_seqlens, window)
+    else:
+        if q_start < 0 or q_start + tq > k.shape[1]:
+            raise ValueError(
+                f"queries [{q_start}, {q_start + tq}) need keys k holds ({k.shape[1]})"
+            )
+        lo, hi = sliding_intervals(tq, q_start, window, q.device)
+    return interval_attention_sdpa(q, k, v, lo, hi, scale)
+
+
+def compressed_attention_sdpa(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """nsa_core ``compressed_attention`` on torch SDPA: query t sees blocks i with i*d + l - 1 <= t.
+
+    q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv]; rows that see
+    no block are 0. Varlen: B == 1, q_start == 0, k_cmp packed per ``cmp_cu_seqlens``.
+    """
+    batch, tq, _, _, dk, _ = check_qkv(q, k_cmp, v_cmp, ("k_cmp", "v_cmp"))
+    scale = dk**-0.5 if scale is None else scale
+    if cmp_stride < 1 or cmp_block % cmp_stride != 0:
+        raise ValueError(f"cmp_stride ({cmp_stride}) must divide cmp_block ({cmp_block})")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch, tq)
+        if q_start != 0:
+            raise ValueError("varlen compressed attention needs q_start == 0")
+        cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
+        if int(cmp_cu[-1]) != k_cmp.shape[1]:
+            raise ValueError(
+                f"k_cmp holds {k_cmp.shape[1]} blocks, cu_seqlens implies {int(cmp_cu[-1])}"
+            )
+        lo, hi = compressed_intervals_varlen(cu_seqlens, cmp_cu, cmp_block, cmp_stride)
+    else:
+        lo, hi = compressed_intervals(tq, q_start, cmp_block, cmp_stride, q.device)
+        if tq and int(hi[-1]) >= k_cmp.shape[1]:
+            raise ValueError(f"queries see {int(hi[-1]) + 1} blocks, k_cmp holds {k_cmp.shape[1]}")
+    return interval_attention_sdpa(q, k_cmp, v_cmp, lo, hi, scale)

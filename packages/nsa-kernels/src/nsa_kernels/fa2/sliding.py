@@ -1,0 +1,108 @@
+"""Sliding branch on FlashAttention-2: causal with ``window_size=(w - 1, 0)``.
+
+FA-2 aligns the causal mask to the bottom-right corner: with Sq queries and Sk keys, query row i
+sits at key position ``i + Sk - Sq``. nsa-core puts q[:, 0] at position q_start and k[:, 0] at 0,
+so passing the keys up to the last query (``Sk = q_start + Tq``) makes the two agree; decode
+(Tq = 1) is the same call. Keys past the last query can never be seen and are not passed.
+
+NSA_FA2_FORCE_VARLEN sends dense inputs through ``flash_attn_varlen_func`` (one sequence per batch
+row); NSA_FA2_FORCE_DENSE sends packed inputs through ``flash_attn_func`` on a zero-padded
+[S, L_max] batch (padding follows each sequence, so causal rows never reach it).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from nsa_core.toggles import get_toggles
+from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
+from nsa_kernels.fa2._flash import fa2_dense, fa2_varlen
+
+
+def _batch_offsets(batch: int, length: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(batch + 1, dtype=torch.int32, device=device) * length
+
+
+def sliding_attention_fa2(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """nsa_core ``sliding_attention`` on FA-2: query t attends to keys [max(0, t - w + 1), t].
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv] (q's dtype).
+    Varlen: B == 1, int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
+    """
+    batch, tq, hq, h, dk, dv = check_qkv(q, k, v)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    scale = dk**-0.5 if scale is None else scale
+    toggles = get_toggles()
+    if tq == 0:
+        return q.new_zeros(batch, 0, hq, dv)
+    if cu_seqlens is not None:
+        lengths = check_cu_seqlens(cu_seqlens, batch, tq)
+        if q_start != 0 or k.shape[1] != tq:
+            raise ValueError("varlen sliding attention needs q_start == 0 and k with q's tokens")
+        max_len = max(b - a for a, b in itertools.pairwise(lengths))
+        if toggles.fa2_force_dense:
+            return _varlen_as_dense(q, k, v, cu_seqlens, max_len, window, scale)
+        return fa2_varlen(
+            q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_len, max_len, scale, window=window
+        ).unsqueeze(0)
+
+    tk = q_start + tq
+    if q_start < 0 or tk > k.shape[1]:
+        raise ValueError(f"queries [{q_start}, {tk}) need keys k holds ({k.shape[1]})")
+    k, v = k[:, :tk], v[:, :tk]
+    if toggles.fa2_force_varlen:
+        out = fa2_varlen(
+            q.reshape(batch * tq, hq, dk),
+            k.reshape(batch * tk, h, dk),
+            v.reshape(batch * tk, h, dv),
+            _batch_offsets(batch, tq, q.device),
+            _batch_offsets(batch, tk, q.device),
+            tq,
+            tk,
+            scale,
+            window=window,
+        )
+        return out.view(batch, tq, hq, dv)
+    return fa2_dense(q, k, v, scale, window=window)
+
+
+def padded_slots(cu_seqlens: torch.Tensor, capacity: int) -> torch.Tensor:
+    """int64 [T]: token i of sequence s goes to row ``s * capacity + (i - cu_seqlens[s])``."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    local = (
+        torch.arange(seq.numel(), device=cu_seqlens.device) - cu_seqlens[:-1].to(torch.int64)[seq]
+    )
+    return seq * capacity + local
+
+
+def _varlen_as_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_len: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    num_seq = cu_seqlens.numel() - 1
+    slots = padded_slots(cu_seqlens, max_len)
+
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        rows = x.new_zeros(num_seq * max_len, *x.shape[2:]).index_copy(0, slots, x[0])
+        return rows.view(num_seq, max_len, *x.shape[2:])
+
+    out = fa2_dense(pad(q), pad(k), pad(v), scale, window=window)
+    return out.reshape(num_seq * max_len, *out.shape[2:]).index_select(0, slots).unsqueeze(0)

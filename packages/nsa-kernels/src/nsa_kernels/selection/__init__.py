@@ -1,0 +1,31 @@
+"""Triton selected attention (NSA's selected branch), forward and backward, any GQA group size.
+
+Modules: ``kernels`` (the @triton.jit kernels), ``csr`` (the reverse index for dk/dv),
+``function`` (launches, autograd Function, :func:`selected_attention_triton`), ``quick`` (the
+seeds' ``sel_attn_fwd_dense`` / ``sel_attn_fwd_varlen``), ``backend`` (registry backend, device
+policy, observability). Names are imported lazily so that ``backend`` loads without triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "SelConfig": "nsa_kernels.selection.function",
+    "selected_attention_triton": "nsa_kernels.selection.function",
+    "selected_attention_fwd": "nsa_kernels.selection.function",
+    "selected_attention_bwd": "nsa_kernels.selection.function",
+    "build_block_csr": "nsa_kernels.selection.csr",
+    "sel_attn_fwd_dense": "nsa_kernels.selection.quick",
+    "sel_attn_fwd_varlen": "nsa_kernels.selection.quick",
+    "backends": "nsa_kernels.selection.backend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,265 @@
+"""The Triton selection backend: when it serves ``selected_attention``, and what it reports.
+
+Routing (``supports`` returns the reason it declines, ``None`` when it serves):
+
+1. a CUDA device, and triton importable;
+2. NSA_USE_TRITON_SEL on (or NSA_TRITON_SEL_FORCE);
+3. no gradients needed, or NSA_SEL_TRITON_ALLOW_GRAD on;
+4. the keys' sequence length >= NSA_SEL_TRITON_MIN_L;
+5. the device policy table (:data:`DEVICE_POLICY`, first matching row): ``use``, ``fallback``
+   (declines unless NSA_TRITON_SEL_FORCE) or ``refuse`` (declines always);
+6. the alignment guard: dtype float16/bfloat16/float32, dk and dv multiples of 16 and <= 256.
+
+Observability, through nsa_core's debug log (NSA_DEBUG_LOG, NSA_LOG_LIMIT):
+``sel.triton.device`` once per device (name, capability); with NSA_DEBUG_SHAPES
+``sel.triton.shapes`` (shapes, strides, dtypes, tiles); with NSA_DEBUG_TIMING
+``sel.triton.bucket_timing`` (CUDA-event time of the forward launch and its K/V GB/s, per shape
+bucket; synchronizes); with NSA_DEBUG_COMPARE ``sel.triton.compare`` (MAE and max error against
+the reference on the same inputs; runs the reference, slow).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from nsa_core.debug_log import debug_log
+from nsa_core.registry import Backend, OpContext
+from nsa_core.toggles import Toggles, get_toggles
+
+OP = "selected_attention"
+NAME = "triton_sel"
+PRIORITY = 20
+HEAD_DIM_MULTIPLE = 16
+MAX_HEAD_DIM = 256
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+Decision = Literal["use", "fallback", "refuse"]
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    """One row of the device policy: devices it covers, the decision, and why."""
+
+    covers: str
+    matches: Callable[[tuple[int, int]], bool]
+    decision: Decision
+    reason: str
+
+
+DEVICE_POLICY: tuple[PolicyRow, ...] = (
+    PolicyRow(
+        covers="SM < 8.0",
+        matches=lambda cap: cap < (8, 0),
+        decision="refuse",
+        reason="SM < 8.0 lacks bf16 tensor-core dots and was never validated for these kernels",
+    ),
+    PolicyRow(
+        covers="SM 8.9 (Ada, e.g. RTX 4090)",
+        matches=lambda cap: cap == (8, 9),
+        decision="fallback",
+        reason=(
+            "SM 8.9 (Ada, e.g. RTX 4090): the selection ADR of the seeds keeps Triton selection "
+            "off by default there; set NSA_TRITON_SEL_FORCE=1 to use it"
+        ),
+    ),
+    PolicyRow(
+        covers="any other CUDA device (SM 8.0, 9.0, ...)",
+        matches=lambda cap: True,
+        decision="use",
+        reason="measured on SM 9.0 (docs/selection.md)",
+    ),
+)
+
+
+def device_policy(capability: tuple[int, int]) -> PolicyRow:
+    """The first row of :data:`DEVICE_POLICY` that covers ``capability``."""
+    for row in DEVICE_POLICY:
+        if row.matches(capability):
+            return row
+    raise AssertionError("the last policy row covers every device")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def alignment_reason(dtype: torch.dtype, dk: int, dv: int) -> str | None:
+    """Why the kernels should not take these dtype and head dims, or None."""
+    if dtype not in DTYPES:
+        return f"dtype {dtype} is not one of float16, bfloat16, float32"
+    for name, dim in (("dk", dk), ("dv", dv)):
+        if dim % HEAD_DIM_MULTIPLE or dim > MAX_HEAD_DIM:
+            return f"{name}={dim} is not a multiple of {HEAD_DIM_MULTIPLE} in [16, {MAX_HEAD_DIM}]"
+    return None
+
+
+def decline_reason(
+    toggles: Toggles,
+    *,
+    device_type: str,
+    capability: tuple[int, int] | None,
+    dtype: torch.dtype,
+    dk: int,
+    dv: int,
+    seq_len: int,
+    requires_grad: bool,
+) -> str | None:
+    """The routing rules of this module's docstring, in order; None when the kernels serve."""
+    if device_type != "cuda":
+        return f"needs a CUDA device, got {device_type}"
+    if not triton_available():
+        return "triton is not importable"
+    if not (toggles.use_triton_sel or toggles.triton_sel_force):
+        return "NSA_USE_TRITON_SEL=0"
+    if requires_grad and not toggles.sel_triton_allow_grad:
+        return "gradients are required and NSA_SEL_TRITON_ALLOW_GRAD=0"
+    if seq_len < toggles.sel_triton_min_l:
+        return f"seq_len={seq_len} < NSA_SEL_TRITON_MIN_L={toggles.sel_triton_min_l}"
+    if capability is not None:
+        row = device_policy(capability)
+        if row.decision == "refuse":
+            return row.reason
+        if row.decision == "fallback" and not toggles.triton_sel_force:
+            return row.reason
+    return alignment_reason(dtype, dk, dv)
+
+
+def supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    """None when the Triton kernels serve ``ctx``, else the reason they decline."""
+    return decline_reason(
+        toggles,
+        device_type=ctx.device.type,
+        capability=ctx.device_capability if ctx.device.type == "cuda" else None,
+        dtype=ctx.dtype,
+        dk=ctx.head_dim_qk,
+        dv=ctx.head_dim_v,
+        seq_len=ctx.seq_len,
+        requires_grad=ctx.requires_grad,
+    )
+
+
+_devices_logged: set[str] = set()
+
+
+def _log_device(device: torch.device) -> None:
+    key = str(device)
+    if key in _devices_logged or device.type != "cuda":
+        return
+    _devices_logged.add(key)
+    debug_log(
+        "sel.triton.device",
+        device=key,
+        name=repr(torch.cuda.get_device_name(device)),
+        capability="{}.{}".format(*torch.cuda.get_device_capability(device)),
+    )
+
+
+def _strides(t: torch.Tensor) -> str:
+    return "x".join(str(s) for s in t.stride())
+
+
+def _bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, sel_block: int) -> str:
+    """Shape class of a call: keys rounded up to a power of two, group, dims, n, l', dtype."""
+    keys = 1 << max(0, (k.shape[1] - 1).bit_length())
+    group = q.shape[2] // k.shape[2]
+    dtype = str(q.dtype).replace("torch.", "")
+    return f"L{keys}/G{group}/dk{q.shape[3]}/dv{v.shape[3]}/n{n}/l{sel_block}/{dtype}"
+
+
+def selected_attention_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The registered ``fn``: :func:`selected_attention_triton` plus the debug hooks."""
+    from nsa_kernels.selection.function import kv_bytes_read, selected_attention_triton
+
+    toggles = get_toggles()
+    _log_device(q.device)
+    if toggles.debug_shapes:
+        debug_log(
+            "sel.triton.shapes",
+            q=list(q.shape),
+            q_strides=_strides(q),
+            k=list(k.shape),
+            k_strides=_strides(k),
+            v=list(v.shape),
+            v_strides=_strides(v),
+            indices=list(block_indices.shape),
+            indices_dtype=block_indices.dtype,
+            dtype=q.dtype,
+            sel_block=sel_block,
+            q_start=q_start,
+            varlen=cu_seqlens is not None,
+            tiles=(
+                f"l={toggles.sel_triton_block_l},d={toggles.sel_triton_block_d},"
+                f"dv={toggles.sel_triton_block_dv}"
+            ),
+        )
+    timing = toggles.debug_timing and q.device.type == "cuda"
+    if timing:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    o = selected_attention_triton(
+        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    if timing:
+        stop.record()
+        stop.synchronize()
+        ms = start.elapsed_time(stop)
+        n = block_indices.shape[-1]
+        kv = kv_bytes_read(q.shape[0], q.shape[1], k.shape[2], n, sel_block, q.shape[3],
+                           v.shape[3], q.element_size())
+        qo = (q.numel() + o.numel()) * q.element_size()
+        debug_log(
+            "sel.triton.bucket_timing",
+            bucket=_bucket(q, k, v, n, sel_block),
+            ms=f"{ms:.4f}",
+            kv_gbps=f"{kv / (ms * 1e6):.1f}" if ms > 0 else "inf",
+            io_gbps=f"{(kv + qo) / (ms * 1e6):.1f}" if ms > 0 else "inf",
+        )
+    if toggles.debug_compare:
+        from nsa_core.ops.selected_attention import selected_attention
+
+        with torch.no_grad():
+            ref = selected_attention(
+                q.detach(), k.detach(), v.detach(), block_indices, sel_block, scale,
+                q_start=q_start, cu_seqlens=cu_seqlens,
+            )
+            err = (o.detach().float() - ref.float()).abs()
+        debug_log(
+            "sel.triton.compare",
+            bucket=_bucket(q, k, v, block_indices.shape[-1], sel_block),
+            mae=f"{float(err.mean()) if err.numel() else 0.0:.3e}",
+            max_abs=f"{float(err.max()) if err.numel() else 0.0:.3e}",
+        )
+    return o
+
+
+def _requested(toggles: Toggles) -> bool:
+    return toggles.use_triton_sel or toggles.triton_sel_force
+
+
+def backends() -> list[Backend]:
+    """The selection backends this module provides, for nsa_kernels' registration."""
+    return [
+        Backend(
+            op=OP,
+            name=NAME,
+            fn=selected_attention_backend,
+            supports=supports,
+            priority=PRIORITY,
+            requested_by=_requested,
+        )
+    ]

@@ -1,0 +1,115 @@
+"""The quick-sanity entry points of the old Triton selection test plan, same meaning.
+
+Each row n owns a set of keys and its H query heads attend to all of them in one softmax, with
+no causal mask: ``sel_attn_fwd_dense`` gives every row its own L keys, ``sel_attn_fwd_varlen``
+gives row n the packed range ``K[cu[n]:cu[n+1]]`` (an empty range gives 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_kernels.selection.kernels import LOG2E, quick_fwd_kernel
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _pow2(x: int) -> int:
+    return max(16, 1 << max(0, (x - 1).bit_length()))
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rank: int) -> None:
+    if q.dim() != 3 or k.dim() != k_rank or v.dim() != k_rank:
+        raise ValueError(
+            f"expected Q [N, H, D] and K, V of rank {k_rank}; got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"Q, K, V must share one dtype of {_DTYPES}; got {q.dtype, k.dtype, v.dtype}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"K's head dim {k.shape[-1]} differs from Q's {q.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"K {tuple(k.shape)} and V {tuple(v.shape)} differ in keys")
+    if not (q.device == k.device == v.device):
+        raise ValueError("Q, K and V must be on one device")
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor | None,
+    scale: float | None,
+    block_l: int,
+) -> torch.Tensor:
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    n, h, d = q.shape
+    dv = v.shape[-1]
+    o = torch.empty(n, h, dv, dtype=q.dtype, device=q.device)
+    if n == 0:
+        return o
+    varlen = cu is not None
+    num_keys = 0 if varlen else k.shape[1]
+    qk_scale = (d**-0.5 if scale is None else scale) * LOG2E
+    cu_arg = cu if cu is not None else torch.zeros(1, dtype=torch.int32, device=q.device)
+    quick_fwd_kernel[(n,)](
+        q, k, v, o, cu_arg,
+        q.stride(0), q.stride(1),
+        0 if varlen else k.stride(0), k.stride(-2),
+        0 if varlen else v.stride(0), v.stride(-2),
+        o.stride(0), o.stride(1),
+        num_keys, qk_scale,
+        H=h, BH=_pow2(h), D=d, BD=_pow2(d), DV=dv, BDV=_pow2(dv), BL=block_l,
+        VARLEN=varlen, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return o
+
+
+def sel_attn_fwd_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    *,
+    block_l: int = 64,
+) -> torch.Tensor:
+    """O [N, H, Dv]: row n's H heads attend, unmasked, over row n's L keys.
+
+    Args:
+        q: [N, H, D]; k: [N, L, D]; v: [N, L, Dv]; float16, bfloat16 or float32.
+        scale: softmax scale, default D ** -0.5.
+        block_l: keys per tile (power of two >= 16).
+    """
+    _check(q, k, v, 3)
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"K has {k.shape[0]} rows, Q has {q.shape[0]}")
+    if k.shape[1] == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+    return _launch(q, k, v, None, scale, block_l)
+
+
+def sel_attn_fwd_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    block_l: int = 64,
+) -> torch.Tensor:
+    """O [N, H, Dv]: row n's H heads attend, unmasked, over ``K[cu[n]:cu[n+1]]``.
+
+    Args:
+        q: [N, H, D]; k: [TotalL, D]; v: [TotalL, Dv].
+        cu_seqlens: int32 [N+1], non-decreasing, from 0 to TotalL; an empty range gives 0.
+        scale: softmax scale, default D ** -0.5.
+        block_l: keys per tile (power of two >= 16).
+    """
+    _check(q, k, v, 2)
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (q.shape[0] + 1,):
+        raise ValueError(f"cu_seqlens must be int32 [N+1={q.shape[0] + 1}], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != k.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to TotalL={k.shape[0]}, got {bounds}")
+    return _launch(q, k, v, cu_seqlens.to(q.device), scale, block_l)

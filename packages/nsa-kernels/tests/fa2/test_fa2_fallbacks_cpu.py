@@ -1,0 +1,213 @@
+"""The torch fallbacks (chunked SDPA, FlexAttention) against the nsa-core reference on CPU.
+
+float32 inputs must land within NSA-SPEC's 1e-5 of the float64 reference. FlexAttention runs
+eagerly on CPU (forward only), which checks its mask_mod; the block tables it is compiled with on
+GPU are checked in test_fa2_mapping.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from fa2_testing import FLOAT32_BOUND, cu_seqlens_of, randn, rel_err
+
+from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
+from nsa_core.ops import compressed_attention, sliding_attention
+from nsa_kernels.fa2 import (
+    compressed_attention_flex,
+    compressed_attention_sdpa,
+    sliding_attention_flex,
+    sliding_attention_sdpa,
+)
+from nsa_kernels.fa2.intervals import compressed_intervals
+from nsa_kernels.fa2.sdpa import interval_attention_sdpa
+
+SLIDING = {"sdpa": sliding_attention_sdpa, "flex": sliding_attention_flex}
+COMPRESSED = {"sdpa": compressed_attention_sdpa, "flex": compressed_attention_flex}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_eager_flex() -> Any:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
+        yield
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+@pytest.mark.parametrize(
+    ("tq", "q_start", "window"), [(150, 0, 16), (150, 0, 1), (40, 25, 9), (1, 70, 32), (70, 0, 500)]
+)
+def test_sliding_dense(name: str, tq: int, q_start: int, window: int) -> None:
+    q = randn(2, tq, 8, 16, dtype=torch.float32)
+    k = randn(2, q_start + tq + 3, 2, 16, dtype=torch.float32)
+    v = randn(2, q_start + tq + 3, 2, 24, dtype=torch.float32)
+    ref = sliding_attention(q.double(), k.double(), v.double(), window, q_start=q_start)
+    out = SLIDING[name](q, k, v, window, q_start=q_start)
+    assert out.shape == ref.shape
+    assert out.dtype == q.dtype
+    assert rel_err(out, ref) < FLOAT32_BOUND
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+def test_sliding_varlen(name: str) -> None:
+    cu = cu_seqlens_of([40, 0, 1, 130, 9])
+    total = int(cu[-1])
+    q = randn(1, total, 4, 16, dtype=torch.float32)
+    k = randn(1, total, 4, 16, dtype=torch.float32)
+    v = randn(1, total, 4, 16, dtype=torch.float32)
+    ref = sliding_attention(q.double(), k.double(), v.double(), 24, cu_seqlens=cu)
+    assert rel_err(SLIDING[name](q, k, v, 24, cu_seqlens=cu), ref) < FLOAT32_BOUND
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+@pytest.mark.parametrize(("cl", "d"), [(32, 16), (8, 4), (4, 4)])
+@pytest.mark.parametrize(("tq", "q_start"), [(300, 0), (50, 77), (1, 200), (1, 2), (10, 0)])
+def test_compressed_dense(name: str, cl: int, d: int, tq: int, q_start: int) -> None:
+    n = num_cmp_blocks(q_start + tq, cl, d) + 2
+    q = randn(2, tq, 4, 32, dtype=torch.float32)
+    kc = randn(2, n, 2, 32, dtype=torch.float32)
+    vc = randn(2, n, 2, 16, dtype=torch.float32)
+    ref = compressed_attention(q.double(), kc.double(), vc.double(), cl, d, q_start=q_start)
+    out = COMPRESSED[name](q, kc, vc, cl, d, q_start=q_start)
+    assert not torch.isnan(out).any()
+    blind = torch.arange(q_start, q_start + tq) < cl - 1
+    assert torch.equal(out[:, blind], torch.zeros_like(out[:, blind]))
+    if ref.abs().sum() > 0:
+        assert rel_err(out, ref) < FLOAT32_BOUND
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+def test_compressed_varlen(name: str) -> None:
+    cl, d = 16, 8
+    cu = cu_seqlens_of([5, 100, 0, 16, 200, 15])
+    n = int(cmp_cu_seqlens(cu, cl, d)[-1])
+    q = randn(1, int(cu[-1]), 4, 16, dtype=torch.float32)
+    kc = randn(1, n, 1, 16, dtype=torch.float32)
+    vc = randn(1, n, 1, 16, dtype=torch.float32)
+    ref = compressed_attention(q.double(), kc.double(), vc.double(), cl, d, cu_seqlens=cu)
+    out = COMPRESSED[name](q, kc, vc, cl, d, cu_seqlens=cu)
+    assert rel_err(out, ref) < FLOAT32_BOUND
+
+
+def test_sdpa_many_small_chunks() -> None:
+    """A tiny budget forces chunks of a few queries, some of them entirely blind."""
+    cl, d, tq = 8, 4, 90
+    n = num_cmp_blocks(tq, cl, d)
+    q = randn(1, tq, 2, 8, dtype=torch.float32)
+    kc = randn(1, n, 1, 8, dtype=torch.float32)
+    vc = randn(1, n, 1, 8, dtype=torch.float32)
+    lo, hi = compressed_intervals(tq, 0, cl, d, q.device)
+    out = interval_attention_sdpa(q, kc, vc, lo, hi, 8**-0.5, budget=100)
+    ref = compressed_attention(q.double(), kc.double(), vc.double(), cl, d)
+    assert rel_err(out, ref) < FLOAT32_BOUND
+
+
+def _grad_case(
+    fn: Callable[..., torch.Tensor],
+    ref_fn: Callable[..., torch.Tensor],
+    args: tuple[Any, ...],
+    inputs: tuple[torch.Tensor, ...],
+    kwargs: dict[str, Any],
+) -> None:
+    grad_out = torch.randn_like(ref_fn(*inputs, *args, **kwargs))
+    got = torch.autograd.grad(fn(*inputs, *args, **kwargs), inputs, grad_out)
+    want = torch.autograd.grad(ref_fn(*inputs, *args, **kwargs), inputs, grad_out)
+    for a, b in zip(got, want, strict=True):
+        assert not torch.isnan(a).any()
+        assert rel_err(a, b) < 1e-12
+
+
+def test_sdpa_gradients_match_reference() -> None:
+    cu = cu_seqlens_of([13, 40, 2])
+    total = int(cu[-1])
+
+    def inputs(n: int) -> tuple[torch.Tensor, ...]:
+        return (
+            randn(1, total, 4, 8, dtype=torch.float64, grad=True),
+            randn(1, n, 2, 8, dtype=torch.float64, grad=True),
+            randn(1, n, 2, 4, dtype=torch.float64, grad=True),
+        )
+
+    _grad_case(sliding_attention_sdpa, sliding_attention, (7,), inputs(total), {"cu_seqlens": cu})
+    _grad_case(sliding_attention_sdpa, sliding_attention, (5,), inputs(total), {"q_start": 0})
+    n = int(cmp_cu_seqlens(cu, 8, 4)[-1])
+    _grad_case(
+        compressed_attention_sdpa, compressed_attention, (8, 4), inputs(n), {"cu_seqlens": cu}
+    )
+    n_dense = num_cmp_blocks(total, 8, 4)
+    _grad_case(compressed_attention_sdpa, compressed_attention, (8, 4), inputs(n_dense), {})
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+def test_argument_errors(name: str) -> None:
+    q = randn(2, 10, 4, 8, dtype=torch.float32)
+    k = randn(2, 10, 3, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        SLIDING[name](q, k, k, 4)
+    cu = cu_seqlens_of([4, 6])
+    with pytest.raises(ValueError, match="B == 1"):
+        SLIDING[name](q, q, q, 4, cu_seqlens=cu)
+    with pytest.raises(ValueError, match="need keys"):
+        SLIDING[name](q, q, q, 4, q_start=3)
+    kc = randn(2, 1, 4, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="k_cmp holds"):
+        COMPRESSED[name](q, kc, kc, 4, 2)
+
+
+def _flex_cases() -> list[tuple[str, Callable[[], torch.Tensor], torch.Tensor]]:
+    """Long enough for several 128-token query and key tiles: the block tables matter."""
+    q = randn(1, 700, 4, 16, dtype=torch.float32)
+    k = randn(1, 700, 2, 16, dtype=torch.float32)
+    v = randn(1, 700, 2, 16, dtype=torch.float32)
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    cu = cu_seqlens_of([300, 0, 5, 395])
+    n = num_cmp_blocks(700, 4, 2)
+    kc = randn(1, n, 2, 16, dtype=torch.float32)
+    vc = randn(1, n, 2, 16, dtype=torch.float32)
+    n_var = int(cmp_cu_seqlens(cu, 4, 2)[-1])
+    kv, vv = kc[:, :n_var], vc[:, :n_var]
+    return [
+        (
+            "sliding",
+            lambda: sliding_attention_flex(q, k, v, 50),
+            sliding_attention(q64, k64, v64, 50),
+        ),
+        (
+            "sliding varlen",
+            lambda: sliding_attention_flex(q, k, v, 130, cu_seqlens=cu),
+            sliding_attention(q64, k64, v64, 130, cu_seqlens=cu),
+        ),
+        (
+            "compressed",
+            lambda: compressed_attention_flex(q, kc, vc, 4, 2),
+            compressed_attention(q64, kc.double(), vc.double(), 4, 2),
+        ),
+        (
+            "compressed varlen",
+            lambda: compressed_attention_flex(q, kv, vv, 4, 2, cu_seqlens=cu),
+            compressed_attention(q64, kv.double(), vv.double(), 4, 2, cu_seqlens=cu),
+        ),
+    ]
+
+
+def test_flex_eager_over_many_tiles() -> None:
+    for name, run, ref in _flex_cases():
+        assert rel_err(run(), ref) < FLOAT32_BOUND, name
+
+
+@pytest.mark.slow
+def test_flex_compiled_on_cpu_honours_block_tables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled FlexAttention skips the key tiles the block tables leave out (eager does not), so
+    this is the CPU check that the tables hold every visible key (about a minute of compiling)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from nsa_kernels.fa2 import flex
+
+    compiled = torch.compile(flex_attention)
+    monkeypatch.setattr(flex, "_flex", lambda device: compiled)
+    for name, run, ref in _flex_cases():
+        assert rel_err(run(), ref) < FLOAT32_BOUND, name

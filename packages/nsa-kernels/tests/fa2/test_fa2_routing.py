@@ -1,0 +1,134 @@
+"""Which FA-2 / fallback backend serves a call, and why the others refused (CPU)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from nsa_core import registry
+from nsa_core.debug_log import reset_log_state
+from nsa_core.registry import OpContext, resolve
+from nsa_core.toggles import Toggles
+from nsa_kernels.fa2 import _flash, backends
+from nsa_kernels.fa2.routing import (
+    FLEX_MIN_LEN,
+    fa2_compressed_supports,
+    fa2_sliding_supports,
+    flex_supports,
+    sdpa_supports,
+)
+
+
+def ctx(
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    seq_len: int = 4096,
+    dk: int = 128,
+    dv: int = 128,
+    hq: int = 16,
+    h: int = 4,
+) -> OpContext:
+    return OpContext(
+        device=torch.device(device),
+        dtype=dtype,
+        seq_len=seq_len,
+        num_q_heads=hq,
+        num_kv_heads=h,
+        head_dim_qk=dk,
+        head_dim_v=dv,
+        requires_grad=False,
+        varlen=False,
+    )
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register this package's backends into a copy of the registry, dropped after the test."""
+    registry.load_entry_points()
+    monkeypatch.setattr(
+        registry, "_backends", {op: list(b) for op, b in registry._backends.items()}
+    )
+    for backend in backends():
+        registry.register_backend(backend)
+    reset_log_state()
+
+
+def test_backend_table() -> None:
+    table = {(b.op, b.name): b.priority for b in backends()}
+    assert table == {
+        ("sliding_attention", "fa2"): 30,
+        ("compressed_attention", "fa2"): 30,
+        ("sliding_attention", "flex"): 20,
+        ("compressed_attention", "flex"): 20,
+        ("sliding_attention", "sdpa"): 10,
+        ("compressed_attention", "sdpa"): 10,
+    }
+    requested = {(b.op, b.name) for b in backends() if b.requested_by(Toggles(use_fa2=True))}
+    assert requested == {("sliding_attention", "fa2"), ("compressed_attention", "fa2")}
+    assert not any(b.requested_by(Toggles()) for b in backends())
+
+
+def test_everything_refuses_without_use_fa2() -> None:
+    off = Toggles()
+    for supports in (fa2_sliding_supports, fa2_compressed_supports, flex_supports, sdpa_supports):
+        reason = supports(ctx(), off)
+        assert reason is not None
+        assert "NSA_USE_FA2 is off" in reason
+
+
+def test_fa2_reasons_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    on = Toggles(use_fa2=True, fa2_min_len_win=64, fa2_min_len_cmp=128)
+    assert "CUDA device" in str(fa2_sliding_supports(ctx(device="cpu"), on))
+    # Past the device check the answer depends on flash_attn and the GPU; pretend both are there.
+    monkeypatch.setattr(_flash, "_module", object())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert fa2_sliding_supports(ctx(device="cuda"), on) is None
+    assert "float16 or bfloat16" in str(fa2_sliding_supports(ctx("cuda", torch.float32), on))
+    assert "head dims <= 256" in str(fa2_sliding_supports(ctx("cuda", dk=264, dv=8), on))
+    assert fa2_sliding_supports(ctx("cuda", dk=192, dv=128), on) is None
+    assert "NSA_FA2_MIN_LEN_WIN=64" in str(fa2_sliding_supports(ctx("cuda", seq_len=63), on))
+    assert fa2_sliding_supports(ctx("cuda", seq_len=64), on) is None
+    assert "NSA_FA2_MIN_LEN_CMP=128" in str(fa2_compressed_supports(ctx("cuda", seq_len=127), on))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert "sm80" in str(fa2_sliding_supports(ctx(device="cuda"), on))
+
+
+def test_fa2_missing_module_is_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_flash, "_module", None)
+    monkeypatch.setattr(
+        _flash, "_import_error", "ModuleNotFoundError: No module named 'flash_attn'"
+    )
+    reason = fa2_sliding_supports(ctx(device="cuda"), Toggles(use_fa2=True))
+    assert reason is not None
+    assert "flash_attn is not importable" in reason
+
+
+def test_flex_reasons() -> None:
+    on = Toggles(use_fa2=True)
+    assert "on CUDA" in str(flex_supports(ctx(device="cpu"), on))
+    assert "power-of-two group size" in str(flex_supports(ctx("cuda", hq=12, h=4), on))
+    assert f"< {FLEX_MIN_LEN}" in str(flex_supports(ctx("cuda", seq_len=FLEX_MIN_LEN - 1), on))
+    assert flex_supports(ctx("cuda", seq_len=FLEX_MIN_LEN), on) is None
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_registry_falls_back_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
+    on = Toggles(use_fa2=True)
+    for op in ("sliding_attention", "compressed_attention"):
+        assert resolve(op, ctx(device="cpu"), Toggles()).backend.name == "reference"
+        with caplog.at_level(logging.WARNING, logger="nsa"):
+            caplog.clear()
+            first = resolve(op, ctx(device="cpu"), on)
+            again = resolve(op, ctx(device="cpu"), on)
+        assert first.backend.name == again.backend.name == "sdpa"
+        rejected = dict(first.rejected)
+        assert "CUDA device" in rejected["fa2"]
+        assert "on CUDA" in rejected["flex"]
+        fallback_logs = [r for r in caplog.records if "registry.fallback" in r.getMessage()]
+        assert len(fallback_logs) == 1
+        assert "backend=fa2" in fallback_logs[0].getMessage()
+    report = registry.routing_report(ctx(device="cpu"), on)
+    assert "sliding_attention      -> sdpa" in report
+    assert "compressed_attention   -> sdpa" in report

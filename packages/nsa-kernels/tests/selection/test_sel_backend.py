@@ -1,0 +1,154 @@
+"""Routing of the Triton selection backend (no kernels run) and its debug hooks (kernels run)."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from sel_testlib import DEVICE, SKIP_REASON, Case, make_inputs
+
+from nsa_core import registry
+from nsa_core.debug_log import reset_log_state
+from nsa_core.registry import OpContext
+from nsa_core.toggles import Toggles, reload_toggles
+from nsa_kernels.selection.backend import (
+    DEVICE_POLICY,
+    alignment_reason,
+    backends,
+    decline_reason,
+    device_policy,
+    supports,
+)
+
+CUDA_OK: dict[str, Any] = dict(
+    device_type="cuda",
+    capability=(9, 0),
+    dtype=torch.bfloat16,
+    dk=128,
+    dv=128,
+    seq_len=4096,
+    requires_grad=False,
+)
+
+
+def reason(toggles: Toggles | None = None, **overrides: Any) -> str | None:
+    return decline_reason(toggles or Toggles(), **{**CUDA_OK, **overrides})
+
+
+def test_serves_hopper_bf16_by_default() -> None:
+    assert reason() is None
+
+
+def test_declines_each_rule_with_its_reason() -> None:
+    assert reason(device_type="cpu") == "needs a CUDA device, got cpu"
+    assert reason(Toggles(use_triton_sel=False)) == "NSA_USE_TRITON_SEL=0"
+    assert reason(Toggles(use_triton_sel=False, triton_sel_force=True)) is None
+    assert reason(Toggles(sel_triton_allow_grad=False), requires_grad=True) == (
+        "gradients are required and NSA_SEL_TRITON_ALLOW_GRAD=0"
+    )
+    assert reason(Toggles(sel_triton_allow_grad=False)) is None
+    assert reason(Toggles(sel_triton_min_l=8192)) == "seq_len=4096 < NSA_SEL_TRITON_MIN_L=8192"
+    assert reason(dtype=torch.float64) is not None and "float64" in str(reason(dtype=torch.float64))
+    assert "dk=72" in str(reason(dk=72))
+    assert "dv=512" in str(reason(dv=512))
+
+
+def test_device_policy_is_one_table() -> None:
+    ada = reason(capability=(8, 9))
+    assert ada is not None and "NSA_TRITON_SEL_FORCE" in ada
+    assert reason(Toggles(triton_sel_force=True), capability=(8, 9)) is None
+    assert device_policy((8, 9)).decision == "fallback"
+    turing = reason(Toggles(triton_sel_force=True), capability=(7, 5))
+    assert turing == device_policy((7, 5)).reason and device_policy((7, 5)).decision == "refuse"
+    assert device_policy((8, 0)).decision == "use" and device_policy((9, 0)).decision == "use"
+    assert all(row.reason for row in DEVICE_POLICY)
+
+
+def test_alignment_guard() -> None:
+    assert alignment_reason(torch.float16, 64, 64) is None
+    assert alignment_reason(torch.float32, 192, 128) is None
+    assert alignment_reason(torch.float16, 8, 64) is not None
+    assert alignment_reason(torch.int8, 64, 64) is not None
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[None]:
+    saved = {op: list(rows) for op, rows in registry._backends.items()}
+    saved_loaded = registry._entry_points_loaded
+    registry._backends.clear()
+    registry._backends.update({op: [] for op in registry.OPS})
+    registry._entry_points_loaded = True
+    registry.register_reference_backends()
+    reset_log_state()
+    try:
+        yield
+    finally:
+        registry._backends.clear()
+        registry._backends.update(saved)
+        registry._entry_points_loaded = saved_loaded
+        reset_log_state()
+
+
+def test_registered_backend_falls_back_on_cpu_with_its_reason(
+    isolated_registry: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    (backend,) = backends()
+    assert (backend.op, backend.name, backend.priority) == ("selected_attention", "triton_sel", 20)
+    assert backend.requested_by(Toggles()) and backend.requested_by(
+        Toggles(use_triton_sel=False, triton_sel_force=True)
+    )
+    assert not backend.requested_by(Toggles(use_triton_sel=False))
+    registry.register_backend(backend)
+    ctx = OpContext(
+        device=torch.device("cpu"), dtype=torch.float32, seq_len=128, num_q_heads=4,
+        num_kv_heads=2, head_dim_qk=64, head_dim_v=64, requires_grad=False, varlen=False,
+    )
+    assert supports(ctx, Toggles()) == "needs a CUDA device, got cpu"
+    with caplog.at_level(logging.WARNING, logger="nsa"):
+        res = registry.resolve("selected_attention", ctx, Toggles())
+    assert res.backend.name == "reference"
+    assert res.rejected == (("triton_sel", "needs a CUDA device, got cpu"),)
+    assert any("triton_sel" in r.getMessage() for r in caplog.records)
+    _ = replace
+
+
+@pytest.fixture
+def debug_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for name in ("NSA_DEBUG_LOG", "NSA_DEBUG_SHAPES", "NSA_DEBUG_COMPARE", "NSA_DEBUG_TIMING"):
+        monkeypatch.setenv(name, "1")
+    reload_toggles()
+    reset_log_state()
+    yield
+    monkeypatch.undo()
+    reload_toggles()
+    reset_log_state()
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
+def test_debug_hooks_log_shapes_and_parity(
+    debug_env: None, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
+) -> None:
+    assert DEVICE is not None
+    from nsa_kernels.selection.backend import selected_attention_backend
+
+    case = Case("debug", tq=20, h=1, group=2)
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    with caplog.at_level(logging.INFO, logger="nsa"):
+        selected_attention_backend(q, k, v, idx, case.sel_block)
+    messages = [r.getMessage() for r in caplog.records]
+    shapes = [m for m in messages if m.startswith("sel.triton.shapes ")]
+    compare = [m for m in messages if m.startswith("sel.triton.compare ")]
+    assert shapes and "q=[1, 20, 2, 16]" in shapes[0]
+    assert compare
+    mae = float(compare[0].split("mae=")[1].split()[0])
+    assert mae < 1e-5
+    if DEVICE == "cuda":
+        assert any(m.startswith("sel.triton.device ") for m in messages)
+        assert any(m.startswith("sel.triton.bucket_timing ") and "kv_gbps=" in m for m in messages)

@@ -1,0 +1,153 @@
+"""Triton selected attention vs the nsa_core reference, forward and backward, on small shapes.
+
+Runs on CPU under TRITON_INTERPRET=1 (CI) or on a CUDA GPU. Kernels run in float32 here and are
+held to the float32 bound of NSA-SPEC.md against the float64 reference; the half-precision test
+uses the float16/bfloat16 bounds against a float32 reference on the same inputs.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from sel_testlib import (
+    BOUND,
+    DEVICE,
+    INTERPRET,
+    SKIP_REASON,
+    Case,
+    make_inputs,
+    reference,
+    reference_lse,
+    rel_err,
+)
+
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
+pytest.importorskip("triton")
+
+from nsa_kernels.selection.function import (  # noqa: E402
+    SelConfig,
+    selected_attention_fwd,
+    selected_attention_triton,
+)
+
+CASES = [
+    Case("g1_partial_random", batch=2, tq=21, h=1, group=1, dk=16, dv=32, indices="random"),
+    Case("g3_nsa_partial", tq=27, h=2, group=3, dk=32, dv=16, n=4,
+         config={"segment_tokens": 4}),
+    Case("g4_span", tq=36, h=1, group=4, dk=32, dv=32, n=3, indices="span"),
+    Case("g16_empty_future", tq=24, h=1, group=16, n=2, indices="empty"),
+    Case("q_start_future", tq=20, q_start=45, tk=70, h=2, group=2, n=3, indices="random"),
+    Case("varlen_len1_empty", tq=40, seqlens=[1, 17, 0, 22], h=1, group=3, n=3,
+         config={"segment_tokens": 4}),
+    Case("repeat_indices", tq=20, h=1, group=2, n=4, indices="repeat"),
+    Case("split_tiles", tq=17, h=1, group=3, dk=48, dv=32, sel_block=32, n=2,
+         config={"block_l": 16, "block_d": 16, "block_dv": 16, "heads_per_prog": 2}),
+    Case("odd_block_len", tq=30, h=1, group=1, sel_block=24, n=3),
+]
+IDS = [c.name for c in CASES]
+
+
+def _gen(request: pytest.FixtureRequest) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _run(case: Case, q, k, v, idx, cu):  # type: ignore[no-untyped-def]
+    return selected_attention_triton(
+        q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu,
+        config=SelConfig(**case.config),
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_forward_and_lse_match_reference(case: Case, request: pytest.FixtureRequest) -> None:
+    assert DEVICE is not None
+    q, k, v, idx, cu = make_inputs(case, _gen(request), torch.float32, DEVICE)
+    o, lse = selected_attention_fwd(
+        q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu,
+        config=SelConfig(**case.config),
+    )
+    ref = reference(q, k, v, idx, case, cu)
+    assert o.dtype == q.dtype and o.shape == ref.shape
+    assert rel_err(o, ref) < BOUND[torch.float32]
+
+    ref_lse = reference_lse(q, k, idx, case)
+    lse = lse.double().cpu()
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty), "rows that see nothing must have lse = -inf"
+    assert torch.all(lse[empty] < 0)
+    assert rel_err(lse[~empty], ref_lse[~empty]) < BOUND[torch.float32]
+    if empty.any():
+        assert torch.count_nonzero(o.cpu()[empty]) == 0, "rows that see nothing must output 0"
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_backward_matches_reference(case: Case, request: pytest.FixtureRequest) -> None:
+    assert DEVICE is not None
+    gen = _gen(request)
+    q, k, v, idx, cu = make_inputs(case, gen, torch.float32, DEVICE)
+    do = torch.randn(q.shape[:3] + (case.dv,), generator=gen).to(DEVICE)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    _run(case, *leaves, idx, cu).backward(do)
+    ref_leaves = [t.double().clone().requires_grad_() for t in (q, k, v)]
+    reference(*ref_leaves, idx, case, cu).backward(do.double())
+    for name, got, want in zip("qkv", leaves, ref_leaves):
+        assert got.grad is not None and want.grad is not None
+        assert rel_err(got.grad, want.grad) < 2 * BOUND[torch.float32], f"d{name}"
+
+
+BF16_UNDER_INTERPRETER = pytest.mark.skipif(
+    INTERPRET,
+    reason="the Triton interpreter multiplies bfloat16 tl.dot operands wrongly (a plain 16x16 "
+    "bf16 dot comes back off by ~1e10); bfloat16 is checked on the GPU",
+)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float16, pytest.param(torch.bfloat16, marks=BF16_UNDER_INTERPRETER)],
+    ids=["fp16", "bf16"],
+)
+def test_half_precision_within_spec(dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
+    assert DEVICE is not None
+    case = Case("half", tq=30, h=1, group=4, dk=32, dv=32, n=3)
+    gen = _gen(request)
+    q, k, v, idx, cu = make_inputs(case, gen, dtype, DEVICE)
+    do = torch.randn(q.shape[:3] + (case.dv,), generator=gen).to(DEVICE, dtype)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o = _run(case, *leaves, idx, cu)
+    o.backward(do)
+    ref_leaves = [t.float().clone().requires_grad_() for t in (q, k, v)]
+    ref = reference(*ref_leaves, idx, case, cu, dtype=torch.float32)
+    ref.backward(do.float())
+    assert o.dtype == dtype
+    assert rel_err(o, ref) < BOUND[dtype]
+    for name, got, want in zip("qkv", leaves, ref_leaves):
+        assert got.grad is not None and want.grad is not None and got.grad.dtype == dtype
+        assert rel_err(got.grad, want.grad) < 2 * BOUND[dtype], f"d{name}"
+
+
+def test_backward_is_bitwise_deterministic(request: pytest.FixtureRequest) -> None:
+    assert DEVICE is not None
+    case = Case("det", tq=30, h=1, group=3, n=3, config={"segment_tokens": 3})
+    gen = _gen(request)
+    q, k, v, idx, cu = make_inputs(case, gen, torch.float32, DEVICE)
+    do = torch.randn(q.shape[:3] + (case.dv,), generator=gen).to(DEVICE)
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        _run(case, *leaves, idx, cu).backward(do)
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_no_grad_and_grad_paths_agree(request: pytest.FixtureRequest) -> None:
+    assert DEVICE is not None
+    case = Case("paths", tq=20, h=1, group=2)
+    q, k, v, idx, cu = make_inputs(case, _gen(request), torch.float32, DEVICE)
+    with torch.no_grad():
+        plain = _run(case, q, k, v, idx, cu)
+    tracked = _run(case, q.requires_grad_(), k, v, idx, cu)
+    assert tracked.requires_grad and torch.equal(plain, tracked.detach())
