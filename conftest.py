@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     has_cuda = torch.cuda.is_available()
     run_slow = config.getoption("--run-slow")
     for item in items:
-        if not has_cuda and any(m in item.keywords for m in ("gpu", "fa2", "cuda")):
+        if not has_cuda and any(item.get_closest_marker(m) for m in ("gpu", "fa2", "cuda")):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is visible to torch"))
-        if "slow" in item.keywords and not run_slow:
+        if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow test; opt in with --run-slow"))

@@ -232,7 +232,7 @@ def ranked_candidates(scores: Sequence[float], t: int, l_sel: int) -> list[int]:
     """Valid (j*l' <= t), non-forced blocks, best score first, ties to the lower j."""
     forced = forced_blocks(t, l_sel)
     valid = [j for j in range(len(scores)) if j * l_sel <= t]
-    return sorted((j for j in valid if j not in forced), key=lambda j: (-scores[j], -j))
+    return sorted((j for j in valid if j not in forced), key=lambda j: (-scores[j], j))
 
 
 def choose_blocks(scores: Sequence[float], t: int, l_sel: int, n: int) -> list[int]:

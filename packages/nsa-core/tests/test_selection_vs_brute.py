@@ -86,11 +86,11 @@ def test_block_scores_are_overlap_weighted_p_cmp_summed_over_the_group(
     gen: torch.Generator, dtype: torch.dtype, l_cmp: int, d: int, l_sel: int, hq: int, heads: int
 ) -> None:
     length = 3 * l_sel + l_cmp + 1 if l_sel >= 32 else 5 * l_sel + 3
-    q = randn(gen, 2, length, hq, 8, dtype=dtype)
-    k_cmp = nc.compress(randn(gen, 2, length, heads, 8, dtype=dtype), l_cmp, d)
+    q = randn(gen, 2, length, hq, 8, dtype=dtype).requires_grad_()
+    k_cmp = nc.compress(randn(gen, 2, length, heads, 8, dtype=dtype), l_cmp, d).requires_grad_()
     got = nc.block_scores(q, k_cmp, l_cmp, d, l_sel)
     brute.assert_matches(got, brute.block_scores(q, k_cmp, l_cmp, d, l_sel), dtype, "scores")
-    assert not got.requires_grad
+    assert not got.requires_grad, "selection is a discrete choice: scores carry no gradient"
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,35 @@ def cmp_block_overlap(
     return (hi - lo).clamp_min(0).to(dtype) / cmp_stride
 
 
+def cmp_block_band(
+    num_cmp: int,
+    num_sel: int,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nonzero band of :func:`cmp_block_overlap`, column by column.
+
+    Returns index [num_sel, K] (long) and weight [num_sel, K] with K = (l + l') / d: selection
+    block j overlaps compressed blocks ``index[j]`` with weights ``weight[j]``; padding entries
+    point one past the last block (``num_cmp``, where callers keep a zero) with weight 0. Summing a fixed-width band in a fixed order gives equal
+    scores to equal inputs, which a matrix product over the dense map does not guarantee.
+    """
+    width = (cmp_block + sel_block) // cmp_stride
+    j = torch.arange(num_sel, device=device).unsqueeze(1)
+    # First compressed block that can overlap [j*l', (j+1)*l'): i*d + l > j*l'.
+    first = torch.div(j * sel_block - cmp_block, cmp_stride, rounding_mode="floor") + 1
+    i = first + torch.arange(width, device=device).unsqueeze(0)  # [num_sel, K]
+    lo = torch.maximum(i * cmp_stride, j * sel_block)
+    hi = torch.minimum(i * cmp_stride + cmp_block, (j + 1) * sel_block)
+    inside = (i >= 0) & (i < num_cmp)
+    weight = torch.where(inside, (hi - lo).clamp_min(0), torch.zeros_like(i)).to(dtype) / cmp_stride
+    return torch.where(inside, i, torch.full_like(i, num_cmp)), weight
+
+
 def cmp_cu_seqlens(cu_seqlens: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:
     """cu_seqlens [S+1] over tokens -> [S+1] over each sequence's compressed blocks, packed."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)

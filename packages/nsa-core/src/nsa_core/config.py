@@ -43,8 +43,13 @@ class NSAConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in ("int",) and (not isinstance(value, int) or isinstance(value, bool)):
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"NSAConfig.{f.name} must be an int, got {value!r}")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if f.type in ("float", "float | None") and not (
+                number or (value is None and "None" in f.type)
+            ):
+                raise TypeError(f"NSAConfig.{f.name} must be a number, got {value!r}")
         for name in (
             "num_q_heads",
             "num_kv_heads",

@@ -19,7 +19,8 @@ def split_blocks(x: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tens
     batch, t, h, d = x.shape
     n = num_cmp_blocks(t, cmp_block, cmp_stride)
     if n == 0:
-        return x.new_zeros(batch, 0, cmp_block, h, d)
+        # An empty slice, not new_zeros, so that the result stays in x's autograd graph.
+        return x[:, :0].unsqueeze(2).expand(batch, 0, cmp_block, h, d)
     # unfold gives [B, N, H, D, l]; blocks overlap when l > d, so this is a strided view.
     return x.unfold(1, cmp_block, cmp_stride).permute(0, 1, 4, 2, 3)
 

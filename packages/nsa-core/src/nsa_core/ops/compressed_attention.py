@@ -30,17 +30,25 @@ def cmp_probs(
     cmp_stride: int,
     scale: float,
     q_start: int,
+    *,
+    tie_exact: bool = False,
 ) -> torch.Tensor:
     """p_cmp [B, H, Tq, G, N]: softmax over the visible compressed keys, in the compute dtype.
 
     Rows that see no block are all zero. Callers chunk over queries to bound memory.
+    ``tie_exact`` computes each logit as its own dot product (multiply, then sum over dk), so
+    equal keys get bit-equal logits wherever they sit; a matrix product may round them
+    differently by column. Selection needs that for its tie rule; the output path does not.
     """
     batch, tq, hq, dk = q.shape
     n, h = k_cmp.shape[1], k_cmp.shape[2]
     dtype = compute_dtype(q.dtype)
     qg = q.to(dtype).view(batch, tq, h, hq // h, dk).permute(0, 2, 1, 3, 4)
     kc = k_cmp.to(dtype).permute(0, 2, 1, 3)  # [B, H, N, dk]
-    scores = torch.einsum("bhtgd,bhnd->bhtgn", qg, kc) * scale
+    if tie_exact:
+        scores = (qg.unsqueeze(-2) * kc[:, :, None, None]).sum(dim=-1) * scale
+    else:
+        scores = torch.einsum("bhtgd,bhnd->bhtgn", qg, kc) * scale
     positions = torch.arange(q_start, q_start + tq, device=q.device)
     visible = cmp_visible(positions, n, cmp_block, cmp_stride)  # [Tq, N]
     return masked_softmax(scores, visible[None, None, :, None, :])
@@ -116,8 +124,10 @@ def _compressed_dense(
 ) -> torch.Tensor:
     batch, tq, hq, _ = q.shape
     n, dv = k_cmp.shape[1], v_cmp.shape[3]
-    if tq == 0 or n == 0:
+    if tq == 0:
         return q.new_zeros(batch, tq, hq, dv)
+    # n == 0 runs the general path: the einsums over an empty block axis give zeros that stay in
+    # the autograd graph, so a loss on them back-propagates zero gradients instead of raising.
     dtype = compute_dtype(q.dtype)
     vc = v_cmp.to(dtype).permute(0, 2, 1, 3)  # [B, H, N, dv]
     chunk = query_chunk(hq * n)

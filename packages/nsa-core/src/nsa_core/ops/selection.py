@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.blocks import cmp_block_overlap, cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
+from nsa_core.blocks import cmp_block_band, cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
 from nsa_core.ops._common import (
     check_attention_args,
     check_cu_seqlens,
@@ -41,17 +41,25 @@ def block_scores(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_sel = num_sel_blocks(q_start + tq, sel_block)
     with torch.no_grad():
-        overlap = cmp_block_overlap(
+        band, weight = cmp_block_band(
             n_cmp, n_sel, cmp_block, cmp_stride, sel_block, device=q.device, dtype=dtype
         )
-        chunk = query_chunk(hq * (n_cmp + n_sel))
+        chunk = query_chunk(hq * n_cmp * (dk + 1) + h * n_sel * band.shape[1])
         outs = []
         for c0 in range(0, tq, chunk):
             c1 = min(tq, c0 + chunk)
             p = cmp_probs(
-                q[:, c0:c1].to(dtype), k_cmp.to(dtype), cmp_block, cmp_stride, scale, q_start + c0
+                q[:, c0:c1].to(dtype),
+                k_cmp.to(dtype),
+                cmp_block,
+                cmp_stride,
+                scale,
+                q_start + c0,
+                tie_exact=True,
             )  # [B, H, C, G, N]
-            s = p.sum(dim=3) @ overlap  # group sum commutes with the linear map c
+            p = p.sum(dim=3)  # group sum first: it commutes with the linear map c
+            p = torch.nn.functional.pad(p, (0, 1))  # the zero that band padding points at
+            s = (p[..., band] * weight).sum(dim=-1)  # [B, H, C, Nsel]
             outs.append(s.permute(0, 2, 1, 3))
         if not outs:
             return q.new_zeros(batch, 0, h, n_sel, dtype=dtype)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nsa_core.ops._common import (
+    CHUNK_ELEMENTS,
     check_attention_args,
     check_cu_seqlens,
     check_q_start,
     compute_dtype,
     masked_softmax,
-    query_chunk,
     spans,
 )
 
@@ -63,7 +65,8 @@ def _sliding_dense(
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
     dtype = compute_dtype(q.dtype)
-    chunk = max(1, min(window, query_chunk(hq * 2 * window)))
+    # A chunk of C queries reads C + w - 1 keys: pick the largest C with hq*C*(C+w) bounded.
+    chunk = max(1, int((-window + math.sqrt(window * window + 4 * CHUNK_ELEMENTS / hq)) / 2))
     outs = []
     for c0 in range(0, tq, chunk):
         c1 = min(tq, c0 + chunk)
