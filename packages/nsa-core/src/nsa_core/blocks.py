@@ -51,8 +51,9 @@ def cmp_block_band(
 
     Returns index [num_sel, K] (long) and weight [num_sel, K] with K = (l + l') / d: selection
     block j overlaps compressed blocks ``index[j]`` with weights ``weight[j]``; padding entries
-    point one past the last block (``num_cmp``, where callers keep a zero) with weight 0. Summing a fixed-width band in a fixed order gives equal
-    scores to equal inputs, which a matrix product over the dense map does not guarantee.
+    point one past the last block (``num_cmp``, where callers keep a zero) with weight 0.
+    Summing a fixed-width band in a fixed order gives equal scores to equal inputs, which a
+    matrix product over the dense map does not guarantee.
     """
     width = (cmp_block + sel_block) // cmp_stride
     j = torch.arange(num_sel, device=device).unsqueeze(1)

@@ -30,25 +30,17 @@ def cmp_probs(
     cmp_stride: int,
     scale: float,
     q_start: int,
-    *,
-    tie_exact: bool = False,
 ) -> torch.Tensor:
     """p_cmp [B, H, Tq, G, N]: softmax over the visible compressed keys, in the compute dtype.
 
     Rows that see no block are all zero. Callers chunk over queries to bound memory.
-    ``tie_exact`` computes each logit as its own dot product (multiply, then sum over dk), so
-    equal keys get bit-equal logits wherever they sit; a matrix product may round them
-    differently by column. Selection needs that for its tie rule; the output path does not.
     """
     batch, tq, hq, dk = q.shape
     n, h = k_cmp.shape[1], k_cmp.shape[2]
     dtype = compute_dtype(q.dtype)
     qg = q.to(dtype).view(batch, tq, h, hq // h, dk).permute(0, 2, 1, 3, 4)
     kc = k_cmp.to(dtype).permute(0, 2, 1, 3)  # [B, H, N, dk]
-    if tie_exact:
-        scores = (qg.unsqueeze(-2) * kc[:, :, None, None]).sum(dim=-1) * scale
-    else:
-        scores = torch.einsum("bhtgd,bhnd->bhtgn", qg, kc) * scale
+    scores = torch.einsum("bhtgd,bhnd->bhtgn", qg, kc) * scale
     positions = torch.arange(q_start, q_start + tq, device=q.device)
     visible = cmp_visible(positions, n, cmp_block, cmp_stride)  # [Tq, N]
     return masked_softmax(scores, visible[None, None, :, None, :])

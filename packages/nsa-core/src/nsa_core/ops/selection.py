@@ -9,10 +9,11 @@ from nsa_core.ops._common import (
     check_attention_args,
     check_cu_seqlens,
     check_rank,
+    masked_softmax,
     query_chunk,
     spans,
 )
-from nsa_core.ops.compressed_attention import cmp_probs
+from nsa_core.ops.compressed_attention import cmp_visible
 
 
 def block_scores(
@@ -44,26 +45,39 @@ def block_scores(
         band, weight = cmp_block_band(
             n_cmp, n_sel, cmp_block, cmp_stride, sel_block, device=q.device, dtype=dtype
         )
-        chunk = query_chunk(hq * n_cmp * (dk + 1) + h * n_sel * band.shape[1])
+        exact = dtype == torch.float64
+        chunk = query_chunk(hq * n_cmp * (dk if exact else 2) + h * n_sel * band.shape[1])
+        kc = k_cmp.permute(0, 2, 1, 3)  # [B, H, N, dk]
         outs = []
         for c0 in range(0, tq, chunk):
             c1 = min(tq, c0 + chunk)
-            p = cmp_probs(
-                q[:, c0:c1].to(dtype),
-                k_cmp.to(dtype),
-                cmp_block,
-                cmp_stride,
-                scale,
-                q_start + c0,
-                tie_exact=True,
-            )  # [B, H, C, G, N]
-            p = p.sum(dim=3)  # group sum first: it commutes with the linear map c
+            qg = q[:, c0:c1].view(batch, c1 - c0, h, hq // h, dk).permute(0, 2, 1, 3, 4)
+            logits = tie_exact_logits(qg, kc) * scale  # [B, H, C, G, N]
+            t = torch.arange(q_start + c0, q_start + c1, device=q.device)
+            visible = cmp_visible(t, n_cmp, cmp_block, cmp_stride)[None, None, :, None, :]
+            p = masked_softmax(logits.to(dtype), visible).sum(dim=3)  # group sum: commutes with c
             p = torch.nn.functional.pad(p, (0, 1))  # the zero that band padding points at
             s = (p[..., band] * weight).sum(dim=-1)  # [B, H, C, Nsel]
             outs.append(s.permute(0, 2, 1, 3))
         if not outs:
             return q.new_zeros(batch, 0, h, n_sel, dtype=dtype)
         return torch.cat(outs, dim=1)
+
+
+def tie_exact_logits(qg: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
+    """q . k for qg [B, H, C, G, dk] and kc [B, H, N, dk] -> [B, H, C, G, N], equal keys tied.
+
+    The tie rule needs bit-equal logits for equal keys wherever they sit, which a matrix product
+    does not promise (its tiles may round the same dot product differently by column). float64
+    inputs take one multiply-and-sum per logit, which does. Lower precisions accumulate a
+    float64 product of their exactly representable values and round once to float32: equal
+    keys then land on the same float32 unless a rounding boundary falls within float64's
+    last-bit noise (about 2^-29 odds per pair).
+    """
+    if qg.dtype == torch.float64:
+        return (qg.unsqueeze(-2) * kc[:, :, None, None]).sum(dim=-1)
+    logits = torch.einsum("bhtgd,bhnd->bhtgn", qg.double(), kc.double())
+    return logits.float()
 
 
 def topn_blocks(
