@@ -88,7 +88,9 @@ def test_wrong_rank(op: str) -> None:
         call_op(op, q=rand(B, T, HQ * DK))
     with pytest.raises(ValueError, match=rf"{k} must have rank 4 .*got shape " + shp(nk, H, DK)):
         call_op(op, k=rand(nk, H, DK))
-    with pytest.raises(ValueError, match=rf"{v} must have rank 4 .*got shape " + shp(B, nk, H, DV, 1)):
+    with pytest.raises(
+        ValueError, match=rf"{v} must have rank 4 .*got shape " + shp(B, nk, H, DV, 1)
+    ):
         call_op(op, v=rand(B, nk, H, DV, 1))
 
 
@@ -139,7 +141,9 @@ def test_head_dims_differ(op: str) -> None:
 @pytest.mark.parametrize("op", ["sliding_attention", "selected_attention"])
 def test_more_queries_than_keys(op: str) -> None:
     """Queries at [0, T) need keys [0, T): T differs between q and k/v."""
-    message = rf"queries at positions \[0, {T}\) need keys up to {T - 1}, but k holds {T - 2} tokens"
+    message = (
+        rf"queries at positions \[0, {T}\) need keys up to {T - 1}, but k holds {T - 2} tokens"
+    )
     with pytest.raises(ValueError, match=message):
         call_op(op, k=rand(B, T - 2, H, DK), v=rand(B, T - 2, H, DV))
     with pytest.raises(ValueError, match=r"q_start must be >= 0, got -1"):
@@ -253,7 +257,8 @@ CU_OPS = [*ATTENTION_OPS, "select_blocks", "compress", "module"]
 CU_CASES: list[tuple[str, Any, type[Exception], str]] = [
     ("int64", torch.tensor([0, 3, T], dtype=torch.int64), TypeError,
      r"cu_seqlens must be int32, got torch.int64"),
-    ("float", torch.tensor([0.0, 3.0, T]), TypeError, r"cu_seqlens must be int32, got torch.float32"),
+    ("float", torch.tensor([0.0, 3.0, T]), TypeError,
+     r"cu_seqlens must be int32, got torch.float32"),
     ("list", [0, 3, T], TypeError, r"cu_seqlens must be an int32 tensor, got list"),
     ("start", torch.tensor([1, 3, T], dtype=torch.int32), ValueError,
      r"cu_seqlens must start at 0, got 1"),
@@ -292,9 +297,7 @@ def call_with_cu(op: str, cu: Any, batch: int = B, n_cmp: int = N_CMP) -> Any:
 
 
 @pytest.mark.parametrize("op", CU_OPS)
-@pytest.mark.parametrize(
-    ("case", "cu", "error", "message"), CU_CASES, ids=[c[0] for c in CU_CASES]
-)
+@pytest.mark.parametrize(("case", "cu", "error", "message"), CU_CASES, ids=[c[0] for c in CU_CASES])
 def test_malformed_cu_seqlens(
     op: str, case: str, cu: Any, error: type[Exception], message: str
 ) -> None:
@@ -337,18 +340,23 @@ def test_stride_must_divide_cmp_block_in_ops(cmp_block: int, cmp_stride: int) ->
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"cmp_block": 32, "cmp_stride": 12}, r"NSAConfig.cmp_stride \(12\) must divide cmp_block \(32\)"),
+        (
+            {"cmp_block": 32, "cmp_stride": 12},
+            r"NSAConfig.cmp_stride \(12\) must divide cmp_block \(32\)",
+        ),
         ({"sel_block": 72}, r"NSAConfig.cmp_stride \(16\) must divide sel_block \(72\)"),
         ({"num_selected": 2}, r"NSAConfig.num_selected must be >= 3"),
     ],
 )
-def test_config_geometry(kwargs: dict[str, int], message: str) -> None:
+def test_config_geometry(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         NSAConfig(**kwargs)
 
 
 def test_compress_rank() -> None:
-    with pytest.raises(ValueError, match=r"x must have rank 4 \[B, T, H, D\], got shape \[8, 2, 8\]"):
+    with pytest.raises(
+        ValueError, match=r"x must have rank 4 \[B, T, H, D\], got shape \[8, 2, 8\]"
+    ):
         compress(rand(T, H, DK), L_CMP, D_CMP)
 
 
@@ -383,11 +391,15 @@ def small_config(**over: Any) -> NSAConfig:
 
 def test_module_bad_x() -> None:
     layer = NSAAttention(small_config(), HIDDEN)
-    with pytest.raises(ValueError, match=r"x must have rank 3 \[B, T, hidden\], got shape \[8, 16\]"):
+    with pytest.raises(
+        ValueError, match=r"x must have rank 3 \[B, T, hidden\], got shape \[8, 16\]"
+    ):
         layer(rand(T, HIDDEN))
     with pytest.raises(ValueError, match=r"x \[1, 8, 12\] must end in hidden_size=16"):
         layer(rand(B, T, 12))
-    with pytest.raises(TypeError, match=r"x dtype torch.float64 differs from the layer's torch.float32"):
+    with pytest.raises(
+        TypeError, match=r"x dtype torch.float64 differs from the layer's torch.float32"
+    ):
         layer(rand(B, T, HIDDEN, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"x is on meta but the layer is on cpu"):
         layer(rand(B, T, HIDDEN, device="meta"))
@@ -514,4 +526,3 @@ def test_selected_block_in_the_future_is_invisible() -> None:
     assert torch.equal(o[:, :L_SEL], torch.zeros_like(o[:, :L_SEL]))
     assert all_finite(o)
     assert o[:, L_SEL:].abs().sum() > 0
-

@@ -58,6 +58,10 @@ def test_smallest_valid_config() -> None:
     assert cfg.group_size == 1
 
 
+def kw(field: str, value: Any) -> dict[str, Any]:
+    return {field: value}
+
+
 POSITIVE_INT_FIELDS = (
     "num_q_heads",
     "num_kv_heads",
@@ -75,18 +79,20 @@ POSITIVE_INT_FIELDS = (
 @pytest.mark.parametrize("value", [0, -1])
 def test_non_positive_int_field_is_named(field: str, value: int) -> None:
     with pytest.raises(ValueError, match=rf"NSAConfig\.{field} must be >= 1, got {value}"):
-        NSAConfig(**{field: value})
+        NSAConfig(**kw(field, value))
 
 
 @pytest.mark.parametrize("field", POSITIVE_INT_FIELDS)
 @pytest.mark.parametrize("value", [16.0, True, "16"])
 def test_non_int_field_is_named(field: str, value: Any) -> None:
     with pytest.raises(TypeError, match=rf"NSAConfig\.{field} must be an int"):
-        NSAConfig(**{field: value})
+        NSAConfig(**kw(field, value))
 
 
 def test_heads_not_divisible() -> None:
-    with pytest.raises(ValueError, match=r"num_q_heads \(6\) must be a multiple of num_kv_heads \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"num_q_heads \(6\) must be a multiple of num_kv_heads \(4\)"
+    ):
         NSAConfig(num_q_heads=6, num_kv_heads=4)
 
 
@@ -94,11 +100,17 @@ def test_heads_not_divisible() -> None:
     ("kwargs", "message"),
     [
         ({"cmp_block": 24, "cmp_stride": 16}, "cmp_stride (16) must divide cmp_block (24)"),
-        ({"cmp_block": 32, "cmp_stride": 16, "sel_block": 40}, "cmp_stride (16) must divide sel_block (40)"),
-        ({"cmp_block": 8, "cmp_stride": 3, "sel_block": 9}, "cmp_stride (3) must divide cmp_block (8)"),
+        (
+            {"cmp_block": 32, "cmp_stride": 16, "sel_block": 40},
+            "cmp_stride (16) must divide sel_block (40)",
+        ),
+        (
+            {"cmp_block": 8, "cmp_stride": 3, "sel_block": 9},
+            "cmp_stride (3) must divide cmp_block (8)",
+        ),
     ],
 )
-def test_stride_must_divide_block_lengths(kwargs: dict[str, int], message: str) -> None:
+def test_stride_must_divide_block_lengths(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         NSAConfig(**kwargs)
 
@@ -136,4 +148,4 @@ def test_rope_theta_must_be_positive(theta: float) -> None:
 @pytest.mark.parametrize("field", ["scale", "rope_theta"])
 def test_non_number_float_field_is_named(field: str) -> None:
     with pytest.raises((TypeError, ValueError), match=rf"NSAConfig\.{field}"):
-        NSAConfig(**{field: "1.0"})
+        NSAConfig(**kw(field, "1.0"))

@@ -78,7 +78,8 @@ def with_phi(cfg: NSAConfig, phi: str) -> NSAConfig:
 def rel_err_per_position(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """[T]: ||out[:, t] - ref[:, t]|| / ||ref[:, t]|| over batch and features."""
     diff = (out - ref).transpose(0, 1).flatten(1).norm(dim=1)
-    return diff / ref.transpose(0, 1).flatten(1).norm(dim=1)
+    errs: torch.Tensor = diff / ref.transpose(0, 1).flatten(1).norm(dim=1)
+    return errs
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -88,7 +89,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def decode_all(
     layer: NSAAttention, x: torch.Tensor, cache: NSACache, start: int
 ) -> tuple[torch.Tensor, list[int]]:
-    """Decode x[:, start:] one token at a time; -> outputs [B, T-start, hidden], num_cmp per step."""
+    """Decode x[:, start:] token by token; -> outputs [B, T-start, hidden], num_cmp per step."""
     outs, num_cmp = [], []
     for t in range(start, x.shape[1]):
         assert cache.length == t
@@ -141,17 +142,17 @@ def test_decode_equals_forward_at_every_position(
     worst = int(errs.argmax())
     assert errs.max() <= DECODE_TOL, f"position {worst}: relative error {float(errs[worst]):.3g}"
 
-    l, d = cfg.cmp_block, cfg.cmp_stride
-    assert num_cmp == [num_cmp_blocks(p + 1, l, d) for p in range(t)]
+    lc, d = cfg.cmp_block, cfg.cmp_stride
+    assert num_cmp == [num_cmp_blocks(p + 1, lc, d) for p in range(t)]
     emitted_at = [p for p in range(t) if num_cmp[p] > (num_cmp[p - 1] if p else 0)]
-    assert emitted_at == [i * d + l - 1 for i in range(num_cmp_blocks(t, l, d))]
+    assert emitted_at == [i * d + lc - 1 for i in range(num_cmp_blocks(t, lc, d))]
 
 
 # Prefix lengths: 1, just before / at the first compressed block, just after a selection-block
 # boundary, and all but the last token.
 def prefixes(cfg: NSAConfig, t: int) -> list[int]:
-    l, ls = cfg.cmp_block, cfg.sel_block
-    return sorted({1, l - 1, l, ls + 1, t - 1})
+    lc, ls = cfg.cmp_block, cfg.sel_block
+    return sorted({1, lc - 1, lc, ls + 1, t - 1})
 
 
 @pytest.mark.parametrize("phi", PHIS)
@@ -233,7 +234,7 @@ def test_cache_appends_are_bitwise_independent_of_chunking(
     cfg = config(num_q_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=6,
                  cmp_block=32, cmp_stride=16, sel_block=64, num_selected=3, window=50)  # fmt: skip
     batch, t, h = 2, 203, cfg.num_kv_heads
-    l, d = cfg.cmp_block, cfg.cmp_stride
+    lc, d = cfg.cmp_block, cfg.cmp_stride
     kv = {
         name: torch.randn(batch, t, h, dim, generator=gen, dtype=torch.float64).to(dtype)
         for name, dim in [("k_slc", 8), ("v_slc", 6), ("k_win", 8), ("v_win", 6),
@@ -245,7 +246,7 @@ def test_cache_appends_are_bitwise_independent_of_chunking(
 
     whole = NSACache.empty(cfg, batch, capacity=t, dtype=dtype)
     whole.append_tokens(*tokens(0, t))
-    k_cmp, v_cmp = compress(kv["k_raw"], l, d), compress(kv["v_raw"], l, d)
+    k_cmp, v_cmp = compress(kv["k_raw"], lc, d), compress(kv["v_raw"], lc, d)
     whole.append_blocks(k_cmp, v_cmp, consumed=k_cmp.shape[1] * d)
 
     parts = NSACache.empty(cfg, batch, dtype=dtype)  # no capacity: exercises growth
@@ -256,14 +257,14 @@ def test_cache_appends_are_bitwise_independent_of_chunking(
         parts.append_tokens(*tokens(pos, end))
         pos = end
         # Emit every block whose last token has arrived, each from the first l raw tokens.
-        while num_cmp_blocks(pos, l, d) > parts.num_cmp:
-            kb = compress(parts.k_raw[:, :l], l, d)
-            vb = compress(parts.v_raw[:, :l], l, d)
+        while num_cmp_blocks(pos, lc, d) > parts.num_cmp:
+            kb = compress(parts.k_raw[:, :lc], lc, d)
+            vb = compress(parts.v_raw[:, :lc], lc, d)
             assert kb.shape[1] == 1
             parts.append_blocks(kb, vb, consumed=d)
 
     assert whole.length == parts.length == t
-    assert whole.num_cmp == parts.num_cmp == num_cmp_blocks(t, l, d)
+    assert whole.num_cmp == parts.num_cmp == num_cmp_blocks(t, lc, d)
     for name, value in whole.state().items():
         assert torch.equal(value, parts.state()[name]), name
     assert torch.equal(whole.k_slc, kv["k_slc"])
@@ -289,7 +290,9 @@ def test_cache_state_while_filling(gen: torch.Generator) -> None:
         assert torch.equal(cache.k_slc, k[:, : t + 1])
         assert cache.num_cmp == num_cmp_blocks(t + 1, 8, 4)
         if cache.num_cmp:
-            expected = torch.stack([k[:, i * 4 : i * 4 + 8].mean(1) for i in range(cache.num_cmp)], 1)
+            expected = torch.stack(
+                [k[:, i * 4 : i * 4 + 8].mean(1) for i in range(cache.num_cmp)], 1
+            )
             assert torch.allclose(cache.k_cmp, expected, rtol=0, atol=1e-15)
 
 

@@ -20,8 +20,8 @@ def spec_reads(t: int, cfg: NSAConfig) -> int:
     I[t] holds min(n, t // l' + 1) distinct valid blocks and always the current block t // l'
     (forced); every other valid block lies wholly before t, so only the current one is partial.
     """
-    l, d, ls, n, w = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected, cfg.window
-    n_cmp = 0 if t + 1 < l else (t + 1 - l) // d + 1
+    lc, d, ls, n, w = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected, cfg.window
+    n_cmp = 0 if t + 1 < lc else (t + 1 - lc) // d + 1
     current = t // ls
     others = min(n, current + 1) - 1
     chosen = [current, *range(current - others, current)]  # the count does not depend on which
@@ -120,10 +120,10 @@ def decode_run(
 
 def check_run(cfg: NSAConfig, layer: NSAAttention, x: torch.Tensor) -> None:
     batch, h = x.shape[0], cfg.num_kv_heads
-    l, d, ls, n, w = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected, cfg.window
+    lc, d, ls, n, w = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected, cfg.window
     for t, r_cmp, r_slc, r_win, r_all, r_exp in decode_run(layer, x):
         assert r_all.shape == (batch, h)
-        n_cmp = 0 if t + 1 < l else (t + 1 - l) // d + 1
+        n_cmp = 0 if t + 1 < lc else (t + 1 - lc) // d + 1
         blocks = min(n, t // ls + 1)
         assert r_exp == expected_reads(t, cfg) == spec_reads(t, cfg)
         assert (r_cmp == n_cmp).all(), t
@@ -138,7 +138,8 @@ def test_measured_reads_equal_formula_paper_geometry(make_layer: LayerFactory,
     formula; the window saturates at t=511 and the selection at t=960 (16 valid blocks)."""
     cfg = NSAConfig(num_q_heads=2, num_kv_heads=1, head_dim_qk=4, head_dim_v=4)
     t = 1200
-    assert t - 1 >= cfg.window and (t - 1) // cfg.sel_block + 1 > cfg.num_selected
+    assert t - 1 >= cfg.window
+    assert (t - 1) // cfg.sel_block + 1 > cfg.num_selected
     layer = make_layer(cfg, 8, torch.float32)
     x = torch.randn(2, t, 8, generator=gen)
     check_run(cfg, layer, x)

@@ -28,7 +28,7 @@ from nsa_core.registry import (
 )
 from nsa_core.toggles import Toggles
 
-REFERENCE_FNS = {
+REFERENCE_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "compressed_attention": compressed_attention,
     "selected_attention": selected_attention,
     "sliding_attention": sliding_attention,
@@ -100,8 +100,14 @@ def test_reference_backends_registered_for_every_op() -> None:
 
 
 @pytest.mark.usefixtures("isolated_registry")
-@pytest.mark.parametrize("ctx", [context(), context(device=torch.device("meta")),
-                                 context(dtype=torch.bfloat16, varlen=True, requires_grad=True)])
+@pytest.mark.parametrize(
+    "ctx",
+    [
+        context(),
+        context(device=torch.device("meta")),
+        context(dtype=torch.bfloat16, varlen=True, requires_grad=True),
+    ],
+)
 def test_reference_accepts_every_context(ctx: OpContext) -> None:
     for op in OPS:
         res = resolve(op, ctx, Toggles())
@@ -231,7 +237,7 @@ def test_routing_report_shows_every_op() -> None:
 
 @pytest.mark.usefixtures("isolated_registry")
 def test_unknown_op_raises() -> None:
-    with pytest.raises(ValueError, match="unknown op 'dense_attention'.*selected_attention"):
+    with pytest.raises(ValueError, match=r"unknown op 'dense_attention'.*selected_attention"):
         register_backend(Backend("dense_attention", "x", dummy, accept))
     with pytest.raises(ValueError, match="unknown op 'dense_attention'"):
         resolve("dense_attention", context(), Toggles())
@@ -244,7 +250,7 @@ def test_no_backend_accepting_raises_with_rejections() -> None:
     """Only reachable when the reference is gone; the error lists every reason."""
     registry._backends["sliding_attention"] = []
     register_backend(Backend("sliding_attention", "x", dummy, reject_because("never")))
-    with pytest.raises(RuntimeError, match="no backend accepts op 'sliding_attention'.*never"):
+    with pytest.raises(RuntimeError, match=r"no backend accepts op 'sliding_attention'.*never"):
         resolve("sliding_attention", context(), Toggles())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -88,10 +89,12 @@ class NSAConfig:
                 "NSAConfig.head_dim_qk must be even for the rotary embedding, "
                 f"got {self.head_dim_qk}"
             )
-        if self.scale is not None and not self.scale > 0:
-            raise ValueError(f"NSAConfig.scale must be positive, got {self.scale}")
-        if not self.rope_theta > 0:
-            raise ValueError(f"NSAConfig.rope_theta must be positive, got {self.rope_theta}")
+        if self.scale is not None and not 0 < self.scale < math.inf:
+            raise ValueError(f"NSAConfig.scale must be positive and finite, got {self.scale}")
+        if not 0 < self.rope_theta < math.inf:
+            raise ValueError(
+                f"NSAConfig.rope_theta must be positive and finite, got {self.rope_theta}"
+            )
 
     @property
     def group_size(self) -> int:

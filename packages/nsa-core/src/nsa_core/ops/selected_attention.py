@@ -130,7 +130,7 @@ def _selected_dense(
     batch, tq, hq, dk = q.shape
     h, dv = k.shape[2], v.shape[3]
     g = hq // h
-    if tq == 0 or block_indices.shape[-1] == 0:
+    if tq == 0:
         return q.new_zeros(batch, tq, hq, dv)
     dtype = compute_dtype(q.dtype)
     # Dense scores against the causal prefix, masked to the selected blocks: no gather copies,
