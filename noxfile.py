@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,13 @@ def _install_project(
     session: nox.Session, cell: dict[str, Any], release: str | None = None
 ) -> None:
     """torch + triton of ``cell`` and the three packages (editable) with their test extras."""
+    # Triton's interpreter (TRITON_INTERPRET=1) imports numpy, which triton does not declare.
     session.install(
         "-c",
         _constraints(session, cell, release),
         "torch",
         "triton",
+        "numpy",
         "-e",
         "packages/nsa-core[test]",
         "-e",
@@ -75,9 +78,27 @@ def _install_project(
     )
 
 
+_NOT_SOURCE = ("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
+
+
+def _source_copies(session: nox.Session) -> list[str]:
+    """Clean copies of the three packages' sources to build from.
+
+    setuptools keeps a build/ folder in the source tree it builds, and files left there by an
+    earlier build would end up in the next one; building copies keeps the checkout clean too.
+    """
+    root = Path(session.create_tmp()) / "src"
+    shutil.rmtree(root, ignore_errors=True)
+    ignore = shutil.ignore_patterns(*_NOT_SOURCE)
+    for name in PACKAGES:
+        shutil.copytree(ROOT / "packages" / name, root / name, ignore=ignore)
+    return [str(root / name) for name in PACKAGES]
+
+
 def _build_offline(session: nox.Session) -> dict[str, str]:
     """System mode: the three packages built without an index into a folder put on PYTHONPATH."""
     site = Path(session.create_tmp()) / "site"
+    shutil.rmtree(site, ignore_errors=True)
     session.run(
         sys.executable,
         "-m",
@@ -89,18 +110,25 @@ def _build_offline(session: nox.Session) -> dict[str, str]:
         "--upgrade",
         "--target",
         str(site),
-        *(f"packages/{p}" for p in PACKAGES),
+        *_source_copies(session),
         external=True,
     )
     path = os.pathsep.join(x for x in (str(site), os.environ.get("PYTHONPATH", "")) if x)
     return {"PYTHONPATH": path}
 
 
-_PROBE = (
-    "import json, torch; from nsa_kernels.pairing import installed_pairing; "
-    "p = installed_pairing(); "
-    "print('NSA-PAIRING ' + json.dumps({**p.__dict__, 'cuda': torch.cuda.is_available()}))"
-)
+_PROBE = """
+import json, torch
+from nsa_kernels.pairing import installed_pairing
+try:
+    import triton.language
+    language = None
+except Exception as err:
+    language = f"{type(err).__name__}: {err}"
+p = installed_pairing()
+found = {**p.__dict__, "cuda": torch.cuda.is_available(), "triton_language": language}
+print("NSA-PAIRING " + json.dumps(found))
+"""
 
 
 def _check_pairing(
@@ -119,6 +147,10 @@ def _check_pairing(
     session.log(f"torch {found['torch']}, triton {found['triton']}: {found['reason']}")
     if found["verdict"] != "paired":
         session.error(f"torch/triton are not paired: {found['verdict']}: {found['reason']}")
+    if found["triton_language"]:
+        # The Triton tests would all skip: a tier that silently runs nothing must not pass.
+        mode = " with TRITON_INTERPRET=1" if env.get("TRITON_INTERPRET") else ""
+        session.error(f"import triton.language{mode} fails: {found['triton_language']}")
     if cell is not None and found["cell"] != cell["torch"]:
         session.error(
             f"this session is cell torch {cell['torch']} (triton {cell['triton']}), but "
@@ -133,17 +165,24 @@ def _prepare(
     session: nox.Session,
     cell: dict[str, Any] | None,
     release: str | None = None,
+    *,
     need_gpu: bool = False,
+    interpret: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
-    """Install (or, in system mode, check) the cell; returns the pytest command and its env."""
+    """Install (or, in system mode, check) the cell; returns the pytest command and its env.
+
+    ``interpret``: the run uses Triton's CPU interpreter (``TRITON_INTERPRET=1``, also set while
+    probing, since the interpreter needs more than compiled Triton does).
+    """
+    env = {"TRITON_INTERPRET": "1"} if interpret else {}
     if SYSTEM:
-        env = _build_offline(session)
+        env.update(_build_offline(session))
         python = sys.executable
-        _check_pairing(session, python, env, cell, need_gpu)
-        return [python, "-m", "pytest"], env
-    _install_project(session, cell or cells.cell(CPU_CELL), release)
-    _check_pairing(session, "python", {}, cell, need_gpu)
-    return ["python", "-m", "pytest"], {}
+    else:
+        _install_project(session, cell or cells.cell(CPU_CELL), release)
+        python = "python"
+    _check_pairing(session, python, env, cell, need_gpu)
+    return [python, "-m", "pytest"], env
 
 
 def _pytest(session: nox.Session, cmd: list[str], env: dict[str, str], *args: str) -> None:
@@ -174,8 +213,9 @@ def typecheck(session: nox.Session) -> None:
 @nox.session(python=None, venv_backend=_TEST_BACKEND, tags=["ci"])
 def tests(session: nox.Session) -> None:
     """Reference and interpreter tiers on CPU (torch 2.13.0, triton 3.7.1, TRITON_INTERPRET=1)."""
-    cmd, env = _prepare(session, None if SYSTEM else cells.cell(CPU_CELL), CPU_TORCH)
-    _pytest(session, cmd, {**env, "TRITON_INTERPRET": "1"}, "-n", "2")
+    cell = None if SYSTEM else cells.cell(CPU_CELL)
+    cmd, env = _prepare(session, cell, CPU_TORCH, interpret=True)
+    _pytest(session, cmd, env, "-n", "2")
 
 
 def _pair_text(cell: dict[str, Any]) -> str:
@@ -185,8 +225,8 @@ def _pair_text(cell: dict[str, Any]) -> str:
 
 def _interp_session(cell: dict[str, Any]) -> None:
     def session_fn(session: nox.Session) -> None:
-        cmd, env = _prepare(session, cell)
-        _pytest(session, cmd, {**env, "TRITON_INTERPRET": "1"}, "-m", "triton", "-n", "2")
+        cmd, env = _prepare(session, cell, interpret=True)
+        _pytest(session, cmd, env, "-m", "triton", "-n", "2")
 
     session_fn.__doc__ = (
         f"Interpreter tier on CPU, {_pair_text(cell)}: -m triton, TRITON_INTERPRET=1."
@@ -279,10 +319,9 @@ def packages(session: nox.Session) -> None:
     """Build each package's wheel, install each alone in a fresh venv (nsa-core: no triton)."""
     tmp = Path(session.create_tmp())
     dist = tmp / "dist"
-    for name in PACKAGES:
-        session.run(
-            "python", "-m", "pip", "wheel", "--no-deps", "-w", str(dist), f"packages/{name}"
-        )
+    shutil.rmtree(dist, ignore_errors=True)
+    for src in _source_copies(session):
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "-w", str(dist), src)
     wheels = {name: next(dist.glob(name.replace("-", "_") + "-*.whl")) for name in PACKAGES}
     constraints = _constraints(session, cells.cell(CPU_CELL), CPU_TORCH)
 

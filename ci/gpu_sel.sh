@@ -10,10 +10,15 @@
 #   SEL_TESTS    full | quick | none   (default full: every GPU test of the selection kernels;
 #                quick: the G sweep, varlen, determinism and a slice of the seeds' matrix)
 #   SEL_T        prefill lengths (default 8192,16384,32768,65536)
-#   SEL_GROUPS   G sweep at the largest T (default 1,2,4,8,16)
+#   SEL_GROUPS   G sweep at the largest T (default 1,2,4,8,16; "" skips it)
 #   SEL_CONFIGS  ';'-separated SelConfig strings timed at the largest T (default: a small sweep of
 #                warps/stages/key tiles; set to "" to skip)
-#   SEL_BENCH_ARGS  extra arguments for `nsa-bench sel --prefill`
+#   SEL_BENCH_ARGS  extra arguments for `nsa-bench sel --prefill` (default --probe: the K/V
+#                gather alone, the forward's bandwidth floor; "" for none)
+#   SEL_SEEDS    1 (default) runs the seeds' bench_sel_triton sweep and its NSA_SEL_TRITON_MIN_L
+#                recommendation; 0 skips it
+# Files in $OUT (8): env.txt, tests.log, bench.log (progress and stderr), sel_seeds.{csv,txt},
+# sel_prefill.{csv,json,txt}. The last lines printed are the tables.
 # Carried wheels: every .carry/*.whl (fla-core for the peer) is installed with --no-deps into a
 # site dir on PYTHONPATH; without fla-core the bench reports the peer as unavailable.
 set -uo pipefail
@@ -26,10 +31,11 @@ PYTHON="${PYTHON:-python3}"
 SITE="${SEL_SITE:-/tmp/nsa_sel_site}"
 SEL_TESTS="${SEL_TESTS:-full}"
 SEL_T="${SEL_T:-8192,16384,32768,65536}"
-SEL_GROUPS="${SEL_GROUPS:-1,2,4,8,16}"
-DEFAULT_CONFIGS="fwd_warps=4,fwd_stages=2;fwd_warps=4,fwd_stages=4;fwd_warps=8,fwd_stages=3;fwd_warps=2,fwd_stages=3"
-DEFAULT_CONFIGS+=";rows_per_prog=4;rows_per_prog=16;kv_hint=2;block_l=32,fwd_stages=4"
-DEFAULT_CONFIGS+=";dq_warps=8,dkv_warps=8;dkv_rows=128,dkv_warps=8;dkv_stages=3"
+SEL_GROUPS="${SEL_GROUPS-1,2,4,8,16}"
+# Each entry is timed forward and forward+backward at the largest T (the defaults: forward 4 warps
+# x 2 stages, dq 4 x 3, dk/dv 4 warps x 2 stages x 32 rows; docs/selection.md has the sweeps).
+DEFAULT_CONFIGS="fwd_stages=3;fwd_warps=8;block_l=32;rows_per_prog=4;kv_hint=2"
+DEFAULT_CONFIGS+=";dq_stages=2;dq_warps=8;dkv_rows=64;dkv_rows=16;dkv_warps=8"
 SEL_CONFIGS="${SEL_CONFIGS-$DEFAULT_CONFIGS}"
 export PYTHONUNBUFFERED=1
 
@@ -37,7 +43,7 @@ shopt -s nullglob
 wheels=(.carry/*.whl)
 if ((${#wheels[@]})); then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "${wheels[@]}" \
-    >"$OUT/pip.log" 2>&1 || echo "warning: installing carried wheels failed (see pip.log)"
+    >/tmp/nsa_sel_pip.log 2>&1 || { echo "warning: installing carried wheels failed:"; tail -n 5 /tmp/nsa_sel_pip.log; }
 fi
 export PYTHONPATH="$ROOT/packages/nsa-core/src:$ROOT/packages/nsa-kernels/src:$ROOT/packages/nsa-bench/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
@@ -74,15 +80,24 @@ if [[ "$SEL_TESTS" != none ]]; then
   echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s; $(tail -n 1 "$OUT/tests.log")"
 fi
 
+if [[ "${SEL_SEEDS:-1}" == 1 ]]; then
+  start=$SECONDS
+  timeout 120 "$PYTHON" -m nsa_bench.cli sel --N 1024 --H 8 --D 128 --Dv 128 \
+    --L_list 64,128,256,512,1024,2048,4096 --dist many --iters 20 --warmup 5 \
+    --csv "$OUT/sel_seeds.csv" >"$OUT/sel_seeds.txt" 2>>"$OUT/bench.log"
+  echo "seeds bench: rc=$? in $((SECONDS - start)) s; $(tail -n 1 "$OUT/sel_seeds.txt")"
+fi
+
 start=$SECONDS
 timeout 420 "$PYTHON" -m nsa_bench.cli sel --prefill --T "$SEL_T" --groups "$SEL_GROUPS" \
   --configs "$SEL_CONFIGS" --csv "$OUT/sel_prefill.csv" --json "$OUT/sel_prefill.json" \
-  ${SEL_BENCH_ARGS:-} >"$OUT/sel_prefill.txt" 2>"$OUT/sel_prefill.log"
+  ${SEL_BENCH_ARGS---probe} >"$OUT/sel_prefill.txt" 2>>"$OUT/bench.log"
 bench_rc=$?
 echo "prefill bench: rc=$bench_rc in $((SECONDS - start)) s"
-[[ $bench_rc -ne 0 ]] && tail -n 20 "$OUT/sel_prefill.log"
+[[ $bench_rc -ne 0 ]] && tail -n 20 "$OUT/bench.log"
 
 echo
 grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -n 3
+cat "$OUT/sel_seeds.txt" 2>/dev/null
 cat "$OUT/sel_prefill.txt" 2>/dev/null
 exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -116,7 +116,9 @@ def test_git_commit(tmp_path: Path) -> None:
     assert env.git_commit(repo) == head  # untracked files do not make a build dirty
 
 
-def test_git_commit_outside_a_checkout(tmp_path: Path) -> None:
+def test_git_commit_outside_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # tmp_path may lie inside a checkout (nox puts TMPDIR under .nox/): stop git's upward search.
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert env.git_commit(tmp_path) == "unknown"
 
 

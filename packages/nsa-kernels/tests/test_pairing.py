@@ -174,9 +174,9 @@ def test_release_pin_is_none_for_a_release_the_table_does_not_list() -> None:
         ("2.1.2", "2.1.0", "unknown", "torch 2.1 is not in the version table"),
         ("2", "3.0.0", "unknown", "not in the version table"),
         ("nightly", "3.6.0", "unknown", "cannot read torch version 'nightly'"),
-        (None, "3.6.0", "unknown", "torch is not installed"),
+        (None, "3.6.0", "unknown", "torch is missing"),
         ("2.11.0", "main", "unknown", "cannot read triton version 'main'"),
-        ("2.11.0", None, "mismatched", "triton is not installed; torch 2.11 pins triton 3.6.0"),
+        ("2.11.0", None, "mismatched", "triton is missing; torch 2.11 pins triton 3.6.0"),
     ],
 )
 def test_unknown_and_missing(

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nsa_bench.env import collect
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.ops import compressed_attention, sliding_attention
@@ -343,14 +344,6 @@ def summary_table(rows: list[dict[str, Any]], methods: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def collect_env() -> dict[str, Any]:
-    """The environment columns (:mod:`nsa_bench.env`), whichever name its collector has."""
-    from nsa_bench import env
-
-    collect = getattr(env, "collect_env", None) or env.collect
-    return dict(collect())
-
-
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     branches = _names(args.branches, BRANCHES)
@@ -384,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    write_csv(Path(args.csv), rows, collect_env())
+    write_csv(Path(args.csv), rows, dict(collect()))
     print(summary_table(rows, methods))
     print()
     toggle = {"sliding": "NSA_FA2_MIN_LEN_WIN", "compressed": "NSA_FA2_MIN_LEN_CMP"}

@@ -148,10 +148,10 @@ def run_tier(tier: Tier, out: Path, has_cuda: bool, workers: str, debug_log: boo
     return StepResult(tier.name, status, seconds, detail, files)
 
 
-def run_bench(name: str, argv: list[str], out: Path) -> StepResult:
+def run_bench(name: str, argv: list[str], out: Path, args_timeout: float = 900) -> StepResult:
     log = out / f"bench_{name}.log"
     start = time.perf_counter()
-    code = _run([sys.executable, "-m", "nsa_bench.cli", *argv], log)
+    code = _run([sys.executable, "-m", "nsa_bench.cli", *argv], log, timeout=args_timeout)
     seconds = time.perf_counter() - start
     lines = log.read_text().strip().splitlines()
     tail = "\n".join(lines[-12:])
@@ -210,8 +210,12 @@ def run(args: argparse.Namespace) -> int:
                                             "--warmup", "2", "--csv", str(decode_csv)], out))
         results.append(run_bench("decode_summary", ["summarize", str(decode_csv)], out))
         if has_cuda:
-            results.append(run_bench("sel", ["sel", "--csv", str(out / "sel.csv")], out))
-            results.append(run_bench("fa2", ["fa2", "--csv", str(out / "fa2.csv")], out))
+            sel_args = ["sel", "--L_list", "64,128,256,512,1024", "--iters", "20", "--csv",
+                        str(out / "sel.csv")]
+            results.append(run_bench("sel", sel_args, out))
+            fa2_args = ["fa2", "--T", "1024,4096,16384", "--D", "128", "--csv",
+                        str(out / "fa2.csv")]
+            results.append(run_bench("fa2", fa2_args, out))
         else:
             for name in ("sel", "fa2"):
                 results.append(StepResult(name, "SKIP", 0.0, "no CUDA device visible to torch"))

@@ -220,13 +220,18 @@ def load_fla() -> tuple[Callable[..., torch.Tensor] | None, str]:
     return ParallelNSAFunction.apply, str(getattr(fla, "__version__", "?"))
 
 
-def _timer(args: argparse.Namespace, device: torch.device) -> Callable[[Callable[[], object]], float]:
+def _timer(
+    args: argparse.Namespace, device: torch.device
+) -> Callable[[Callable[[], object]], float]:
     if args.prefill and device.type == "cuda":
         import triton.testing
 
         def bench(fn: Callable[[], object]) -> float:
-            return float(triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms,
-                                                 return_mode="median"))
+            return float(
+                triton.testing.do_bench(
+                    fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"
+                )
+            )
 
         return bench
 
@@ -251,13 +256,21 @@ class Problem:
         return self.q.shape[2] // self.k.shape[2]
 
 
-def _call(method: str, p: Problem, config: Any, fla_fn: Callable[..., torch.Tensor] | None,
-          q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _call(
+    method: str,
+    p: Problem,
+    config: Any,
+    fla_fn: Callable[..., torch.Tensor] | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> torch.Tensor:
     if method == "triton":
         from nsa_kernels.selection.function import selected_attention_triton
 
-        return selected_attention_triton(q, k, v, p.idx, p.sel_block, q_start=p.q_start,
-                                         config=config)
+        return selected_attention_triton(
+            q, k, v, p.idx, p.sel_block, q_start=p.q_start, config=config
+        )
     if method == "sdpa":
         return gathered_sdpa(q, k, v, p.idx, p.sel_block, p.q_start)
     if method == "reference":
@@ -294,7 +307,8 @@ def time_method(
             def step() -> None:
                 for t in leaves:
                     t.grad = None
-                _call(method, p, config, fla_fn, *leaves).backward(p.do)
+                out = _call(method, p, config, fla_fn, *leaves)
+                out.backward(p.do)  # type: ignore[no-untyped-call]
 
             step()
             ms = bench(step)
@@ -316,8 +330,19 @@ def _fill_rates(row: Row, p: Problem, visible: int, blocks: int) -> None:
 
 
 def make_problem(
-    batch: int, tq: int, tk: int, hq: int, h: int, dk: int, dv: int, n: int, sel_block: int,
-    dtype: torch.dtype, device: torch.device, dist: str, seed: int,
+    batch: int,
+    tq: int,
+    tk: int,
+    hq: int,
+    h: int,
+    dk: int,
+    dv: int,
+    n: int,
+    sel_block: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    dist: str,
+    seed: int,
 ) -> Problem:
     gen = torch.Generator(device=device).manual_seed(seed)
     q_start = tk - tq
@@ -326,12 +351,68 @@ def make_problem(
     v = torch.randn(batch, tk, h, dv, device=device, generator=gen).to(dtype)
     do = torch.randn(batch, tq, hq, dv, device=device, generator=gen).to(dtype)
     if dist == "nsa":
-        idx = nsa_block_indices(batch, tq, h, n, sel_block, q_start=q_start, generator=gen,
-                                device=device)
+        idx = nsa_block_indices(
+            batch, tq, h, n, sel_block, q_start=q_start, generator=gen, device=device
+        )
     else:
-        idx = dist_block_indices(batch, tq, h, n, sel_block, dist, q_start=q_start,
-                                 generator=gen, device=device)
+        idx = dist_block_indices(
+            batch, tq, h, n, sel_block, dist, q_start=q_start, generator=gen, device=device
+        )
     return Problem(q=q, k=k, v=v, idx=idx, do=do, sel_block=sel_block, q_start=q_start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gather probe: the forward's K/V reads without its attention math (the bandwidth ceiling)
+
+
+def run_probe(
+    p: Problem,
+    bench: Callable[[Callable[[], object]], float],
+    variants: Sequence[tuple[int, int, int, int]],
+) -> list[tuple[str, float, float]]:
+    """(variant, ms, K/V GB/s) of the gather probe for (num_warps, num_stages, BL, DOT)."""
+    from nsa_kernels.selection.kernels import gather_probe_kernel as kernel
+
+    batch, t, h, dk = p.k.shape
+    dv = p.v.shape[-1]
+    if batch != 1:
+        raise ValueError("the probe runs B == 1")
+    out = torch.empty(t, h, dk + dv, device=p.k.device, dtype=torch.float32)
+    blocks = int((p.idx >= 0).sum())
+    kv = blocks * p.sel_block * (dk + dv) * p.k.element_size()
+    results = []
+    for warps, stages, bl, dot in variants:
+
+        def launch(warps: int = warps, stages: int = stages, bl: int = bl, dot: int = dot) -> None:
+            kernel[(t, h)](
+                p.k,
+                p.v,
+                p.idx,
+                out,
+                p.k.stride(1),
+                p.v.stride(1),
+                p.idx.stride(1),
+                p.idx.shape[-1],
+                H=h,
+                DK=dk,
+                DV=dv,
+                SEL=p.sel_block,
+                BL=bl,
+                ROWS=16,
+                DOT=bool(dot),
+                num_warps=warps,
+                num_stages=stages,
+            )
+
+        name = f"{'dot' if dot else 'sum'}/w{warps}/s{stages}/bl{bl}"
+        try:
+            launch()
+            ms = bench(launch)
+        except Exception as exc:  # report and go on
+            results.append((f"{name}: {type(exc).__name__}", math.nan, math.nan))
+            continue
+        results.append((name, ms, kv / (ms * 1e6)))
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,18 +450,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=1, help="kv heads (seeds mode)")
     parser.add_argument("--D", type=int, default=128, help="dk")
     parser.add_argument("--Dv", type=int, default=128, help="dv")
-    parser.add_argument("--L_list", default="64,128,256,512,1024",
-                        help="sequence lengths L (keys) to sweep (seeds mode)")
-    parser.add_argument("--dist", default="many", choices=("few", "many", "mixed", "nsa"),
-                        help="block distribution (seeds mode)")
+    parser.add_argument(
+        "--L_list",
+        default="64,128,256,512,1024",
+        help="sequence lengths L (keys) to sweep (seeds mode)",
+    )
+    parser.add_argument(
+        "--dist",
+        default="many",
+        choices=("few", "many", "mixed", "nsa"),
+        help="block distribution (seeds mode)",
+    )
     parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
     parser.add_argument("--sel-block", type=int, default=64, help="l'")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="default fp16 (seeds mode), bf16 (prefill)")
-    parser.add_argument("--methods", default=None,
-                        help="seeds: triton,sdpa,reference; prefill: triton,fla")
-    parser.add_argument("--pass", dest="passes", default=None,
-                        help="fwd,fwd_bwd (default: fwd in seeds mode, both in prefill)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="default fp16 (seeds mode), bf16 (prefill)",
+    )
+    parser.add_argument(
+        "--methods", default=None, help="seeds: triton,sdpa,reference; prefill: triton,fla"
+    )
+    parser.add_argument(
+        "--pass",
+        dest="passes",
+        default=None,
+        help="fwd,fwd_bwd (default: fwd in seeds mode, both in prefill)",
+    )
     parser.add_argument("--iters", type=int, default=50, help="timed runs (seeds mode)")
     parser.add_argument("--warmup", type=int, default=10, help="warm-up runs (seeds mode)")
     parser.add_argument("--min-speedup", type=float, default=1.2, help="threshold rule")
@@ -389,13 +486,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=64, help="prefill query heads HQ")
     parser.add_argument("--prefill-kv-heads", type=int, default=4, help="prefill kv heads H")
     parser.add_argument("--groups", default="", help="G sweep at the largest T, e.g. 1,2,4,8")
-    parser.add_argument("--configs", default="",
-                        help="';'-separated SelConfig strings timed at the largest T")
+    parser.add_argument(
+        "--configs", default="", help="';'-separated SelConfig strings timed at the largest T"
+    )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="prefill: also time the K/V gather alone (bandwidth ceiling)",
+    )
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition (ms)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--csv", nargs="?", const="-", default=None,
-                        help="write CSV rows to PATH (no PATH: to stdout)")
+    parser.add_argument(
+        "--csv",
+        nargs="?",
+        const="-",
+        default=None,
+        help="write CSV rows to PATH (no PATH: to stdout)",
+    )
     parser.add_argument("--json", default=None, help="write JSON rows to PATH")
 
 
@@ -416,21 +524,52 @@ def _seeds(args: argparse.Namespace, device: torch.device) -> list[Row]:
     for length in _ints(args.L_list):
         tq = min(args.N, length)
         n = min(args.n, -(-length // args.sel_block))
-        p = make_problem(1, tq, length, args.H, args.kv_heads, args.D, args.Dv, n,
-                         args.sel_block, dtype, device, args.dist, args.seed)
+        p = make_problem(
+            1,
+            tq,
+            length,
+            args.H,
+            args.kv_heads,
+            args.D,
+            args.Dv,
+            n,
+            args.sel_block,
+            dtype,
+            device,
+            args.dist,
+            args.seed,
+        )
         visible = visible_keys(p.idx, p.sel_block, p.q_start, length)
         blocks = int((p.idx >= 0).sum())
         for pass_ in passes:
             here = []
             for method in methods:
                 ms, status = time_method(method, p, pass_, bench)
-                row = Row("seeds", pass_, method, args.dtype or "fp16", 1, length, tq, args.H,
-                          args.kv_heads, p.group, args.D, args.Dv, n, args.sel_block, args.dist,
-                          ms=ms, status=status)
+                row = Row(
+                    "seeds",
+                    pass_,
+                    method,
+                    args.dtype or "fp16",
+                    1,
+                    length,
+                    tq,
+                    args.H,
+                    args.kv_heads,
+                    p.group,
+                    args.D,
+                    args.Dv,
+                    n,
+                    args.sel_block,
+                    args.dist,
+                    ms=ms,
+                    status=status,
+                )
                 _fill_rates(row, p, visible, blocks)
                 here.append(row)
-            fallback = min((r.ms for r in here if r.method in FALLBACKS and math.isfinite(r.ms)),
-                           default=math.nan)
+            fallback = min(
+                (r.ms for r in here if r.method in FALLBACKS and math.isfinite(r.ms)),
+                default=math.nan,
+            )
             for row in here:
                 row.speedup = fallback / row.ms if math.isfinite(row.ms) else math.nan
             rows += here
@@ -458,8 +597,21 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
         if key not in cache:
             cache.clear()
             torch.cuda.empty_cache() if device.type == "cuda" else None
-            cache[key] = make_problem(1, t, t, hq, h, args.D, args.Dv, args.n, args.sel_block,
-                                      dtype, device, "nsa", args.seed)
+            cache[key] = make_problem(
+                1,
+                t,
+                t,
+                hq,
+                h,
+                args.D,
+                args.Dv,
+                args.n,
+                args.sel_block,
+                dtype,
+                device,
+                "nsa",
+                args.seed,
+            )
         p = cache[key]
         visible = visible_keys(p.idx, p.sel_block, 0, t)
         blocks = int((p.idx >= 0).sum())
@@ -470,20 +622,88 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 if method == "fla" and fla_fn is None:
                     ms, status = math.nan, fla_info
                 else:
-                    ms, status = time_method(method, p, pass_, bench, config=config,
-                                             fla_fn=fla_fn)
-                row = Row(mode, pass_, method, args.dtype or "bf16", 1, t, t, hq, h, p.group,
-                          args.D, args.Dv, args.n, args.sel_block, "nsa", config=cfg_text,
-                          ms=ms, status=status)
+                    ms, status = time_method(method, p, pass_, bench, config=config, fla_fn=fla_fn)
+                row = Row(
+                    mode,
+                    pass_,
+                    method,
+                    args.dtype or "bf16",
+                    1,
+                    t,
+                    t,
+                    hq,
+                    h,
+                    p.group,
+                    args.D,
+                    args.Dv,
+                    args.n,
+                    args.sel_block,
+                    "nsa",
+                    config=cfg_text,
+                    ms=ms,
+                    status=status,
+                )
                 _fill_rates(row, p, visible, blocks)
                 here.append(row)
-                print(f"# {mode} T={t} G={p.group} {pass_} {method} {cfg_text} "
-                      f"{ms:.3f} ms {status}", file=sys.stderr, flush=True)
-            peer = next((r.ms for r in here if r.method == "fla" and math.isfinite(r.ms)),
-                        math.nan)
+                print(
+                    f"# {mode} T={t} G={p.group} {pass_} {method} {cfg_text} {ms:.3f} ms {status}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            peer = next((r.ms for r in here if r.method == "fla" and math.isfinite(r.ms)), math.nan)
             for row in here:
                 row.speedup = peer / row.ms if math.isfinite(row.ms) else math.nan
             rows += here
+    if args.probe:
+        t = max(lengths)
+        p = make_problem(
+            1,
+            t,
+            t,
+            args.heads,
+            h,
+            args.D,
+            args.Dv,
+            args.n,
+            args.sel_block,
+            dtype,
+            device,
+            "nsa",
+            args.seed,
+        )
+        variants = [
+            (4, 2, 64, 1),
+            (4, 3, 64, 1),
+            (4, 4, 32, 1),
+            (4, 1, 64, 0),
+            (8, 1, 64, 0),
+            (4, 3, 64, 0),
+            (8, 1, 32, 0),
+            (16, 1, 64, 0),
+        ]
+        for name, ms, gbps in run_probe(p, bench, variants):
+            row = Row(
+                "probe",
+                "fwd",
+                "gather",
+                args.dtype or "bf16",
+                1,
+                t,
+                t,
+                args.heads,
+                h,
+                p.group,
+                args.D,
+                args.Dv,
+                args.n,
+                args.sel_block,
+                "nsa",
+                config=name,
+                ms=ms,
+                kv_gbps=gbps,
+            )
+            print(f"# probe {name} {ms:.3f} ms {gbps:.0f} GB/s", file=sys.stderr, flush=True)
+            rows.append(row)
     return rows
 
 
@@ -509,8 +729,10 @@ def _write(rows: Sequence[Row], env: dict[str, str], args: argparse.Namespace) -
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    head = f"{'mode':8s} {'pass':7s} {'method':9s} {'T':>6s} {'G':>3s} {'ms':>9s} " \
-           f"{'TFLOP/s':>8s} {'KV GB/s':>8s} {'speedup':>7s}  config/status"
+    head = (
+        f"{'mode':8s} {'pass':7s} {'method':9s} {'T':>6s} {'G':>3s} {'ms':>9s} "
+        f"{'TFLOP/s':>8s} {'KV GB/s':>8s} {'speedup':>7s}  config/status"
+    )
     lines = [head]
     for r in rows:
         note = r.config if r.status == "ok" else r.status[:60]
@@ -531,6 +753,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     if not args.prefill:
         rec = recommend_min_l(rows, args.min_speedup)
-        print(f"recommended NSA_SEL_TRITON_MIN_L: {rec if rec is not None else 'none'} "
-              f"(smallest L with Triton >= {args.min_speedup}x the faster fallback from there on)")
+        print(
+            f"recommended NSA_SEL_TRITON_MIN_L: {rec if rec is not None else 'none'} "
+            f"(smallest L with Triton >= {args.min_speedup}x the faster fallback from there on)"
+        )
     return 0

@@ -1,3 +1,27 @@
-"""GPU kernels for Native Sparse Attention, registered as nsa-core backends."""
+"""GPU kernels for Native Sparse Attention, registered as nsa-core backends.
+
+The seeds' quick-sanity entry points load Triton, so they are imported on first use: importing
+nsa_kernels (as nsa-core's entry-point loader does) needs no Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "sel_attn_fwd_dense": "nsa_kernels.selection.quick",
+    "sel_attn_fwd_varlen": "nsa_kernels.selection.quick",
+    "selected_attention_triton": "nsa_kernels.selection.function",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nsa_kernels' has no attribute {name!r}")

@@ -155,7 +155,7 @@ def pairing(torch_version: str | None, triton_version: str | None) -> Pairing:
     """
     versions = (torch_version, triton_version)
     if torch_version is None:
-        return _result("unknown", "torch is not installed", *versions)
+        return _result("unknown", "torch is missing (not installed or not importable)", *versions)
     try:
         torch_v = parse_version(torch_version)
     except ValueError:
@@ -170,7 +170,7 @@ def pairing(torch_version: str | None, triton_version: str | None) -> Pairing:
     pin = cell["releases"].get(torch_v.release_text)
     expected = f"torch {cell['torch']} pins triton {cell['triton']}"
     if triton_version is None:
-        return _result("mismatched", f"triton is not installed; {expected}", *versions, cell, pin)
+        return _result("mismatched", f"triton is missing; {expected}", *versions, cell, pin)
     try:
         triton_v = parse_version(triton_version)
     except ValueError:

@@ -115,8 +115,11 @@ def make_inputs(
     idx = make_indices(case, gen)
     cu = None
     if case.seqlens is not None:
-        cu = torch.tensor([0, *torch.cumsum(torch.tensor(case.seqlens), 0).tolist()],
-                          dtype=torch.int32, device=device)
+        cu = torch.tensor(
+            [0, *torch.cumsum(torch.tensor(case.seqlens), 0).tolist()],
+            dtype=torch.int32,
+            device=device,
+        )
     return (q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), idx.to(device), cu)
 
 
@@ -131,14 +134,17 @@ def reference(
 ) -> torch.Tensor:
     """The nsa_core reference on the same inputs, computed in ``dtype``."""
     return selected_attention(
-        q.to(dtype), k.to(dtype), v.to(dtype), idx, case.sel_block,
-        q_start=case.q_start, cu_seqlens=cu,
+        q.to(dtype),
+        k.to(dtype),
+        v.to(dtype),
+        idx,
+        case.sel_block,
+        q_start=case.q_start,
+        cu_seqlens=cu,
     )
 
 
-def reference_lse(
-    q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, case: Case
-) -> torch.Tensor:
+def reference_lse(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, case: Case) -> torch.Tensor:
     """lse [B, Tq, HQ] float64 by brute force over the visible tokens (-inf when none)."""
     from nsa_core.ops.selected_attention import selected_visibility
 
@@ -147,12 +153,10 @@ def reference_lse(
     group = case.group
     scale = case.dk**-0.5
     out = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
-    seqs = (
-        [(0, case.tq)]
-        if case.seqlens is None
-        else [(s, s + n) for s, n in zip(torch.cumsum(torch.tensor([0, *case.seqlens]), 0).tolist(),
-                                         case.seqlens)]
-    )
+    seqs = [(0, case.tq)]
+    if case.seqlens is not None:
+        starts = torch.cumsum(torch.tensor([0, *case.seqlens[:-1]]), 0).tolist()
+        seqs = [(s, s + n) for s, n in zip(starts, case.seqlens, strict=True)]
     for s, e in seqs:
         q_start = case.q_start if case.seqlens is None else 0
         keys = k64[:, s:e] if case.seqlens is not None else k64

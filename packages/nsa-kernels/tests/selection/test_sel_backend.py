@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -53,19 +52,23 @@ def test_declines_each_rule_with_its_reason() -> None:
     )
     assert reason(Toggles(sel_triton_allow_grad=False)) is None
     assert reason(Toggles(sel_triton_min_l=8192)) == "seq_len=4096 < NSA_SEL_TRITON_MIN_L=8192"
-    assert reason(dtype=torch.float64) is not None and "float64" in str(reason(dtype=torch.float64))
+    assert reason(dtype=torch.float64) is not None
+    assert "float64" in str(reason(dtype=torch.float64))
     assert "dk=72" in str(reason(dk=72))
     assert "dv=512" in str(reason(dv=512))
 
 
 def test_device_policy_is_one_table() -> None:
     ada = reason(capability=(8, 9))
-    assert ada is not None and "NSA_TRITON_SEL_FORCE" in ada
+    assert ada is not None
+    assert "NSA_TRITON_SEL_FORCE" in ada
     assert reason(Toggles(triton_sel_force=True), capability=(8, 9)) is None
     assert device_policy((8, 9)).decision == "fallback"
     turing = reason(Toggles(triton_sel_force=True), capability=(7, 5))
-    assert turing == device_policy((7, 5)).reason and device_policy((7, 5)).decision == "refuse"
-    assert device_policy((8, 0)).decision == "use" and device_policy((9, 0)).decision == "use"
+    assert turing == device_policy((7, 5)).reason
+    assert device_policy((7, 5)).decision == "refuse"
+    assert device_policy((8, 0)).decision == "use"
+    assert device_policy((9, 0)).decision == "use"
     assert all(row.reason for row in DEVICE_POLICY)
 
 
@@ -99,14 +102,20 @@ def test_registered_backend_falls_back_on_cpu_with_its_reason(
 ) -> None:
     (backend,) = backends()
     assert (backend.op, backend.name, backend.priority) == ("selected_attention", "triton_sel", 20)
-    assert backend.requested_by(Toggles()) and backend.requested_by(
-        Toggles(use_triton_sel=False, triton_sel_force=True)
-    )
+    assert backend.requested_by(Toggles())
+    assert backend.requested_by(Toggles(use_triton_sel=False, triton_sel_force=True))
     assert not backend.requested_by(Toggles(use_triton_sel=False))
     registry.register_backend(backend)
     ctx = OpContext(
-        device=torch.device("cpu"), dtype=torch.float32, seq_len=128, num_q_heads=4,
-        num_kv_heads=2, head_dim_qk=64, head_dim_v=64, requires_grad=False, varlen=False,
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        seq_len=128,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim_qk=64,
+        head_dim_v=64,
+        requires_grad=False,
+        varlen=False,
     )
     assert supports(ctx, Toggles()) == "needs a CUDA device, got cpu"
     with caplog.at_level(logging.WARNING, logger="nsa"):
@@ -114,7 +123,6 @@ def test_registered_backend_falls_back_on_cpu_with_its_reason(
     assert res.backend.name == "reference"
     assert res.rejected == (("triton_sel", "needs a CUDA device, got cpu"),)
     assert any("triton_sel" in r.getMessage() for r in caplog.records)
-    _ = replace
 
 
 @pytest.fixture
@@ -145,7 +153,8 @@ def test_debug_hooks_log_shapes_and_parity(
     messages = [r.getMessage() for r in caplog.records]
     shapes = [m for m in messages if m.startswith("sel.triton.shapes ")]
     compare = [m for m in messages if m.startswith("sel.triton.compare ")]
-    assert shapes and "q=[1, 20, 2, 16]" in shapes[0]
+    assert shapes
+    assert "q=[1, 20, 2, 16]" in shapes[0]
     assert compare
     mae = float(compare[0].split("mae=")[1].split()[0])
     assert mae < 1e-5

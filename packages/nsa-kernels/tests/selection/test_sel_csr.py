@@ -9,13 +9,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from nsa_kernels.selection.csr import (  # noqa: E402
+from nsa_kernels.selection.csr import (
     BlockCSR,
     build_block_csr,
     build_dkv_work,
     default_segment_tokens,
 )
-from nsa_kernels.selection.kernels import RED_FIELDS, SEG_FIELDS  # noqa: E402
+from nsa_kernels.selection.kernels import RED_FIELDS, SEG_FIELDS
 
 
 def _gen(request: pytest.FixtureRequest) -> torch.Generator:
@@ -26,7 +26,7 @@ def _brute(
     idx: torch.Tensor, sel_block: int, num_keys: int, q_start: int, cu: list[int] | None
 ) -> dict[tuple[int, int, int, int], list[int]]:
     """(b, h, tok0 of the block's sequence, block) -> ascending rows that select it."""
-    batch, tq, heads, n = idx.shape
+    batch, tq, heads, _n = idx.shape
     out: dict[tuple[int, int, int, int], list[int]] = {}
     for b in range(batch):
         for r in range(tq):
@@ -96,7 +96,8 @@ def test_work_segments_cover_every_row_once(request: pytest.FixtureRequest) -> N
     seg_tokens = 9  # above the 8 queries of a block of their own, below block 0's 40
     work = build_dkv_work(csr, seg_tokens)
     seg = work.segments
-    assert seg.shape[1] == SEG_FIELDS and work.reductions.shape[1] == RED_FIELDS
+    assert seg.shape[1] == SEG_FIELDS
+    assert work.reductions.shape[1] == RED_FIELDS
     lengths = seg[:, 6] - seg[:, 5]
     assert torch.all(lengths[:-1] >= lengths[1:]), "segments go longest first"
     assert torch.all((lengths >= 1) & (lengths <= seg_tokens))
@@ -106,7 +107,8 @@ def test_work_segments_cover_every_row_once(request: pytest.FixtureRequest) -> N
     assert torch.all(covered == 1)
     counts = csr.counts()
     heavy = int((counts > seg_tokens).sum())
-    assert heavy == 2 and work.reductions.shape[0] == heavy  # block 0 of each head
+    assert heavy == 2
+    assert work.reductions.shape[0] == heavy
     parts = sorted(p for p in seg[:, 7].tolist() if p >= 0)
     assert parts == list(range(work.num_parts))
     for first, count in work.reductions[:, 4:6].tolist():

@@ -37,6 +37,9 @@ def draw_indices(
     keys = torch.rand(batch, tq, h, int(jt.max()) + 1, device="cuda", generator=gen)
     keys = keys.masked_fill(torch.arange(keys.shape[-1], device="cuda") > jt.view(1, -1, 1, 1), 2)
     scattered = torch.argsort(keys, dim=-1)[..., :n]
+    if scattered.shape[-1] < n:  # fewer blocks than n in the whole sequence: pad with -1
+        pad = scattered.new_full((*scattered.shape[:-1], n - scattered.shape[-1]), -1)
+        scattered = torch.cat([scattered, pad], dim=-1)
     run = jt.view(1, -1, 1, 1) - torch.arange(n, device="cuda").flip(0)
     if dist == "few":
         idx = run
@@ -44,7 +47,9 @@ def draw_indices(
         idx = scattered
     else:
         half = n // 2
-        idx = torch.cat([run[..., n - half :].expand(batch, tq, h, half), scattered[..., : n - half]], -1)
+        idx = torch.cat(
+            [run[..., n - half :].expand(batch, tq, h, half), scattered[..., : n - half]], -1
+        )
     idx = idx.expand(batch, tq, h, n).clone()
     idx = torch.where(idx <= jt.view(1, -1, 1, 1), idx, -1)
     idx = torch.where(idx >= 0, idx, -1)
@@ -56,11 +61,15 @@ def draw_indices(
 
 
 def run_pair(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, gen: torch.Generator,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    gen: torch.Generator,
     cu: torch.Tensor | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """[o, dq, dk, dv] of the kernel and of the float32 reference on the same inputs."""
-    do = torch.randn(q.shape[:3] + (v.shape[-1],), device="cuda", generator=gen).to(q.dtype)
+    do = torch.randn((*q.shape[:3], v.shape[-1]), device="cuda", generator=gen).to(q.dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o = selected_attention_triton(*leaves, idx, SEL, cu_seqlens=cu)
     o.backward(do)
@@ -74,8 +83,9 @@ def run_pair(
 
 def check(got: list[torch.Tensor], want: list[torch.Tensor], dtype: torch.dtype) -> None:
     names = ("o", "dq", "dk", "dv")
-    for i, (name, a, b) in enumerate(zip(names, got, want)):
-        assert a is not None and b is not None
+    for i, (name, a, b) in enumerate(zip(names, got, want, strict=True)):
+        assert a is not None
+        assert b is not None
         bound = BOUND[dtype] * (1 if i == 0 else 2)
         err = rel_err(a, b)
         assert err < bound, f"{name}: relative error {err:.2e} >= {bound:.0e}"
@@ -110,7 +120,9 @@ def test_parity_matrix_fp16(
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["d128", "d192"])
-def test_group_sizes_bf16(group: int, dims: tuple[int, int], request: pytest.FixtureRequest) -> None:
+def test_group_sizes_bf16(
+    group: int, dims: tuple[int, int], request: pytest.FixtureRequest
+) -> None:
     gen = _gen(request)
     d, dv = dims
     batch, tq, h, n = 1, 2048, 2, 16
@@ -125,15 +137,14 @@ def test_varlen_bf16(request: pytest.FixtureRequest) -> None:
     gen = _gen(request)
     lengths = [1, 700, 64, 1283]
     total = sum(lengths)
-    cu = torch.tensor([0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32,
-                      device="cuda")
+    cu = torch.tensor(
+        [0, *torch.cumsum(torch.tensor(lengths), 0).tolist()], dtype=torch.int32, device="cuda"
+    )
     h, group, d, n = 2, 4, 128, 8
     q = torch.randn(1, total, h * group, d, device="cuda", generator=gen).bfloat16()
     k = torch.randn(1, total, h, d, device="cuda", generator=gen).bfloat16()
     v = torch.randn(1, total, h, d, device="cuda", generator=gen).bfloat16()
-    idx = torch.cat(
-        [draw_indices(1, length, h, n, "mixed", gen) for length in lengths], dim=1
-    )
+    idx = torch.cat([draw_indices(1, length, h, n, "mixed", gen) for length in lengths], dim=1)
     check(*run_pair(q, k, v, idx, gen, cu), torch.bfloat16)
 
 
@@ -151,9 +162,9 @@ def test_backward_bitwise_deterministic_at_paper_shape(request: pytest.FixtureRe
         o = selected_attention_triton(*leaves, idx, SEL)
         o.backward(do)
         runs.append([o.detach()] + [t.grad for t in leaves])
-    for first, other in zip(runs[0], runs[1]):
+    for first, other in zip(runs[0], runs[1], strict=True):
         assert torch.equal(first, other)
-    for first, other in zip(runs[0], runs[2]):
+    for first, other in zip(runs[0], runs[2], strict=True):
         assert torch.equal(first, other)
 
 

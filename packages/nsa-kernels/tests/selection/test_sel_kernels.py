@@ -34,16 +34,31 @@ from nsa_kernels.selection.function import (  # noqa: E402
 
 CASES = [
     Case("g1_partial_random", batch=2, tq=21, h=1, group=1, dk=16, dv=32, indices="random"),
-    Case("g3_nsa_partial", tq=27, h=2, group=3, dk=32, dv=16, n=4,
-         config={"segment_tokens": 4}),
+    Case("g3_nsa_partial", tq=27, h=2, group=3, dk=32, dv=16, n=4, config={"segment_tokens": 4}),
     Case("g4_span", tq=36, h=1, group=4, dk=32, dv=32, n=3, indices="span"),
     Case("g16_empty_future", tq=24, h=1, group=16, n=2, indices="empty"),
     Case("q_start_future", tq=20, q_start=45, tk=70, h=2, group=2, n=3, indices="random"),
-    Case("varlen_len1_empty", tq=40, seqlens=[1, 17, 0, 22], h=1, group=3, n=3,
-         config={"segment_tokens": 4}),
+    Case(
+        "varlen_len1_empty",
+        tq=40,
+        seqlens=[1, 17, 0, 22],
+        h=1,
+        group=3,
+        n=3,
+        config={"segment_tokens": 4},
+    ),
     Case("repeat_indices", tq=20, h=1, group=2, n=4, indices="repeat"),
-    Case("split_tiles", tq=17, h=1, group=3, dk=48, dv=32, sel_block=32, n=2,
-         config={"block_l": 16, "block_d": 16, "block_dv": 16, "heads_per_prog": 2}),
+    Case(
+        "split_tiles",
+        tq=17,
+        h=1,
+        group=3,
+        dk=48,
+        dv=32,
+        sel_block=32,
+        n=2,
+        config={"block_l": 16, "block_d": 16, "block_dv": 16, "heads_per_prog": 2},
+    ),
     Case("odd_block_len", tq=30, h=1, group=1, sel_block=24, n=3),
 ]
 IDS = [c.name for c in CASES]
@@ -55,7 +70,13 @@ def _gen(request: pytest.FixtureRequest) -> torch.Generator:
 
 def _run(case: Case, q, k, v, idx, cu):  # type: ignore[no-untyped-def]
     return selected_attention_triton(
-        q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu,
+        q,
+        k,
+        v,
+        idx,
+        case.sel_block,
+        q_start=case.q_start,
+        cu_seqlens=cu,
         config=SelConfig(**case.config),
     )
 
@@ -65,11 +86,18 @@ def test_forward_and_lse_match_reference(case: Case, request: pytest.FixtureRequ
     assert DEVICE is not None
     q, k, v, idx, cu = make_inputs(case, _gen(request), torch.float32, DEVICE)
     o, lse = selected_attention_fwd(
-        q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu,
+        q,
+        k,
+        v,
+        idx,
+        case.sel_block,
+        q_start=case.q_start,
+        cu_seqlens=cu,
         config=SelConfig(**case.config),
     )
     ref = reference(q, k, v, idx, case, cu)
-    assert o.dtype == q.dtype and o.shape == ref.shape
+    assert o.dtype == q.dtype
+    assert o.shape == ref.shape
     assert rel_err(o, ref) < BOUND[torch.float32]
 
     ref_lse = reference_lse(q, k, idx, case)
@@ -87,13 +115,14 @@ def test_backward_matches_reference(case: Case, request: pytest.FixtureRequest) 
     assert DEVICE is not None
     gen = _gen(request)
     q, k, v, idx, cu = make_inputs(case, gen, torch.float32, DEVICE)
-    do = torch.randn(q.shape[:3] + (case.dv,), generator=gen).to(DEVICE)
+    do = torch.randn((*q.shape[:3], case.dv), generator=gen).to(DEVICE)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     _run(case, *leaves, idx, cu).backward(do)
     ref_leaves = [t.double().clone().requires_grad_() for t in (q, k, v)]
     reference(*ref_leaves, idx, case, cu).backward(do.double())
-    for name, got, want in zip("qkv", leaves, ref_leaves):
-        assert got.grad is not None and want.grad is not None
+    for name, got, want in zip("qkv", leaves, ref_leaves, strict=True):
+        assert got.grad is not None
+        assert want.grad is not None
         assert rel_err(got.grad, want.grad) < 2 * BOUND[torch.float32], f"d{name}"
 
 
@@ -114,7 +143,7 @@ def test_half_precision_within_spec(dtype: torch.dtype, request: pytest.FixtureR
     case = Case("half", tq=30, h=1, group=4, dk=32, dv=32, n=3)
     gen = _gen(request)
     q, k, v, idx, cu = make_inputs(case, gen, dtype, DEVICE)
-    do = torch.randn(q.shape[:3] + (case.dv,), generator=gen).to(DEVICE, dtype)
+    do = torch.randn((*q.shape[:3], case.dv), generator=gen).to(DEVICE, dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o = _run(case, *leaves, idx, cu)
     o.backward(do)
@@ -123,8 +152,10 @@ def test_half_precision_within_spec(dtype: torch.dtype, request: pytest.FixtureR
     ref.backward(do.float())
     assert o.dtype == dtype
     assert rel_err(o, ref) < BOUND[dtype]
-    for name, got, want in zip("qkv", leaves, ref_leaves):
-        assert got.grad is not None and want.grad is not None and got.grad.dtype == dtype
+    for name, got, want in zip("qkv", leaves, ref_leaves, strict=True):
+        assert got.grad is not None
+        assert want.grad is not None
+        assert got.grad.dtype == dtype
         assert rel_err(got.grad, want.grad) < 2 * BOUND[dtype], f"d{name}"
 
 
@@ -133,14 +164,16 @@ def test_backward_is_bitwise_deterministic(request: pytest.FixtureRequest) -> No
     case = Case("det", tq=30, h=1, group=3, n=3, config={"segment_tokens": 3})
     gen = _gen(request)
     q, k, v, idx, cu = make_inputs(case, gen, torch.float32, DEVICE)
-    do = torch.randn(q.shape[:3] + (case.dv,), generator=gen).to(DEVICE)
+    do = torch.randn((*q.shape[:3], case.dv), generator=gen).to(DEVICE)
     grads = []
     for _ in range(2):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         _run(case, *leaves, idx, cu).backward(do)
         grads.append([t.grad for t in leaves])
-    for a, b in zip(*grads):
-        assert a is not None and b is not None and torch.equal(a, b)
+    for a, b in zip(*grads, strict=True):
+        assert a is not None
+        assert b is not None
+        assert torch.equal(a, b)
 
 
 def test_no_grad_and_grad_paths_agree(request: pytest.FixtureRequest) -> None:
@@ -150,4 +183,5 @@ def test_no_grad_and_grad_paths_agree(request: pytest.FixtureRequest) -> None:
     with torch.no_grad():
         plain = _run(case, q, k, v, idx, cu)
     tracked = _run(case, q.requires_grad_(), k, v, idx, cu)
-    assert tracked.requires_grad and torch.equal(plain, tracked.detach())
+    assert tracked.requires_grad
+    assert torch.equal(plain, tracked.detach())

@@ -49,8 +49,10 @@ def test_varlen_rows_attend_to_their_range(request: pytest.FixtureRequest) -> No
     cu = torch.tensor(bounds, dtype=torch.int32, device=DEVICE)
     out = sel_attn_fwd_varlen(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), cu, block_l=16)
     ref = torch.stack(
-        [_softmax_attend(q[i], k[bounds[i] : bounds[i + 1]], v[bounds[i] : bounds[i + 1]])
-         for i in range(n)]
+        [
+            _softmax_attend(q[i], k[bounds[i] : bounds[i + 1]], v[bounds[i] : bounds[i + 1]])
+            for i in range(n)
+        ]
     )
     assert rel_err(out, ref) < BOUND[torch.float32]
     assert torch.count_nonzero(out[1].cpu()) == 0

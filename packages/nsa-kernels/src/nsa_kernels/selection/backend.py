@@ -209,7 +209,8 @@ def selected_attention_backend(
         )
     timing = toggles.debug_timing and q.device.type == "cuda"
     if timing:
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
     o = selected_attention_triton(
         q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
@@ -219,8 +220,16 @@ def selected_attention_backend(
         stop.synchronize()
         ms = start.elapsed_time(stop)
         n = block_indices.shape[-1]
-        kv = kv_bytes_read(q.shape[0], q.shape[1], k.shape[2], n, sel_block, q.shape[3],
-                           v.shape[3], q.element_size())
+        kv = kv_bytes_read(
+            q.shape[0],
+            q.shape[1],
+            k.shape[2],
+            n,
+            sel_block,
+            q.shape[3],
+            v.shape[3],
+            q.element_size(),
+        )
         qo = (q.numel() + o.numel()) * q.element_size()
         debug_log(
             "sel.triton.bucket_timing",
@@ -234,8 +243,14 @@ def selected_attention_backend(
 
         with torch.no_grad():
             ref = selected_attention(
-                q.detach(), k.detach(), v.detach(), block_indices, sel_block, scale,
-                q_start=q_start, cu_seqlens=cu_seqlens,
+                q.detach(),
+                k.detach(),
+                v.detach(),
+                block_indices,
+                sel_block,
+                scale,
+                q_start=q_start,
+                cu_seqlens=cu_seqlens,
             )
             err = (o.detach().float() - ref.float()).abs()
         debug_log(

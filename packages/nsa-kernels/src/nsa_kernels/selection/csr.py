@@ -78,7 +78,7 @@ def build_block_csr(
         q_start: position of row 0 (dense).
         cu_seqlens: int32 [S+1] for packed sequences (B == 1).
     """
-    batch, tq, heads, n = block_indices.shape
+    batch, tq, heads, _n = block_indices.shape
     device = block_indices.device
     idx = block_indices.to(torch.int64)
     if cu_seqlens is None:

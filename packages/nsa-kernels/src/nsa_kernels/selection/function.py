@@ -88,7 +88,9 @@ def parse_config(text: str) -> SelConfig:
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, raw = item.partition("=")
         if name not in names:
-            raise ValueError(f"unknown SelConfig field {name!r} in {text!r}; known: {sorted(names)}")
+            raise ValueError(
+                f"unknown SelConfig field {name!r} in {text!r}; known: {sorted(names)}"
+            )
         values[name] = int(raw)
     return SelConfig(**values)
 
@@ -107,9 +109,11 @@ def resolve_config(
 ) -> SelConfig:
     """Fill the zeros of ``config`` (after the NSA_SEL_TRITON_* toggles) with the defaults.
 
-    Defaults: one key tile per selected block up to 64 keys (larger blocks are walked 64 at a
-    time), the whole dk and dv in one tile (next power of two, masked), the whole group per
-    program (NSA_SEL_TRITON_GROUP=0: one head per program), 4 warps and 3 pipeline stages.
+    Defaults (tuned on an H100 at the paper's shapes, docs/selection.md): one key tile per
+    selected block up to 64 keys (larger blocks are walked 64 at a time), the whole dk and dv in
+    one tile (next power of two, masked), the whole group per program (NSA_SEL_TRITON_GROUP=0:
+    one head per program); forward: 4 warps, 2 pipeline stages (more stages cost occupancy);
+    dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
     """
     cfg = config or SelConfig()
     toggles = get_toggles()
@@ -123,7 +127,7 @@ def resolve_config(
     for name in ("block_l", "block_d", "block_dv"):
         _check_block(name, getattr(cfg, name))
     heads = min(cfg.heads_per_prog, group)
-    rows = max(16, _pow2(min(group, 64)))
+    rows = max(32, _pow2(min(group, 64)))
     return replace(
         cfg,
         block_l=cfg.block_l or max(16, min(64, _pow2(sel_block))),
@@ -131,7 +135,7 @@ def resolve_config(
         block_dv=min(cfg.block_dv or _pow2(max(dv, 16)), _pow2(max(dv, 16))),
         heads_per_prog=heads,
         fwd_warps=cfg.fwd_warps or 4,
-        fwd_stages=cfg.fwd_stages or 3,
+        fwd_stages=cfg.fwd_stages or 2,
         dq_warps=cfg.dq_warps or 4,
         dq_stages=cfg.dq_stages or 3,
         dkv_warps=cfg.dkv_warps or 4,
@@ -150,7 +154,6 @@ def _kv_hint(cfg: SelConfig) -> str:
 
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
-
 
 
 @dataclass(frozen=True)
@@ -371,7 +374,7 @@ def dkv_backward(
             dv.stride(0), dv.stride(1), dv.stride(2),
             DK=k.shape[3], BK=bk, DV=v.shape[3], BV=bv,
             SEL=sel_block, BL=cfg.block_l, SELP=selp, RED_FIELDS=RED_FIELDS,
-            num_warps=4,
+            num_warps=8,
         )  # fmt: skip
 
 
@@ -452,7 +455,7 @@ class SelectedAttentionFunction(torch.autograd.Function):
     """o = selected_attention(q, k, v); backward gives dq, dk, dv without atomics."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -475,9 +478,7 @@ class SelectedAttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: Any, do: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse, idx = ctx.saved_tensors
         dq, dk, dv = _bwd(do, q, k, v, o, lse, idx, ctx.sel_block, ctx.info, ctx.cfg)
         return dq, dk, dv, None, None, None, None, None, None
@@ -514,19 +515,27 @@ def selected_attention_triton(
         o [B, Tq, HQ, dv] in q's dtype; differentiable in q, k and v.
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out = SelectedAttentionFunction.apply(
+        out = SelectedAttentionFunction.apply(  # type: ignore[no-untyped-call]
             q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config
         )
         assert isinstance(out, torch.Tensor)
         return out
     return selected_attention_fwd(
-        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens,
+        q,
+        k,
+        v,
+        block_indices,
+        sel_block,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
         config=config,
     )[0]
 
 
-def kv_bytes_read(batch: int, tq: int, h: int, n: int, sel_block: int, dk: int, dv: int,
-                  itemsize: int) -> int:
+def kv_bytes_read(
+    batch: int, tq: int, h: int, n: int, sel_block: int, dk: int, dv: int, itemsize: int
+) -> int:
     """Bytes of K/V the forward loads when every slot holds a full block: B*Tq*H*n*l'*(dk+dv)."""
     return batch * tq * h * n * sel_block * (dk + dv) * itemsize
 

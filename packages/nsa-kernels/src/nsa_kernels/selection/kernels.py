@@ -1,3 +1,6 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Triton kernels of the selected branch, forward and backward side by side.
 
 Notation (NSA-SPEC.md): a query row at position t of kv head h serves the G query heads of that
@@ -22,6 +25,9 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# The kernels see these as compile-time constants (plain module floats are not visible to @jit).
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
 
 # Integer fields of one dk/dv work segment (rows of the int64 table csr.py builds).
 SEG_B, SEG_H, SEG_KROW0, SEG_KEND, SEG_POS0, SEG_START, SEG_END, SEG_PART, SEG_TSHIFT = range(9)
@@ -120,7 +126,9 @@ def sel_fwd_kernel(
         idx_row = idx_ptr + b * stride_ib + r * stride_it + h * stride_ih
 
         if NK == 1:
-            q = tl.load(q_row + offs_k[None, :], mask=g_mask[:, None] & (offs_k < DK)[None, :], other=0.0)
+            q = tl.load(
+                q_row + offs_k[None, :], mask=g_mask[:, None] & (offs_k < DK)[None, :], other=0.0
+            )
 
         m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BG], dtype=tl.float32)
@@ -146,7 +154,9 @@ def sel_fwd_kernel(
                 for kc in tl.static_range(NK):
                     dk_offs = kc * BK + offs_k
                     dk_mask = dk_offs < DK
-                    qc = tl.load(q_row + dk_offs[None, :], mask=g_mask[:, None] & dk_mask[None, :], other=0.0)
+                    qc = tl.load(
+                        q_row + dk_offs[None, :], mask=g_mask[:, None] & dk_mask[None, :], other=0.0
+                    )
                     kc_t = tl.load(
                         k_rows + dk_offs[None, :],
                         mask=live[:, None] & dk_mask[None, :],
@@ -172,9 +182,13 @@ def sel_fwd_kernel(
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
         o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
-        tl.store(o_rows + offs_v[None, :], o.to(o_ptr.dtype.element_ty), mask=g_mask[:, None] & v_mask[None, :])
+        tl.store(
+            o_rows + offs_v[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & v_mask[None, :],
+        )
         if pid_v == 0:
-            lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+            lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
             tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
 
 
@@ -267,7 +281,9 @@ def sel_bwd_dq_kernel(
         offs_v = tl.arange(0, BV)
         v_mask = offs_v < DV
 
-        q_rows = q_ptr + b * stride_qb + r * stride_qt + heads[:, None] * stride_qh + offs_k[None, :]
+        q_rows = (
+            q_ptr + b * stride_qb + r * stride_qt + heads[:, None] * stride_qh + offs_k[None, :]
+        )
         q = tl.load(q_rows, mask=g_mask[:, None] & k_mask[None, :], other=0.0)
         o_rows = b * stride_ob + r * stride_ot + heads[:, None] * stride_oh + offs_v[None, :]
         ov_mask = g_mask[:, None] & v_mask[None, :]
@@ -278,7 +294,7 @@ def sel_bwd_dq_kernel(
         tl.store(delta_ptr + stat, delta, mask=g_mask)
         lse = tl.load(lse_ptr + stat, mask=g_mask, other=0.0)
         # Rows that saw nothing (lse = -inf) have no visible key below; keep the arithmetic finite.
-        lse2 = tl.where(lse > float("-inf"), lse * LOG2E, 0.0)
+        lse2 = tl.where(lse > float("-inf"), lse * _LOG2E, 0.0)
 
         k_head = k_ptr + b * stride_kb + tok0 * stride_kt + h * stride_kh
         v_head = v_ptr + b * stride_vb + tok0 * stride_vt + h * stride_vh
@@ -410,11 +426,19 @@ def sel_bwd_dkv_kernel(
         qrow = tl.load(csr_ptr + slot, mask=rvalid, other=0).to(tl.int64)
         t = qrow + tshift
         q_off = b * stride_qb + qrow * stride_qt + heads * stride_qh
-        qt = tl.load(q_ptr + q_off[:, None] + offs_k[None, :], mask=rvalid[:, None] & k_mask[None, :], other=0.0)
+        qt = tl.load(
+            q_ptr + q_off[:, None] + offs_k[None, :],
+            mask=rvalid[:, None] & k_mask[None, :],
+            other=0.0,
+        )
         o_off = b * stride_ob + qrow * stride_ot + heads * stride_oh
-        dot_ = tl.load(do_ptr + o_off[:, None] + offs_v[None, :], mask=rvalid[:, None] & v_mask[None, :], other=0.0)
+        dot_ = tl.load(
+            do_ptr + o_off[:, None] + offs_v[None, :],
+            mask=rvalid[:, None] & v_mask[None, :],
+            other=0.0,
+        )
         stat = b * stride_lb + qrow * stride_lt + heads
-        lse2 = tl.load(lse_ptr + stat, mask=rvalid, other=0.0) * LOG2E
+        lse2 = tl.load(lse_ptr + stat, mask=rvalid, other=0.0) * _LOG2E
         delta = tl.load(delta_ptr + stat, mask=rvalid, other=0.0)
 
         st = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC) * qk_scale
@@ -490,8 +514,12 @@ def sel_dkv_reduce_kernel(
     dv = tl.zeros([BL, BV], dtype=tl.float32)
     for part in range(first, first + count):
         rows = part * SELP + in_blk
-        dk += tl.load(dk_part_ptr + rows[:, None] * BK + offs_k[None, :], mask=kvalid[:, None], other=0.0)
-        dv += tl.load(dv_part_ptr + rows[:, None] * BV + offs_v[None, :], mask=kvalid[:, None], other=0.0)
+        dk += tl.load(
+            dk_part_ptr + rows[:, None] * BK + offs_k[None, :], mask=kvalid[:, None], other=0.0
+        )
+        dv += tl.load(
+            dv_part_ptr + rows[:, None] * BV + offs_v[None, :], mask=kvalid[:, None], other=0.0
+        )
     tl.store(
         dk_ptr + b * stride_kb + krow[:, None] * stride_kt + h * stride_kh + offs_k[None, :],
         dk.to(dk_ptr.dtype.element_ty),
@@ -583,3 +611,63 @@ def quick_fwd_kernel(
         o.to(o_ptr.dtype.element_ty),
         mask=h_mask[:, None] & (offs_v < DV)[None, :],
     )
+
+
+@triton.jit
+def gather_probe_kernel(
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    out_ptr,
+    stride_kt,
+    stride_vt,
+    stride_it,
+    nsel,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    SEL: tl.constexpr,
+    BL: tl.constexpr,
+    ROWS: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    """Bandwidth probe (benches only): the forward's K/V block reads without its softmax.
+
+    Per (row, kv head) of a B == 1 problem it loads the selected blocks as ``sel_fwd_kernel``
+    does and feeds them to dots with a constant [ROWS, BL] operand (DOT: pipelined like the
+    forward's loads) or merely sums them; its time is the floor of a gather-bound forward.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_l = tl.arange(0, BL)
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.arange(0, DV)
+    ones = tl.full([ROWS, BL], 1.0, dtype=k_ptr.dtype.element_ty)
+    acc_k = tl.zeros([ROWS, DK], dtype=tl.float32)
+    acc_v = tl.zeros([ROWS, DV], dtype=tl.float32)
+    NSUB: tl.constexpr = SEL // BL
+    for it in range(nsel * NSUB):
+        i = it // NSUB
+        j = it - i * NSUB
+        blk = tl.load(idx_ptr + row * stride_it + h * nsel + i)
+        pos = tl.maximum(blk, 0) * SEL + j * BL + offs_l
+        live = (blk >= 0) & (pos <= row)
+        kt = tl.load(
+            k_ptr + pos.to(tl.int64)[:, None] * stride_kt + h * DK + offs_k[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
+        vt = tl.load(
+            v_ptr + pos.to(tl.int64)[:, None] * stride_vt + h * DV + offs_v[None, :],
+            mask=live[:, None],
+            other=0.0,
+        )
+        if DOT:
+            acc_k = tl.dot(ones, kt, acc_k)
+            acc_v = tl.dot(ones, vt, acc_v)
+        else:
+            acc_k += tl.sum(kt.to(tl.float32), 0)[None, :]
+            acc_v += tl.sum(vt.to(tl.float32), 0)[None, :]
+    out = out_ptr + (row * H + h) * (DK + DV)
+    tl.store(out + offs_k, tl.sum(acc_k, 0))
+    tl.store(out + DK + offs_v, tl.sum(acc_v, 0))

@@ -7,6 +7,8 @@ gives row n the packed range ``K[cu[n]:cu[n+1]]`` (an empty range gives 0).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from nsa_kernels.selection.kernels import LOG2E, quick_fwd_kernel
@@ -25,7 +27,9 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rank: int) -> No
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"Q, K, V must share one dtype of {_DTYPES}; got {q.dtype, k.dtype, v.dtype}")
+        raise TypeError(
+            f"Q, K, V must share one dtype of {_DTYPES}; got {q.dtype, k.dtype, v.dtype}"
+        )
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"K's head dim {k.shape[-1]} differs from Q's {q.shape[-1]}")
     if k.shape[:-1] != v.shape[:-1]:
@@ -107,9 +111,15 @@ def sel_attn_fwd_varlen(
     """
     _check(q, k, v, 2)
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (q.shape[0] + 1,):
-        raise ValueError(f"cu_seqlens must be int32 [N+1={q.shape[0] + 1}], got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be int32 [N+1={q.shape[0] + 1}], got {cu_seqlens.dtype} "
+            f"{tuple(cu_seqlens.shape)}"
+        )
     bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != k.shape[0] or any(b < a for a, b in zip(bounds, bounds[1:])):
+    if (
+        bounds[0] != 0
+        or bounds[-1] != k.shape[0]
+        or any(b < a for a, b in itertools.pairwise(bounds))
+    ):
         raise ValueError(f"cu_seqlens must rise from 0 to TotalL={k.shape[0]}, got {bounds}")
     return _launch(q, k, v, cu_seqlens.to(q.device), scale, block_l)
