@@ -32,8 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def register_kernels() -> None:
+    """Register nsa-kernels' backends even when it runs from source with no entry points."""
+    from nsa_core.registry import register_backend
+    from nsa_kernels.registration import register
+
+    register(register_backend)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    register_kernels()
     module = importlib.import_module(COMMANDS[args.command][0])
     return int(module.run(args))
 

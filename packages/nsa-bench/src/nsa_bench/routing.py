@@ -44,8 +44,10 @@ def run(args: argparse.Namespace) -> int:
                     varlen=False,
                 )
                 mode = "train" if requires_grad else "inference"
-                print(f"\n[{device.type} {str(dtype).removeprefix('torch.')} {mode}, "
-                      f"T={args.seq_len}, HQ={args.heads}, H={args.groups}, "
-                      f"dk={args.dk}, dv={args.dv}]")
+                print(
+                    f"\n[{device.type} {str(dtype).removeprefix('torch.')} {mode}, "
+                    f"T={args.seq_len}, HQ={args.heads}, H={args.groups}, "
+                    f"dk={args.dk}, dv={args.dv}]"
+                )
                 print(routing_report(ctx))
     return 0

@@ -37,6 +37,9 @@ class Tier:
     args: tuple[str, ...]
     needs_cuda: bool = False
     env: tuple[tuple[str, str], ...] = ()
+    # The interpreter tier is how CPU hosts check kernel logic; a GPU host runs the same kernels
+    # compiled in its GPU tiers instead.
+    cpu_only: bool = False
 
 
 TIERS = (
@@ -45,9 +48,12 @@ TIERS = (
         "Triton interpreter (CPU)",
         ("packages/nsa-kernels/tests", "-m", "triton and not gpu"),
         env=(("TRITON_INTERPRET", "1"),),
+        cpu_only=True,
     ),
-    Tier("Kernel CPU logic", ("packages/nsa-kernels/tests", "-m", "not triton and not gpu "
-                              "and not fa2 and not cuda")),
+    Tier(
+        "Kernel CPU logic",
+        ("packages/nsa-kernels/tests", "-m", "not triton and not gpu and not fa2 and not cuda"),
+    ),
     Tier("Bench CPU", ("packages/nsa-bench/tests",)),
     Tier(
         "Triton FWD parity",
@@ -59,8 +65,11 @@ TIERS = (
         "Triton BWD parity",
         ("packages/nsa-kernels/tests/selection", "-m", "gpu", "-k", "backward"),
         needs_cuda=True,
-        env=(("NSA_USE_TRITON_SEL", "1"), ("NSA_SEL_TRITON_ALLOW_GRAD", "1"),
-             ("NSA_TRITON_SEL_FORCE", "1")),
+        env=(
+            ("NSA_USE_TRITON_SEL", "1"),
+            ("NSA_SEL_TRITON_ALLOW_GRAD", "1"),
+            ("NSA_TRITON_SEL_FORCE", "1"),
+        ),
     ),
     Tier(
         "FA-2 varlen",
@@ -68,12 +77,23 @@ TIERS = (
         needs_cuda=True,
         env=(("NSA_USE_FA2", "1"),),
     ),
-    Tier("FA-2 (all)", ("packages/nsa-kernels/tests", "-m", "fa2"), needs_cuda=True,
-         env=(("NSA_USE_FA2", "1"),)),
-    Tier("Grad/Train smokes", ("packages/nsa-core/tests", "--run-slow", "-m", "slow"),
-         needs_cuda=True),
-    Tier("CUDA experiment", ("packages/nsa-kernels/tests", "-m", "cuda"), needs_cuda=True,
-         env=(("NSA_USE_CUDA_SEL", "1"),)),
+    Tier(
+        "FA-2 (all)",
+        ("packages/nsa-kernels/tests", "-m", "fa2"),
+        needs_cuda=True,
+        env=(("NSA_USE_FA2", "1"),),
+    ),
+    Tier(
+        "Grad/Train smokes",
+        ("packages/nsa-core/tests", "--run-slow", "-m", "slow"),
+        needs_cuda=True,
+    ),
+    Tier(
+        "CUDA experiment",
+        ("packages/nsa-kernels/tests", "-m", "cuda"),
+        needs_cuda=True,
+        env=(("NSA_USE_CUDA_SEL", "1"),),
+    ),
 )
 
 
@@ -87,20 +107,25 @@ class StepResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=None, help="artifact folder (default artifacts/runner/<commit>)")
+    parser.add_argument(
+        "--out", default=None, help="artifact folder (default artifacts/runner/<commit>)"
+    )
     parser.add_argument("--quick", action="store_true", help="small bench sizes (CPU hosts, CI)")
     parser.add_argument("--skip-benches", action="store_true")
     parser.add_argument("--workers", default="auto", help="pytest-xdist workers for CPU tiers")
 
 
-def _run(cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 3600) -> int:
+def _run(
+    cmd: list[str], log: Path, env: dict[str, str] | None = None, timeout: float = 3600
+) -> int:
     """Run ``cmd`` with stdout+stderr teed to ``log``; returns the exit code."""
     print(f"$ {' '.join(cmd)}", flush=True)
     with log.open("w") as f:
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                              timeout=timeout, check=False)
+        proc = subprocess.run(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=timeout, check=False
+        )
     return proc.returncode
 
 
@@ -119,6 +144,8 @@ def run_tier(tier: Tier, out: Path, has_cuda: bool, workers: str, debug_log: boo
     slug = "".join(c if c.isalnum() else "_" for c in tier.name.lower()).strip("_")
     if tier.needs_cuda and not has_cuda:
         return StepResult(tier.name, "SKIP", 0.0, "no CUDA device visible to torch")
+    if tier.cpu_only and has_cuda:
+        return StepResult(tier.name, "SKIP", 0.0, "GPU host: the GPU tiers run these kernels")
     env = dict(os.environ)
     env.update(dict(tier.env))
     if debug_log:
@@ -138,8 +165,17 @@ def run_tier(tier: Tier, out: Path, has_cuda: bool, workers: str, debug_log: boo
         return StepResult(tier.name, "FAIL", seconds, f"pytest exited {code}, no report", files)
     files.append(junit.name)
     c = _junit_counts(junit)
-    detail = (f"{c['passed']} passed, {c['failures'] + c['errors']} failed, "
-              f"{c['skipped']} skipped")
+    detail = f"{c['passed']} passed, {c['failures'] + c['errors']} failed, {c['skipped']} skipped"
+    if code == 5 and c["skipped"] > 0:
+        # Everything selected skipped at collection (say, a module that needs flash_attn).
+        reasons = sorted(
+            {
+                ln.split(": ", 1)[-1]
+                for ln in log.read_text().splitlines()
+                if ln.startswith("SKIPPED")
+            }
+        )
+        return StepResult(tier.name, "SKIP", seconds, "; ".join(reasons) or detail, files)
     if code == 5 or c["tests"] == 0:
         return StepResult(tier.name, "FAIL", seconds, "no tests collected", files)
     if code != 0:
@@ -160,8 +196,13 @@ def run_bench(name: str, argv: list[str], out: Path, args_timeout: float = 900) 
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
-                              capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -184,15 +225,28 @@ def run(args: argparse.Namespace) -> int:
         env_files.append("nvidia_smi.txt")
     code = _run([sys.executable, "-m", "torch.utils.collect_env"], out / "collect_env.txt")
     env_files.append("collect_env.txt")
-    results.append(StepResult("Environment", "PASS" if code == 0 else "FAIL",
-                              time.perf_counter() - start, "", env_files))
+    results.append(
+        StepResult(
+            "Environment",
+            "PASS" if code == 0 else "FAIL",
+            time.perf_counter() - start,
+            "",
+            env_files,
+        )
+    )
 
     # 2. routing + pairing
     start = time.perf_counter()
     code = _run([sys.executable, "-m", "nsa_bench.cli", "routing"], out / "routing.txt")
-    results.append(StepResult("Routing report", "PASS" if code == 0 else "FAIL",
-                              time.perf_counter() - start,
-                              (out / "routing.txt").read_text().strip(), ["routing.txt"]))
+    results.append(
+        StepResult(
+            "Routing report",
+            "PASS" if code == 0 else "FAIL",
+            time.perf_counter() - start,
+            (out / "routing.txt").read_text().strip(),
+            ["routing.txt"],
+        )
+    )
 
     # 3. test tiers (the first one also with structured debug logs)
     for i, tier in enumerate(TIERS):
@@ -206,15 +260,44 @@ def run(args: argparse.Namespace) -> int:
         s_list = "512,1024,2048" if args.quick or not has_cuda else "512,1024,2048,4096,8192"
         iters = "8" if not has_cuda else "64"
         decode_csv = out / "decode.csv"
-        results.append(run_bench("decode", ["decode", "--S_list", s_list, "--iters", iters,
-                                            "--warmup", "2", "--csv", str(decode_csv)], out))
+        results.append(
+            run_bench(
+                "decode",
+                [
+                    "decode",
+                    "--S_list",
+                    s_list,
+                    "--iters",
+                    iters,
+                    "--warmup",
+                    "2",
+                    "--csv",
+                    str(decode_csv),
+                ],
+                out,
+            )
+        )
         results.append(run_bench("decode_summary", ["summarize", str(decode_csv)], out))
         if has_cuda:
-            sel_args = ["sel", "--L_list", "64,128,256,512,1024", "--iters", "20", "--csv",
-                        str(out / "sel.csv")]
+            sel_args = [
+                "sel",
+                "--L_list",
+                "64,128,256,512,1024",
+                "--iters",
+                "20",
+                "--csv",
+                str(out / "sel.csv"),
+            ]
             results.append(run_bench("sel", sel_args, out))
-            fa2_args = ["fa2", "--T", "1024,4096,16384", "--D", "128", "--csv",
-                        str(out / "fa2.csv")]
+            fa2_args = [
+                "fa2",
+                "--T",
+                "1024,4096,16384",
+                "--D",
+                "128",
+                "--csv",
+                str(out / "fa2.csv"),
+            ]
             results.append(run_bench("fa2", fa2_args, out))
         else:
             for name in ("sel", "fa2"):
@@ -228,8 +311,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def render_report(results: list[StepResult], env: dict[str, object], commit: str,
-                  out: Path) -> str:
+def render_report(results: list[StepResult], env: dict[str, object], commit: str, out: Path) -> str:
     """The seeds' report template, filled from this run."""
     lines = [
         f"GPU Host: {socket.gethostname()} / {env.get('gpu_name', 'none')} / "
@@ -242,13 +324,17 @@ def render_report(results: list[StepResult], env: dict[str, object], commit: str
         "Tests:",
     ]
     for r in results:
-        if r.name.startswith(("Environment", "Routing")) or r.files and r.files[0].startswith(
-            "bench_"
+        if (
+            r.name.startswith(("Environment", "Routing"))
+            or r.files
+            and r.files[0].startswith("bench_")
         ):
             continue
         if r.name in ("sel", "fa2") and r.status == "SKIP":
             continue
-        lines.append(f"- {r.name}: {r.status} ({r.seconds:.1f} s){' - ' + r.detail if r.detail else ''}")
+        lines.append(
+            f"- {r.name}: {r.status} ({r.seconds:.1f} s){' - ' + r.detail if r.detail else ''}"
+        )
     lines += ["", "Benches:"]
     for r in results:
         if r.files and r.files[0].startswith("bench_") or r.name in ("sel", "fa2"):

@@ -108,7 +108,7 @@ def topn_blocks(
     j = torch.arange(n_sel, device=scores.device).unsqueeze(0)  # [1, Nsel]
     valid = (j <= jt).unsqueeze(1)  # [Tq, 1, Nsel], broadcast over heads
     forced = valid & ((j == 0) | (j == jt) | (j == jt - 1)).unsqueeze(1)
-    inf = torch.tensor(float("inf"), dtype=scores.dtype, device=scores.device)
+    inf = float("inf")  # a Python scalar: no host-to-device copy, so graph capture works
     key = torch.where(forced, inf, torch.where(valid, scores, -inf))
     # A stable descending sort keeps equal scores in ascending j: the tie rule.
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
