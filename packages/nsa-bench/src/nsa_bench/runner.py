@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -311,7 +312,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def render_report(results: list[StepResult], env: dict[str, object], commit: str, out: Path) -> str:
+def render_report(
+    results: list[StepResult], env: Mapping[str, object], commit: str, out: Path
+) -> str:
     """The seeds' report template, filled from this run."""
     lines = [
         f"GPU Host: {socket.gethostname()} / {env.get('gpu_name', 'none')} / "
@@ -324,10 +327,8 @@ def render_report(results: list[StepResult], env: dict[str, object], commit: str
         "Tests:",
     ]
     for r in results:
-        if (
-            r.name.startswith(("Environment", "Routing"))
-            or r.files
-            and r.files[0].startswith("bench_")
+        if r.name.startswith(("Environment", "Routing")) or (
+            r.files and r.files[0].startswith("bench_")
         ):
             continue
         if r.name in ("sel", "fa2") and r.status == "SKIP":
@@ -337,7 +338,7 @@ def render_report(results: list[StepResult], env: dict[str, object], commit: str
         )
     lines += ["", "Benches:"]
     for r in results:
-        if r.files and r.files[0].startswith("bench_") or r.name in ("sel", "fa2"):
+        if (r.files and r.files[0].startswith("bench_")) or r.name in ("sel", "fa2"):
             lines.append(f"- {r.name}: {r.status} ({r.seconds:.1f} s)")
             if r.detail:
                 lines += ["```", r.detail, "```"]

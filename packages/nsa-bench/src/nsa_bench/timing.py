@@ -33,17 +33,18 @@ def median_ms(
         if setup is not None:
             setup()
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record()
             fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(float(start.elapsed_time(end)))
         else:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def graph_median_ms(
@@ -62,7 +63,7 @@ def graph_median_ms(
     """
     if device.type != "cuda":
         raise ValueError("graph_median_ms needs a CUDA device")
-    stream = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         for _ in range(max(warmup, 2)):
