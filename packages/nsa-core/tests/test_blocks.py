@@ -1,0 +1,27 @@
+"""The banded overlap map that block scoring sums is exactly the dense map of the spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nsa_core import cmp_block_overlap, num_cmp_blocks, num_sel_blocks
+from nsa_core.blocks import cmp_block_band
+
+
+@pytest.mark.parametrize(
+    ("l_cmp", "d", "l_sel", "length"),
+    [(32, 16, 64, 1000), (8, 4, 8, 77), (4, 2, 8, 50), (4, 4, 4, 33), (16, 8, 32, 15)],
+)
+def test_band_holds_every_nonzero_overlap_weight_once(
+    l_cmp: int, d: int, l_sel: int, length: int
+) -> None:
+    num_cmp, num_sel = num_cmp_blocks(length, l_cmp, d), num_sel_blocks(length, l_sel)
+    dense = cmp_block_overlap(num_cmp, num_sel, l_cmp, d, l_sel, dtype=torch.float64)
+    index, weight = cmp_block_band(num_cmp, num_sel, l_cmp, d, l_sel, dtype=torch.float64)
+    rebuilt = torch.zeros(num_cmp + 1, num_sel, dtype=torch.float64)  # row num_cmp: padding
+    rebuilt.index_put_(
+        (index, torch.arange(num_sel).unsqueeze(1).expand_as(index)), weight, accumulate=True
+    )
+    assert torch.equal(rebuilt[:num_cmp], dense)
+    assert torch.all(weight[index == num_cmp] == 0)
