@@ -17,8 +17,12 @@
 #                gather alone, the forward's bandwidth floor; "" for none)
 #   SEL_SEEDS    1 (default) runs the seeds' bench_sel_triton sweep and its NSA_SEL_TRITON_MIN_L
 #                recommendation; 0 skips it
-# Files in $OUT (8): env.txt, tests.log, bench.log (progress and stderr), sel_seeds.{csv,txt},
-# sel_prefill.{csv,json,txt}. The last lines printed are the tables.
+#   SEL_SEEDS_METHODS  methods of that sweep (default triton,cuda,sdpa,reference: the experimental
+#                CUDA kernel listed beside Triton; it is compiled on first use)
+#   SEL_CUDA_T   prefill lengths at which the CUDA kernel's forward is timed beside Triton and
+#                fla-core (default 8192,65536; "" skips)
+# Files in $OUT: env.txt, tests.log, bench.log (progress and stderr), sel_seeds.{csv,txt},
+# sel_prefill.{csv,json,txt}, sel_cuda.{csv,txt}. The last lines printed are the tables.
 # Carried wheels: every .carry/*.whl (fla-core for the peer) is installed with --no-deps into a
 # site dir on PYTHONPATH; without fla-core the bench reports the peer as unavailable.
 set -uo pipefail
@@ -37,7 +41,10 @@ SEL_GROUPS="${SEL_GROUPS-1,2,4,8,16}"
 DEFAULT_CONFIGS="fwd_stages=3;fwd_warps=8;block_l=32;rows_per_prog=4;kv_hint=2"
 DEFAULT_CONFIGS+=";dq_stages=2;dq_warps=8;dkv_rows=64;dkv_rows=16;dkv_warps=8"
 SEL_CONFIGS="${SEL_CONFIGS-$DEFAULT_CONFIGS}"
+SEL_SEEDS_METHODS="${SEL_SEEDS_METHODS:-triton,cuda,sdpa,reference}"
+SEL_CUDA_T="${SEL_CUDA_T-8192,65536}"
 export PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/build/torch_extensions}"
 
 shopt -s nullglob
 wheels=(.carry/*.whl)
@@ -82,9 +89,9 @@ fi
 
 if [[ "${SEL_SEEDS:-1}" == 1 ]]; then
   start=$SECONDS
-  timeout 120 "$PYTHON" -m nsa_bench.cli sel --N 1024 --H 8 --D 128 --Dv 128 \
+  timeout 240 "$PYTHON" -m nsa_bench.cli sel --N 1024 --H 8 --D 128 --Dv 128 \
     --L_list 64,128,256,512,1024,2048,4096 --dist many --iters 20 --warmup 5 \
-    --csv "$OUT/sel_seeds.csv" >"$OUT/sel_seeds.txt" 2>>"$OUT/bench.log"
+    --methods "$SEL_SEEDS_METHODS" --csv "$OUT/sel_seeds.csv" >"$OUT/sel_seeds.txt" 2>>"$OUT/bench.log"
   echo "seeds bench: rc=$? in $((SECONDS - start)) s; $(tail -n 1 "$OUT/sel_seeds.txt")"
 fi
 
@@ -96,8 +103,16 @@ bench_rc=$?
 echo "prefill bench: rc=$bench_rc in $((SECONDS - start)) s"
 [[ $bench_rc -ne 0 ]] && tail -n 20 "$OUT/bench.log"
 
+if [[ -n "$SEL_CUDA_T" ]]; then
+  start=$SECONDS
+  timeout 180 "$PYTHON" -m nsa_bench.cli sel --prefill --T "$SEL_CUDA_T" --pass fwd \
+    --methods triton,cuda,fla --csv "$OUT/sel_cuda.csv" >"$OUT/sel_cuda.txt" 2>>"$OUT/bench.log"
+  echo "cuda-beside-triton bench: rc=$? in $((SECONDS - start)) s"
+fi
+
 echo
 grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -n 3
 cat "$OUT/sel_seeds.txt" 2>/dev/null
 cat "$OUT/sel_prefill.txt" 2>/dev/null
+cat "$OUT/sel_cuda.txt" 2>/dev/null
 exit $(( tests_rc != 0 || bench_rc != 0 ))

@@ -122,3 +122,21 @@ def test_prefill_needs_cuda() -> None:
         pytest.skip("checks the CPU refusal; this machine has a GPU")
     args = build_parser().parse_args(["sel", "--prefill"])
     assert sel_bench.run(args) == 2
+
+
+def test_forward_only_methods_report_their_backward_as_not_applicable() -> None:
+    p = sel_bench.make_problem(
+        1, 8, 64, 2, 1, 16, 16, 2, 16, torch.float32, torch.device("cpu"), "many", 0
+    )
+    ms, status = sel_bench.time_method("cuda", p, "fwd_bwd", lambda fn: 1.0)
+    assert math.isnan(ms)
+    assert status == "n/a: cuda is forward only"
+
+
+def test_cuda_method_on_cpu_is_reported_not_raised() -> None:
+    p = sel_bench.make_problem(
+        1, 8, 64, 2, 1, 16, 16, 2, 16, torch.float32, torch.device("cpu"), "many", 0
+    )
+    ms, status = sel_bench.time_method("cuda", p, "fwd", lambda fn: 1.0)
+    assert math.isnan(ms)
+    assert status.startswith("error: ")

@@ -7,7 +7,8 @@ sequence of L keys, H query heads sharing one kv head (``--kv-heads``), each row
 ``min(n, blocks)`` blocks of l' keys drawn by ``--dist`` (few: one contiguous run ending at the
 row's own block; many: scattered distinct blocks; mixed: half of each). Methods: ``triton``
 (this package), ``sdpa`` (the seeds' packed path: gather each row's selected keys, one SDPA
-call), ``reference`` (nsa_core's op, the registered fallback). Per L it reports the speedup of
+call), ``reference`` (nsa_core's op, the registered fallback), and on request ``cuda`` (the
+experimental CUDA C++ kernel of nsa_kernels.cuda_sel, forward only). Per L it reports the speedup of
 Triton over the faster fallback, and recommends ``NSA_SEL_TRITON_MIN_L``: the smallest L from
 which Triton is at least ``--min-speedup`` (1.2x) faster at that L and every larger one, rounded
 up to a power of two.
@@ -43,6 +44,8 @@ from nsa_bench.timing import median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SEEDS_METHODS = ("triton", "sdpa", "reference")
+# Methods with a forward only: their fwd_bwd rows say so instead of timing anything.
+FORWARD_ONLY = ("cuda",)
 FALLBACKS = ("sdpa", "reference")
 
 
@@ -277,6 +280,10 @@ def _call(
         from nsa_core.ops.selected_attention import selected_attention
 
         return selected_attention(q, k, v, p.idx, p.sel_block, q_start=p.q_start)
+    if method == "cuda":
+        from nsa_kernels.cuda_sel.selected import selected_attention_cuda
+
+        return selected_attention_cuda(q, k, v, p.idx, p.sel_block, q_start=p.q_start)
     if method == "fla":
         assert fla_fn is not None
         if p.q_start:
@@ -296,6 +303,8 @@ def time_method(
     fla_fn: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[float, str]:
     """(median ms, status) of one pass; failures give (nan, the error) instead of raising."""
+    if pass_ != "fwd" and method in FORWARD_ONLY:
+        return math.nan, f"n/a: {method} is forward only"
     try:
         if pass_ == "fwd":
             with torch.no_grad():
@@ -470,7 +479,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default fp16 (seeds mode), bf16 (prefill)",
     )
     parser.add_argument(
-        "--methods", default=None, help="seeds: triton,sdpa,reference; prefill: triton,fla"
+        "--methods",
+        default=None,
+        help="seeds: triton,sdpa,reference (default), cuda; prefill: triton,fla (default), cuda",
     )
     parser.add_argument(
         "--pass",
