@@ -18,7 +18,7 @@ OUT="${OUT:?set OUT to the folder that receives the logs}"
 LOGS="$OUT/fa2_cuda"
 PYTHON="${PYTHON:-python3}"
 PHASE_TIMEOUT="${PHASE_TIMEOUT:-540}"
-BENCH_T="${BENCH_T:-512,1024,2048,4096,8192,16384}"
+BENCH_T="${BENCH_T:-16,64,128,256,512,1024,2048,4096,8192,16384}"
 BENCH_D="${BENCH_D:-64,128}"
 mkdir -p "$LOGS"
 cd "$ROOT" || exit 1

@@ -388,6 +388,12 @@ def run(args: argparse.Namespace) -> int:
             advice = "no FA-2/fallback pair was timed (see the status column): no cutoff"
         elif cutoff is None:
             advice = f"FA-2 is not >= {args.min_speedup}x up to the largest T: keep it off here"
+        elif cutoff == min(int(r["T"]) for r in rows):
+            # The sweep's shortest T already favours FA-2: the cutoff lies at or below it.
+            advice = (
+                f"{toggle[branch]}<={cutoff} (FA-2 is ahead from the shortest T timed; "
+                "time shorter T to place it)"
+            )
         else:
             advice = f"{toggle[branch]}={cutoff}"
         print(

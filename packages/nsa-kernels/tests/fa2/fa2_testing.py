@@ -18,8 +18,8 @@ GRAD_FACTOR = 2.0
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref64 = ref.double()
-    return float((out.double() - ref64).norm() / ref64.norm().clamp_min(1e-30))
+    ref64 = ref.detach().double()
+    return float((out.detach().double() - ref64).norm() / ref64.norm().clamp_min(1e-30))
 
 
 def randn(*shape: int, dtype: torch.dtype, device: str = "cpu", grad: bool = False) -> torch.Tensor:

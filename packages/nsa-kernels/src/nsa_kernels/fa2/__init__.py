@@ -22,7 +22,8 @@ from nsa_kernels.fa2.routing import (
     fa2_compressed_supports,
     fa2_requested,
     fa2_sliding_supports,
-    flex_supports,
+    flex_compressed_supports,
+    flex_sliding_supports,
     sdpa_supports,
 )
 from nsa_kernels.fa2.sdpa import compressed_attention_sdpa, sliding_attention_sdpa
@@ -52,14 +53,14 @@ def backends() -> list[Backend]:
             op="sliding_attention",
             name="flex",
             fn=sliding_attention_flex,
-            supports=flex_supports,
+            supports=flex_sliding_supports,
             priority=FLEX_PRIORITY,
         ),
         Backend(
             op="compressed_attention",
             name="flex",
             fn=compressed_attention_flex,
-            supports=flex_supports,
+            supports=flex_compressed_supports,
             priority=FLEX_PRIORITY,
         ),
         Backend(

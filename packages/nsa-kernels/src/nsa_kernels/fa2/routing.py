@@ -7,7 +7,7 @@ The registry asks the backends from the highest priority down; the first that ac
 | 30 | ``fa2`` | NSA_USE_FA2=1, CUDA sm80+, flash_attn imports, fp16/bf16, head dims <= 256, |
 | | | and at least NSA_FA2_MIN_LEN_WIN / NSA_FA2_MIN_LEN_CMP tokens |
 | 20 | ``flex`` | NSA_USE_FA2=1, FA-2 refused; CUDA, FlexAttention present, G a power of two, |
-| | | and at least ``FLEX_MIN_LEN`` tokens |
+| | | and at least ``FLEX_MIN_LEN_WIN`` / ``FLEX_MIN_LEN_CMP`` tokens |
 | 10 | ``sdpa`` | NSA_USE_FA2=1 and neither of the above accepted |
 | 0 | ``reference`` | everything else (nsa-core) |
 
@@ -23,9 +23,13 @@ from nsa_core.toggles import Toggles
 from nsa_kernels.fa2._flash import unsupported_reason
 from nsa_kernels.fa2.flex import flex_missing_reason
 
-# Below this many tokens the compile and block-mask setup of FlexAttention are not repaid, and
-# the chunked SDPA serves. Provisional: `nsa-bench fa2` times both and prints where flex wins.
-FLEX_MIN_LEN = 1024
+# Below these lengths FlexAttention's per-call block-mask setup (about 1.5-2.5 ms on an H100) is
+# not repaid and the chunked SDPA serves. Measured with `nsa-bench fa2` (docs/fa2.md, H100,
+# HQ=64, H=4, bf16): sliding, flex ahead of SDPA from T=4096 at D=64 and 128; compressed, ahead
+# from T=8192 at D=128 but behind up to 16k at D=64, so its cutoff follows the larger head dims
+# NSA uses (the paper's dk is 192).
+FLEX_MIN_LEN_WIN = 4096
+FLEX_MIN_LEN_CMP = 8192
 
 FA2_PRIORITY = 30
 FLEX_PRIORITY = 20
@@ -57,7 +61,7 @@ def fa2_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     return _fa2_supports(ctx, toggles, toggles.fa2_min_len_cmp, "NSA_FA2_MIN_LEN_CMP")
 
 
-def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+def _flex_supports(ctx: OpContext, toggles: Toggles, min_len: int) -> str | None:
     if not toggles.use_fa2:
         return _NOT_REQUESTED
     if ctx.device.type != "cuda":
@@ -68,9 +72,17 @@ def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     g = ctx.group_size
     if g & (g - 1):
         return f"FlexAttention's decode kernel needs a power-of-two group size, G={g}"
-    if ctx.seq_len < FLEX_MIN_LEN:
-        return f"seq_len {ctx.seq_len} < {FLEX_MIN_LEN}: FlexAttention's setup is not repaid"
+    if ctx.seq_len < min_len:
+        return f"seq_len {ctx.seq_len} < {min_len}: FlexAttention's setup is not repaid"
     return None
+
+
+def flex_sliding_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    return _flex_supports(ctx, toggles, FLEX_MIN_LEN_WIN)
+
+
+def flex_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    return _flex_supports(ctx, toggles, FLEX_MIN_LEN_CMP)
 
 
 def sdpa_supports(ctx: OpContext, toggles: Toggles) -> str | None:
