@@ -20,6 +20,7 @@ from nsa_core.ops import compressed_attention, sliding_attention
 from nsa_kernels.fa2 import (
     compressed_attention_flex,
     compressed_attention_sdpa,
+    flex,
     sliding_attention_flex,
     sliding_attention_sdpa,
 )
@@ -211,3 +212,33 @@ def test_flex_compiled_on_cpu_honours_block_tables(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(flex, "_flex", lambda device: compiled)
     for name, run, ref in _flex_cases():
         assert rel_err(run(), ref) < FLOAT32_BOUND, name
+
+
+def test_flex_reuses_the_block_mask_of_a_dense_shape() -> None:
+    flex.clear_block_mask_cache()
+    q = randn(1, 70, 4, 8, dtype=torch.float32)
+    k, v = randn(1, 90, 2, 8, dtype=torch.float32), randn(1, 90, 2, 8, dtype=torch.float32)
+    first = sliding_attention_flex(q, k, v, 16, q_start=20)
+    assert flex.block_mask_cache_keys() == [("sliding", 70, 20, 16, q.device)]
+    second = sliding_attention_flex(q, k, v, 16, q_start=20)
+    other = sliding_attention_flex(q, k, v, 17, q_start=20)
+    assert torch.equal(first, second)
+    assert rel_err(other, sliding_attention(q, k, v, 17, q_start=20)) < FLOAT32_BOUND
+    assert len(flex.block_mask_cache_keys()) == 2
+
+
+def test_flex_block_mask_cache_is_bounded_and_skips_varlen() -> None:
+    flex.clear_block_mask_cache()
+    q = randn(1, 40, 2, 8, dtype=torch.float32)
+    kc, vc = randn(1, 20, 1, 8, dtype=torch.float32), randn(1, 20, 1, 8, dtype=torch.float32)
+    for q_start in range(flex.BLOCK_MASK_CACHE_SIZE + 3):
+        got = compressed_attention_flex(q[:, :1], kc, vc, 4, 2, q_start=q_start)
+        want = compressed_attention(q[:, :1], kc, vc, 4, 2, q_start=q_start)
+        assert rel_err(got, want) < FLOAT32_BOUND
+    keys = flex.block_mask_cache_keys()
+    assert len(keys) == flex.BLOCK_MASK_CACHE_SIZE
+    assert keys[-1] == ("compressed", 1, flex.BLOCK_MASK_CACHE_SIZE + 2, 4, 2, 20, q.device)
+    cu = cu_seqlens_of([15, 25])
+    k, v = randn(1, 40, 1, 8, dtype=torch.float32), randn(1, 40, 1, 8, dtype=torch.float32)
+    sliding_attention_flex(q, k, v, 8, cu_seqlens=cu)
+    assert flex.block_mask_cache_keys() == keys

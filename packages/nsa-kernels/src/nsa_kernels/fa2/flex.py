@@ -6,6 +6,12 @@ tiles between its first query's lo and its last query's hi (both non-decreasing)
 is materialised, and FlexAttention skips every key tile outside the band, so the sliding branch
 costs O(T * w) and the compressed one about half the dense Tq x N work.
 
+Building the block mask costs about 1 ms of host-bound work per call on an H100 (the tables, the
+padded intervals, ``BlockMask.from_kv_blocks``): more than the attention itself below a few
+thousand tokens. Dense calls depend only on their shape and NSA parameters, so their masks are kept
+in a small LRU cache (:data:`BLOCK_MASK_CACHE_SIZE` entries) keyed by them; varlen masks depend on
+``cu_seqlens`` values and are built per call.
+
 Only the compiled FlexAttention is fast: uncompiled it falls back to a dense reference that ignores
 the block sparsity and materialises all scores. :func:`interval_attention_flex` therefore compiles
 on CUDA and runs eagerly elsewhere (CPU tests of the mask logic).
@@ -13,12 +19,13 @@ on CUDA and runs eagerly elsewhere (CPU tests of the mask logic).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
-from nsa_core.blocks import cmp_cu_seqlens
+from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
 from nsa_kernels.fa2.intervals import (
     compressed_intervals,
@@ -28,8 +35,20 @@ from nsa_kernels.fa2.intervals import (
 )
 
 FLEX_BLOCK = 128
+BLOCK_MASK_CACHE_SIZE = 16
 
 _compiled: Callable[..., Any] | None = None
+_block_masks: OrderedDict[Hashable, Any] = OrderedDict()
+
+
+def clear_block_mask_cache() -> None:
+    """Drop every cached block mask (they hold device tensors)."""
+    _block_masks.clear()
+
+
+def block_mask_cache_keys() -> list[Hashable]:
+    """The keys of the cached block masks, least recently used first."""
+    return list(_block_masks)
 
 
 def flex_missing_reason() -> str | None:
@@ -76,6 +95,47 @@ def interval_block_tables(
     return count.to(torch.int32), indices.to(torch.int32)
 
 
+def interval_block_mask(lo: torch.Tensor, hi: torch.Tensor, kv_len: int) -> Any:
+    """The FlexAttention BlockMask of "query row i sees keys [lo[i], hi[i]]" over kv_len keys."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tq = lo.numel()
+    num_blocks, indices = interval_block_tables(lo, hi, kv_len)
+    # mask_mod may be evaluated on the padding rows of the last query tile: give them an empty
+    # interval instead of reading past the end of lo/hi.
+    padded = num_blocks.numel() * FLEX_BLOCK
+    lo_pad = torch.ones(padded, dtype=torch.int64, device=lo.device)
+    hi_pad = torch.zeros(padded, dtype=torch.int64, device=lo.device)
+    lo_pad[:tq], hi_pad[:tq] = lo, hi
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (kv_idx >= lo_pad[q_idx]) & (kv_idx <= hi_pad[q_idx])
+
+    return BlockMask.from_kv_blocks(
+        num_blocks[None, None],
+        indices[None, None],
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(tq, kv_len),
+    )
+
+
+def _cached_block_mask(
+    key: Hashable | None, intervals: Callable[[], tuple[torch.Tensor, torch.Tensor]], kv_len: int
+) -> Any:
+    if key is None:
+        return interval_block_mask(*intervals(), kv_len)
+    mask = _block_masks.get(key)
+    if mask is None:
+        mask = interval_block_mask(*intervals(), kv_len)
+        _block_masks[key] = mask
+        if len(_block_masks) > BLOCK_MASK_CACHE_SIZE:
+            _block_masks.popitem(last=False)
+    else:
+        _block_masks.move_to_end(key)
+    return mask
+
+
 def interval_attention_flex(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,30 +149,22 @@ def interval_attention_flex(
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; lo, hi int64 [Tq], non-decreasing.
     Returns o [B, Tq, HQ, dv] in q's dtype.
     """
-    from torch.nn.attention.flex_attention import BlockMask
+    return _attend(q, k, v, None, lambda: (lo, hi), scale)
 
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key: Hashable | None,
+    intervals: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> torch.Tensor:
     batch, tq, hq, _ = q.shape
     tk, dv = k.shape[1], v.shape[3]
     if tq == 0 or tk == 0:
         return q.new_zeros(batch, tq, hq, dv)
-    num_blocks, indices = interval_block_tables(lo, hi, tk)
-    # mask_mod may be evaluated on the padding rows of the last query tile: give them an empty
-    # interval instead of reading past the end of lo/hi.
-    padded = num_blocks.numel() * FLEX_BLOCK
-    lo_pad = torch.ones(padded, dtype=torch.int64, device=q.device)
-    hi_pad = torch.zeros(padded, dtype=torch.int64, device=q.device)
-    lo_pad[:tq], hi_pad[:tq] = lo, hi
-
-    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return (kv_idx >= lo_pad[q_idx]) & (kv_idx <= hi_pad[q_idx])
-
-    block_mask = BlockMask.from_kv_blocks(
-        num_blocks[None, None],
-        indices[None, None],
-        BLOCK_SIZE=FLEX_BLOCK,
-        mask_mod=mask_mod,
-        seq_lengths=(tq, tk),
-    )
+    block_mask = _cached_block_mask(key, intervals, tk)
     out: torch.Tensor = _flex(q.device)(
         q.transpose(1, 2),
         k.transpose(1, 2),
@@ -148,14 +200,17 @@ def sliding_attention_flex(
         if q_start != 0 or k.shape[1] != tq:
             raise ValueError("varlen sliding attention needs q_start == 0 and k with q's tokens")
         lo, hi = sliding_intervals_varlen(cu_seqlens, window)
+        return interval_attention_flex(q, k, v, lo, hi, scale)
     else:
         if q_start < 0 or q_start + tq > k.shape[1]:
             raise ValueError(
                 f"queries [{q_start}, {q_start + tq}) need keys k holds ({k.shape[1]})"
             )
-        lo, hi = sliding_intervals(tq, q_start, window, q.device)
         k, v = k[:, : q_start + tq], v[:, : q_start + tq]
-    return interval_attention_flex(q, k, v, lo, hi, scale)
+        key = ("sliding", tq, q_start, window, q.device)
+        return _attend(
+            q, k, v, key, lambda: sliding_intervals(tq, q_start, window, q.device), scale
+        )
 
 
 def compressed_attention_flex(
@@ -188,8 +243,16 @@ def compressed_attention_flex(
                 f"k_cmp holds {k_cmp.shape[1]} blocks, cu_seqlens implies {int(cmp_cu[-1])}"
             )
         lo, hi = compressed_intervals_varlen(cu_seqlens, cmp_cu, cmp_block, cmp_stride)
-    else:
-        lo, hi = compressed_intervals(tq, q_start, cmp_block, cmp_stride, q.device)
-        if tq and int(hi[-1]) >= k_cmp.shape[1]:
-            raise ValueError(f"queries see {int(hi[-1]) + 1} blocks, k_cmp holds {k_cmp.shape[1]}")
-    return interval_attention_flex(q, k_cmp, v_cmp, lo, hi, scale)
+        return interval_attention_flex(q, k_cmp, v_cmp, lo, hi, scale)
+    seen = num_cmp_blocks(q_start + tq, cmp_block, cmp_stride) if tq else 0
+    if seen > k_cmp.shape[1]:
+        raise ValueError(f"queries see {seen} blocks, k_cmp holds {k_cmp.shape[1]}")
+    key = ("compressed", tq, q_start, cmp_block, cmp_stride, k_cmp.shape[1], q.device)
+    return _attend(
+        q,
+        k_cmp,
+        v_cmp,
+        key,
+        lambda: compressed_intervals(tq, q_start, cmp_block, cmp_stride, q.device),
+        scale,
+    )
