@@ -23,13 +23,13 @@ from nsa_core.toggles import Toggles
 from nsa_kernels.fa2._flash import unsupported_reason
 from nsa_kernels.fa2.flex import flex_missing_reason
 
-# Below these lengths FlexAttention's per-call block-mask setup (about 1.5-2.5 ms on an H100) is
-# not repaid and the chunked SDPA serves. Measured with `nsa-bench fa2` (docs/fa2.md, H100,
-# HQ=64, H=4, bf16): sliding, flex ahead of SDPA from T=4096 at D=64 and 128; compressed, ahead
-# from T=8192 at D=128 but behind up to 16k at D=64, so its cutoff follows the larger head dims
-# NSA uses (the paper's dk is 192).
-FLEX_MIN_LEN_WIN = 4096
-FLEX_MIN_LEN_CMP = 8192
+# Where the compiled FlexAttention takes over from the chunked SDPA. Measured with `nsa-bench fa2`
+# (docs/fa2.md; H100, torch 2.11, HQ=64, H=4, bf16, block masks cached): flex is ahead from
+# T=256, the shortest length timed where it compiles, in both branches, at D=64 and 128, forward
+# and forward+backward (the one exception, compressed D=64 forward at 16k, is a 3% tie). Below one
+# 128-token tile torch 2.11's inductor finds no kernel for it (NoValidChoicesError at T=16, 64).
+FLEX_MIN_LEN_WIN = 256
+FLEX_MIN_LEN_CMP = 256
 
 FA2_PRIORITY = 30
 FLEX_PRIORITY = 20
