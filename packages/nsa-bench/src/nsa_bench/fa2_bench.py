@@ -381,6 +381,7 @@ def run(args: argparse.Namespace) -> int:
     print(summary_table(rows, methods))
     print()
     toggle = {"sliding": "NSA_FA2_MIN_LEN_WIN", "compressed": "NSA_FA2_MIN_LEN_CMP"}
+    shortest = min((int(r["T"]) for r in rows), default=None)
     for key, rec in recommend(rows, args.min_speedup).items():
         branch, _mode = key.split("/")
         cutoff = rec["fa2_min_len"]
@@ -388,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
             advice = "no FA-2/fallback pair was timed (see the status column): no cutoff"
         elif cutoff is None:
             advice = f"FA-2 is not >= {args.min_speedup}x up to the largest T: keep it off here"
-        elif cutoff == min(int(r["T"]) for r in rows):
+        elif cutoff == shortest:
             # The sweep's shortest T already favours FA-2: the cutoff lies at or below it.
             advice = (
                 f"{toggle[branch]}<={cutoff} (FA-2 is ahead from the shortest T timed; "

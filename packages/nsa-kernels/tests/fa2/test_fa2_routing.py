@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,12 +13,10 @@ from nsa_core.registry import OpContext, resolve
 from nsa_core.toggles import Toggles
 from nsa_kernels.fa2 import _flash, backends
 from nsa_kernels.fa2.routing import (
-    FLEX_MIN_LEN_CMP,
-    FLEX_MIN_LEN_WIN,
+    FLEX_MIN_LEN,
     fa2_compressed_supports,
     fa2_sliding_supports,
-    flex_compressed_supports,
-    flex_sliding_supports,
+    flex_supports,
     sdpa_supports,
 )
 
@@ -75,13 +72,7 @@ def test_backend_table() -> None:
 
 def test_everything_refuses_without_use_fa2() -> None:
     off = Toggles()
-    for supports in (
-        fa2_sliding_supports,
-        fa2_compressed_supports,
-        flex_sliding_supports,
-        flex_compressed_supports,
-        sdpa_supports,
-    ):
+    for supports in (fa2_sliding_supports, fa2_compressed_supports, flex_supports, sdpa_supports):
         reason = supports(ctx(), off)
         assert reason is not None
         assert "NSA_USE_FA2 is off" in reason
@@ -114,17 +105,12 @@ def test_fa2_missing_module_is_the_reason(monkeypatch: pytest.MonkeyPatch) -> No
     assert "flash_attn is not importable" in reason
 
 
-@pytest.mark.parametrize(
-    ("supports", "min_len"),
-    [(flex_sliding_supports, FLEX_MIN_LEN_WIN), (flex_compressed_supports, FLEX_MIN_LEN_CMP)],
-    ids=["sliding", "compressed"],
-)
-def test_flex_reasons(supports: Callable[[OpContext, Toggles], str | None], min_len: int) -> None:
+def test_flex_reasons() -> None:
     on = Toggles(use_fa2=True)
-    assert "on CUDA" in str(supports(ctx(device="cpu"), on))
-    assert "power-of-two group size" in str(supports(ctx("cuda", hq=12, h=4), on))
-    assert f"< {min_len}" in str(supports(ctx("cuda", seq_len=min_len - 1), on))
-    assert supports(ctx("cuda", seq_len=min_len), on) is None
+    assert "on CUDA" in str(flex_supports(ctx(device="cpu"), on))
+    assert "power-of-two group size" in str(flex_supports(ctx("cuda", hq=12, h=4), on))
+    assert f"< {FLEX_MIN_LEN}" in str(flex_supports(ctx("cuda", seq_len=FLEX_MIN_LEN - 1), on))
+    assert flex_supports(ctx("cuda", seq_len=FLEX_MIN_LEN), on) is None
 
 
 @pytest.mark.usefixtures("isolated_registry")

@@ -22,8 +22,7 @@ from nsa_kernels.fa2.routing import (
     fa2_compressed_supports,
     fa2_requested,
     fa2_sliding_supports,
-    flex_compressed_supports,
-    flex_sliding_supports,
+    flex_supports,
     sdpa_supports,
 )
 from nsa_kernels.fa2.sdpa import compressed_attention_sdpa, sliding_attention_sdpa
@@ -53,14 +52,14 @@ def backends() -> list[Backend]:
             op="sliding_attention",
             name="flex",
             fn=sliding_attention_flex,
-            supports=flex_sliding_supports,
+            supports=flex_supports,
             priority=FLEX_PRIORITY,
         ),
         Backend(
             op="compressed_attention",
             name="flex",
             fn=compressed_attention_flex,
-            supports=flex_compressed_supports,
+            supports=flex_supports,
             priority=FLEX_PRIORITY,
         ),
         Backend(

@@ -7,7 +7,7 @@ The registry asks the backends from the highest priority down; the first that ac
 | 30 | ``fa2`` | NSA_USE_FA2=1, CUDA sm80+, flash_attn imports, fp16/bf16, head dims <= 256, |
 | | | and at least NSA_FA2_MIN_LEN_WIN / NSA_FA2_MIN_LEN_CMP tokens |
 | 20 | ``flex`` | NSA_USE_FA2=1, FA-2 refused; CUDA, FlexAttention present, G a power of two, |
-| | | and at least ``FLEX_MIN_LEN_WIN`` / ``FLEX_MIN_LEN_CMP`` tokens |
+| | | and at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | NSA_USE_FA2=1 and neither of the above accepted |
 | 0 | ``reference`` | everything else (nsa-core) |
 
@@ -23,13 +23,12 @@ from nsa_core.toggles import Toggles
 from nsa_kernels.fa2._flash import unsupported_reason
 from nsa_kernels.fa2.flex import flex_missing_reason
 
-# Where the compiled FlexAttention takes over from the chunked SDPA. Measured with `nsa-bench fa2`
-# (docs/fa2.md; H100, torch 2.11, HQ=64, H=4, bf16, block masks cached): flex is ahead from
+# Where the compiled FlexAttention takes over from the chunked SDPA, for both branches. Measured
+# with `nsa-bench fa2` (docs/fa2.md; H100, torch 2.11, HQ=64, H=4, bf16, masks cached): ahead from
 # T=256, the shortest length timed where it compiles, in both branches, at D=64 and 128, forward
 # and forward+backward (the one exception, compressed D=64 forward at 16k, is a 3% tie). Below one
 # 128-token tile torch 2.11's inductor finds no kernel for it (NoValidChoicesError at T=16, 64).
-FLEX_MIN_LEN_WIN = 256
-FLEX_MIN_LEN_CMP = 256
+FLEX_MIN_LEN = 256
 
 FA2_PRIORITY = 30
 FLEX_PRIORITY = 20
@@ -61,7 +60,7 @@ def fa2_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     return _fa2_supports(ctx, toggles, toggles.fa2_min_len_cmp, "NSA_FA2_MIN_LEN_CMP")
 
 
-def _flex_supports(ctx: OpContext, toggles: Toggles, min_len: int) -> str | None:
+def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     if not toggles.use_fa2:
         return _NOT_REQUESTED
     if ctx.device.type != "cuda":
@@ -72,17 +71,9 @@ def _flex_supports(ctx: OpContext, toggles: Toggles, min_len: int) -> str | None
     g = ctx.group_size
     if g & (g - 1):
         return f"FlexAttention's decode kernel needs a power-of-two group size, G={g}"
-    if ctx.seq_len < min_len:
-        return f"seq_len {ctx.seq_len} < {min_len}: FlexAttention's setup is not repaid"
+    if ctx.seq_len < FLEX_MIN_LEN:
+        return f"seq_len {ctx.seq_len} < {FLEX_MIN_LEN}: FlexAttention's setup is not repaid"
     return None
-
-
-def flex_sliding_supports(ctx: OpContext, toggles: Toggles) -> str | None:
-    return _flex_supports(ctx, toggles, FLEX_MIN_LEN_WIN)
-
-
-def flex_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
-    return _flex_supports(ctx, toggles, FLEX_MIN_LEN_CMP)
 
 
 def sdpa_supports(ctx: OpContext, toggles: Toggles) -> str | None:
