@@ -179,3 +179,42 @@ def test_quick_sanity_entry_points() -> None:
     cu = torch.tensor([i * length for i in range(n + 1)], device="cuda", dtype=torch.int32)
     packed = sel_attn_fwd_varlen(q, k.reshape(-1, d), v.reshape(-1, dv), cu)
     assert float((packed.float() - ref).abs().mean()) < 1e-3
+
+
+def forced_indices(batch: int, tq: int, h: int, n: int, gen: torch.Generator, q_start: int = 0):  # type: ignore[no-untyped-def]
+    """NSA-shaped rows: {0, jt-1, jt} plus scattered valid blocks, distinct, ascending."""
+    many = draw_indices(batch, tq, h, n, "many", gen, q_start)
+    jt = ((q_start + torch.arange(tq, device="cuda")) // SEL).to(torch.int32)
+    forced = torch.stack([torch.zeros_like(jt), (jt - 1).clamp(min=0), jt], -1)
+    rows = torch.cat([forced.view(1, tq, 1, 3).expand(batch, tq, h, 3), many], -1)
+    rows = torch.sort(torch.where(rows < 0, 1 << 30, rows), dim=-1).values
+    rows[..., 1:] = torch.where(rows[..., 1:] == rows[..., :-1], 1 << 30, rows[..., 1:])
+    rows = torch.sort(rows, dim=-1).values[..., :n]
+    return torch.where(rows == 1 << 30, -1, rows).to(torch.int32)
+
+
+@pytest.mark.parametrize(
+    "tile",
+    ["tile_rows=2", "tile_rows=4", "tile_rows=4,block_l=32", "tile_rows=8,block_l=32,fwd_warps=8"],
+)
+@pytest.mark.parametrize("group", [1, 4, 16])
+@pytest.mark.parametrize("q_start", [0, 1000])
+def test_tile_forward_matches_reference(
+    tile: str, group: int, q_start: int, request: pytest.FixtureRequest
+) -> None:
+    from nsa_kernels.selection.function import parse_config, selected_attention_fwd
+
+    gen = _gen(request)
+    batch, tq, h, d, n = 2, 1536, 2, 128, 16
+    keys = q_start + tq
+    q = torch.randn(batch, tq, h * group, d, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(batch, keys, h, d, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(batch, keys, h, d, device="cuda", generator=gen).bfloat16()
+    idx = forced_indices(batch, tq, h, n, gen, q_start)
+    o, lse = selected_attention_fwd(q, k, v, idx, SEL, q_start=q_start, config=parse_config(tile))
+    o_row, lse_row = selected_attention_fwd(q, k, v, idx, SEL, q_start=q_start)
+    ref = selected_attention(q.float(), k.float(), v.float(), idx, SEL, q_start=q_start)
+    err = rel_err(o, ref)
+    assert err < BOUND[torch.bfloat16], f"o: relative error {err:.2e}"
+    assert rel_err(lse, lse_row) < BOUND[torch.float32], "lse differs from the per-row kernel's"
+    assert rel_err(o, o_row) < BOUND[torch.bfloat16]

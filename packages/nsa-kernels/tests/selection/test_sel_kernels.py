@@ -8,6 +8,7 @@ uses the float16/bfloat16 bounds against a float32 reference on the same inputs.
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -60,6 +61,15 @@ CASES = [
         config={"block_l": 16, "block_d": 16, "block_dv": 16, "heads_per_prog": 2},
     ),
     Case("odd_block_len", tq=30, h=1, group=1, sel_block=24, n=3),
+]
+# The tile forward (tile_rows > 1) on every case whose tiles cover dk and dv: aligned and
+# unaligned q_start, tiles straddling query blocks (l' = 24 with 16-row tiles), varlen tiles
+# spanning sequences, rows whose indices omit or repeat forced blocks.
+TILE_ROWS = {"g1_partial_random": 2, "odd_block_len": 16, "varlen_len1_empty": 8}
+CASES += [
+    replace(c, name=f"{c.name}_tile", config={**c.config, "tile_rows": TILE_ROWS.get(c.name, 4)})
+    for c in CASES
+    if "block_d" not in c.config
 ]
 IDS = [c.name for c in CASES]
 

@@ -35,6 +35,7 @@ from nsa_kernels.selection.kernels import (
     sel_bwd_dq_kernel,
     sel_dkv_reduce_kernel,
     sel_fwd_kernel,
+    sel_fwd_tile_kernel,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -60,6 +61,9 @@ class SelConfig:
             their forced blocks, found in L1 by the later rows).
         kv_hint: L2 eviction hint of the K/V loads of forward and dq: 1 "evict_last" (keep K/V
             over the streamed q and o), 2 none.
+        tile_rows: forward query rows per program of the tile kernel (a power of two; 1 = the
+            per-row kernel). A tile loads the blocks NSA forces on a query block, {0, jt-1, jt},
+            once for all its rows (needs one dk and one dv tile: block_d >= dk, block_dv >= dv).
     """
 
     block_l: int = 0
@@ -76,6 +80,7 @@ class SelConfig:
     segment_tokens: int = 0
     rows_per_prog: int = 0
     kv_hint: int = 0
+    tile_rows: int = 0
 
     def describe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
@@ -143,6 +148,7 @@ def resolve_config(
         dkv_rows=max(cfg.dkv_rows or rows, _pow2(max(group, 16))),
         rows_per_prog=cfg.rows_per_prog or 1,
         kv_hint=cfg.kv_hint or 1,
+        tile_rows=cfg.tile_rows or 1,
     )
 
 
@@ -252,6 +258,9 @@ def _fwd(
     nch = -(-info.group // hpp)
     nv = -(-info.dv // cfg.block_dv)
     nsub = -(-sel_block // cfg.block_l)
+    if cfg.tile_rows > 1:
+        _fwd_tiles(q, k, v, o, lse, idx, seq_ids, cu, sel_block, info, cfg)
+        return o, lse
     grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
     sel_fwd_kernel[grid](
         q, k, v, o, lse, idx, seq_ids, cu,
@@ -271,6 +280,54 @@ def _fwd(
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return o, lse
+
+
+def _fwd_tiles(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    idx: torch.Tensor,
+    seq_ids: torch.Tensor,
+    cu: torch.Tensor,
+    sel_block: int,
+    info: _Launch,
+    cfg: SelConfig,
+) -> None:
+    """The tile forward (``sel_fwd_tile_kernel``): ``cfg.tile_rows`` rows per program."""
+    tb = cfg.tile_rows
+    if tb & (tb - 1):
+        raise ValueError(f"tile_rows={tb} must be a power of two")
+    if cfg.block_d < info.dk or cfg.block_dv < info.dv:
+        raise ValueError(
+            f"tile_rows={tb} needs block_d >= dk and block_dv >= dv "
+            f"(got block_d={cfg.block_d}, dk={info.dk}, block_dv={cfg.block_dv}, dv={info.dv})"
+        )
+    hpp = cfg.heads_per_prog
+    if info.seq_ids is None:
+        tiles_per_seq = (info.q_start + info.tq - 1) // tb - info.q_start // tb + 1
+        tiles = info.batch * tiles_per_seq
+    else:
+        tiles_per_seq = 0
+        tiles = -(-info.rows // tb)
+    grid = (tiles, info.h * -(-info.group // hpp))
+    sel_fwd_tile_kernel[grid](
+        q, k, v, o, lse, idx, seq_ids, cu,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        idx.stride(0), idx.stride(1), idx.stride(2),
+        info.rows, info.tq, info.q_start, tiles_per_seq, info.n, info.scale * LOG2E,
+        G=info.group, HPP=hpp, BG=max(16, _pow2(hpp)),
+        DK=info.dk, BK=cfg.block_d, DV=info.dv, BV=cfg.block_dv,
+        SEL=sel_block, BL=cfg.block_l, NSUB=-(-sel_block // cfg.block_l),
+        TB=tb, NP=_pow2(max(info.n, 1)), KV_HINT=_kv_hint(cfg),
+        VARLEN=info.seq_ids is not None, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )  # fmt: skip
 
 
 def _bwd(

@@ -193,6 +193,227 @@ def sel_fwd_kernel(
 
 
 @triton.jit
+def sel_fwd_tile_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    idx_ptr,
+    seq_ptr,
+    cu_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lt,
+    stride_ib,
+    stride_it,
+    stride_ih,
+    n_rows,
+    tq,
+    q_start,
+    tiles_per_seq,
+    nsel,
+    qk_scale,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    BG: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    SEL: tl.constexpr,
+    BL: tl.constexpr,
+    NSUB: tl.constexpr,
+    TB: tl.constexpr,
+    NP: tl.constexpr,
+    KV_HINT: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """o [TB, BG, BV] and lse [TB, BG] of TB consecutive query rows of one kv head's group.
+
+    The rows of one query block share the blocks NSA forces on them, {0, jt-1, jt}: this kernel
+    loads each of those K/V blocks once for the tile (phase 1, one [TB*BG, BL] dot) and walks
+    every other selected block per row (phase 2, batched [TB] x [BG, BL] dots). A row takes part
+    in phase 1 for a forced candidate only if its own index row holds it, and phase 2 skips
+    exactly those entries, so any index rows give the per-row kernel's result.
+
+    Dense: tiles are aligned to absolute positions (t // TB), so with TB | l' all rows of a tile
+    share jt. Varlen: tiles are TB consecutive packed rows; rows of a different sequence than
+    the tile's first row skip phase 1.
+    Grid: (tiles, H * ceil(G / HPP)).
+    """
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1)
+    NCH: tl.constexpr = (G + HPP - 1) // HPP
+    h = pid_h // NCH
+    chunk = pid_h - h * NCH
+    offs_r = tl.arange(0, TB)
+    if VARLEN:
+        row = pid_t * TB + offs_r
+        rvalid = row < n_rows
+        row = tl.minimum(row, n_rows - 1)
+        tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
+        tok_first = tl.load(cu_ptr + tl.load(seq_ptr + pid_t * TB)).to(tl.int64)
+        b = pid_t * 0
+        r = row
+        t = row - tok0
+        t_first = pid_t * TB - tok_first
+        shared_ok = rvalid & (tok0 == tok_first)
+    else:
+        b = pid_t // tiles_per_seq
+        t_first = (q_start // TB + pid_t - b * tiles_per_seq) * TB
+        t = t_first + offs_r
+        rvalid = (t >= q_start) & (t < q_start + tq)
+        t = tl.minimum(tl.maximum(t, q_start), q_start + tq - 1)
+        r = t - q_start
+        tok0 = t * 0
+        tok_first = b * 0
+        shared_ok = rvalid
+
+    offs_g = tl.arange(0, BG)
+    g_in = chunk * HPP + offs_g
+    g_mask = (offs_g < HPP) & (g_in < G)
+    heads = h * G + g_in
+    offs_l = tl.arange(0, BL)
+    offs_k = tl.arange(0, BK)
+    k_mask = offs_k < DK
+    offs_v = tl.arange(0, BV)
+    v_mask = offs_v < DV
+
+    q3 = tl.load(
+        q_ptr
+        + b * stride_qb
+        + r[:, None, None] * stride_qt
+        + heads[None, :, None] * stride_qh
+        + offs_k[None, None, :],
+        mask=(rvalid[:, None] & g_mask[None, :])[:, :, None] & k_mask[None, None, :],
+        other=0.0,
+    )
+    idx_rows = idx_ptr + b * stride_ib + r * stride_it + h * stride_ih
+    offs_n = tl.arange(0, NP)
+    idx_tile = tl.load(
+        idx_rows[:, None] + offs_n[None, :],
+        mask=rvalid[:, None] & (offs_n < nsel)[None, :],
+        other=-1,
+    )
+
+    m_i = tl.full([TB, BG], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([TB, BG], dtype=tl.float32)
+    acc = tl.zeros([TB, BG, BV], dtype=tl.float32)
+
+    # Phase 1: the forced candidates 0, j0 - 1, j0 of the tile's first row, each loaded once.
+    j0 = t_first // SEL
+    cand1 = j0 - 1
+    cand2 = j0
+    t_last = tl.max(tl.where(shared_ok, t, -1))
+    k_first = k_ptr + b * stride_kb + tok_first * stride_kt + h * stride_kh
+    v_first = v_ptr + b * stride_vb + tok_first * stride_vt + h * stride_vh
+    q2 = tl.reshape(q3, (TB * BG, BK))
+    for c in tl.static_range(3):
+        if c == 0:
+            cand = j0 * 0
+            usable = j0 >= 0
+        elif c == 1:
+            cand = cand1
+            usable = cand1 >= 1
+        else:
+            cand = cand2
+            usable = cand2 >= 1
+        member = shared_ok & usable & (tl.max((idx_tile == cand).to(tl.int32), axis=1) > 0)
+        for js in range(NSUB):
+            cand_in = js * BL + offs_l
+            cand_pos = cand * SEL + cand_in
+            load_ok = usable & (cand_in < SEL) & (cand_pos <= t_last)
+            kt = tl.load(
+                k_first + cand_pos.to(tl.int64)[:, None] * stride_kt + offs_k[None, :],
+                mask=load_ok[:, None] & k_mask[None, :],
+                other=0.0,
+                eviction_policy=KV_HINT,
+            )
+            s = tl.reshape(tl.dot(q2, tl.trans(kt), input_precision=DOT_PREC), (TB, BG, BL))
+            cand_live = member[:, None] & load_ok[None, :] & (cand_pos[None, :] <= t[:, None])
+            s = tl.where(cand_live[:, None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=2))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, :, None])
+            l_i = l_i * alpha + tl.sum(p, axis=2)
+            vt = tl.load(
+                v_first + cand_pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                mask=load_ok[:, None] & v_mask[None, :],
+                other=0.0,
+                eviction_policy=KV_HINT,
+            )
+            pv = tl.dot(tl.reshape(p.to(vt.dtype), (TB * BG, BL)), vt, input_precision=DOT_PREC)
+            acc = acc * alpha[:, :, None] + tl.reshape(pv, (TB, BG, BV))
+            m_i = m_new
+
+    # Phase 2: every other selected block, one per row per step.
+    k_rows = k_ptr + b * stride_kb + tok0 * stride_kt + h * stride_kh
+    v_rows = v_ptr + b * stride_vb + tok0 * stride_vt + h * stride_vh
+    for it in range(nsel * NSUB):
+        i = it // NSUB
+        j = it - i * NSUB
+        blk = tl.load(idx_rows + i, mask=rvalid, other=-1).to(tl.int32)
+        forced = (blk == 0) | ((blk == cand1) & (cand1 >= 1)) | ((blk == cand2) & (cand2 >= 1))
+        walk = rvalid & (blk >= 0) & ~(forced & shared_ok)
+        in_blk = j * BL + offs_l
+        pos = tl.maximum(blk, 0)[:, None] * SEL + in_blk[None, :]
+        live = walk[:, None] & (in_blk < SEL)[None, :] & (pos <= t[:, None])
+        pos64 = pos.to(tl.int64)
+        kt = tl.load(
+            k_rows[:, None, None] + pos64[:, :, None] * stride_kt + offs_k[None, None, :],
+            mask=live[:, :, None] & k_mask[None, None, :],
+            other=0.0,
+            eviction_policy=KV_HINT,
+        )
+        s = tl.dot(q3, tl.permute(kt, (0, 2, 1)), input_precision=DOT_PREC)
+        s = tl.where(live[:, None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+        vt = tl.load(
+            v_rows[:, None, None] + pos64[:, :, None] * stride_vt + offs_v[None, None, :],
+            mask=live[:, :, None] & v_mask[None, None, :],
+            other=0.0,
+            eviction_policy=KV_HINT,
+        )
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, :, None]
+    out_mask = rvalid[:, None] & g_mask[None, :]
+    tl.store(
+        o_ptr
+        + b * stride_ob
+        + r[:, None, None] * stride_ot
+        + heads[None, :, None] * stride_oh
+        + offs_v[None, None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=out_mask[:, :, None] & v_mask[None, None, :],
+    )
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    tl.store(
+        lse_ptr + b * stride_lb + r[:, None] * stride_lt + heads[None, :],
+        lse,
+        mask=out_mask,
+    )
+
+
+@triton.jit
 def sel_bwd_dq_kernel(
     q_ptr,
     k_ptr,
