@@ -377,9 +377,11 @@ def make_problem(
 def run_probe(
     p: Problem,
     bench: Callable[[Callable[[], object]], float],
-    variants: Sequence[tuple[int, int, int, int]],
+    variants: Sequence[tuple[int, int, int, int, int]],
 ) -> list[tuple[str, float, float]]:
-    """(variant, ms, K/V GB/s) of the gather probe for (num_warps, num_stages, BL, DOT)."""
+    """(variant, ms, K/V GB/s) of the gather probe for (num_warps, num_stages, BL, DOT, TMA)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from nsa_kernels.selection.kernels import gather_probe_kernel as kernel
 
     batch, t, h, dk = p.k.shape
@@ -390,14 +392,28 @@ def run_probe(
     blocks = int((p.idx >= 0).sum())
     kv = blocks * p.sel_block * (dk + dv) * p.k.element_size()
     results = []
-    for warps, stages, bl, dot in variants:
+    k2, v2 = p.k.reshape(t, h * dk), p.v.reshape(t, h * dv)
+    for warps, stages, bl, dot, tma in variants:
+        descs = [
+            TensorDescriptor(x, list(x.shape), list(x.stride()), [bl, d]) if tma else x
+            for x, d in ((k2, dk), (v2, dv))
+        ]
 
-        def launch(warps: int = warps, stages: int = stages, bl: int = bl, dot: int = dot) -> None:
+        def launch(
+            warps: int = warps,
+            stages: int = stages,
+            bl: int = bl,
+            dot: int = dot,
+            tma: int = tma,
+            descs: list[Any] = descs,
+        ) -> None:
             kernel[(t, h)](
                 p.k,
                 p.v,
                 p.idx,
                 out,
+                descs[0],
+                descs[1],
                 p.k.stride(1),
                 p.v.stride(1),
                 p.idx.stride(1),
@@ -409,11 +425,12 @@ def run_probe(
                 BL=bl,
                 ROWS=16,
                 DOT=bool(dot),
+                TMA=bool(tma),
                 num_warps=warps,
                 num_stages=stages,
             )
 
-        name = f"{'dot' if dot else 'sum'}/w{warps}/s{stages}/bl{bl}"
+        name = f"{'dot' if dot else 'sum'}/w{warps}/s{stages}/bl{bl}{'/tma' if tma else ''}"
         try:
             launch()
             ms = bench(launch)
@@ -683,14 +700,14 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
             args.seed,
         )
         variants = [
-            (4, 2, 64, 1),
-            (4, 3, 64, 1),
-            (4, 4, 32, 1),
-            (4, 1, 64, 0),
-            (8, 1, 64, 0),
-            (4, 3, 64, 0),
-            (8, 1, 32, 0),
-            (16, 1, 64, 0),
+            (4, 2, 64, 1, 0),
+            (4, 3, 64, 1, 0),
+            (4, 4, 32, 1, 0),
+            (4, 2, 64, 1, 1),
+            (4, 3, 64, 1, 1),
+            (4, 4, 32, 1, 1),
+            (8, 3, 64, 1, 1),
+            (4, 3, 64, 0, 1),
         ]
         for name, ms, gbps in run_probe(p, bench, variants):
             row = Row(

@@ -195,7 +195,13 @@ def forced_indices(batch: int, tq: int, h: int, n: int, gen: torch.Generator, q_
 
 @pytest.mark.parametrize(
     "tile",
-    ["tile_rows=2", "tile_rows=4", "tile_rows=4,block_l=32", "tile_rows=8,block_l=32,fwd_warps=8"],
+    [
+        "tile_rows=2",
+        "tile_rows=4,block_l=32",
+        "tile_rows=8,block_l=32,fwd_warps=8",
+        "tma=1",
+        "tma=1,block_l=32,fwd_stages=3",
+    ],
 )
 @pytest.mark.parametrize("group", [1, 4, 16])
 @pytest.mark.parametrize("q_start", [0, 1000])

@@ -33,7 +33,7 @@ from nsa_kernels.selection.function import (  # noqa: E402
     selected_attention_triton,
 )
 
-CASES = [
+BASE_CASES = [
     Case("g1_partial_random", batch=2, tq=21, h=1, group=1, dk=16, dv=32, indices="random"),
     Case("g3_nsa_partial", tq=27, h=2, group=3, dk=32, dv=16, n=4, config={"segment_tokens": 4}),
     Case("g4_span", tq=36, h=1, group=4, dk=32, dv=32, n=3, indices="span"),
@@ -66,11 +66,22 @@ CASES = [
 # unaligned q_start, tiles straddling query blocks (l' = 24 with 16-row tiles), varlen tiles
 # spanning sequences, rows whose indices omit or repeat forced blocks.
 TILE_ROWS = {"g1_partial_random": 2, "odd_block_len": 16, "varlen_len1_empty": 8}
-CASES += [
-    replace(c, name=f"{c.name}_tile", config={**c.config, "tile_rows": TILE_ROWS.get(c.name, 4)})
-    for c in CASES
-    if "block_d" not in c.config
-]
+# TMA loads of the forward (tma=1) on the cases whose dk and dv are powers of two in one tile.
+CASES = (
+    BASE_CASES
+    + [
+        replace(
+            c, name=f"{c.name}_tile", config={**c.config, "tile_rows": TILE_ROWS.get(c.name, 4)}
+        )
+        for c in BASE_CASES
+        if "block_d" not in c.config
+    ]
+    + [
+        replace(c, name=f"{c.name}_tma", config={**c.config, "tma": 1})
+        for c in BASE_CASES
+        if c.dk & (c.dk - 1) == 0 and c.dv & (c.dv - 1) == 0 and "block_d" not in c.config
+    ]
+)
 IDS = [c.name for c in CASES]
 
 

@@ -64,6 +64,8 @@ class SelConfig:
         tile_rows: forward query rows per program of the tile kernel (a power of two; 1 = the
             per-row kernel). A tile loads the blocks NSA forces on a query block, {0, jt-1, jt},
             once for all its rows (needs one dk and one dv tile: block_d >= dk, block_dv >= dv).
+        tma: forward K/V loads: 1 through TMA tensor descriptors (dk and dv powers of two in one
+            tile each), 2 pointer loads.
     """
 
     block_l: int = 0
@@ -81,6 +83,7 @@ class SelConfig:
     rows_per_prog: int = 0
     kv_hint: int = 0
     tile_rows: int = 0
+    tma: int = 0
 
     def describe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
@@ -149,6 +152,7 @@ def resolve_config(
         rows_per_prog=cfg.rows_per_prog or 1,
         kv_hint=cfg.kv_hint or 1,
         tile_rows=cfg.tile_rows or 1,
+        tma=cfg.tma or 2,
     )
 
 
@@ -262,24 +266,47 @@ def _fwd(
         _fwd_tiles(q, k, v, o, lse, idx, seq_ids, cu, sel_block, info, cfg)
         return o, lse
     grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
+    if cfg.tma not in (1, 2):
+        raise ValueError(f"tma must be 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}")
+    tma = cfg.tma == 1
+    k_desc: Any = k
+    v_desc: Any = v
+    if tma:
+        k_desc, v_desc = _kv_descriptors(k, v, cfg, info)
     sel_fwd_kernel[grid](
-        q, k, v, o, lse, idx, seq_ids, cu,
+        q, k, v, o, lse, idx, seq_ids, cu, k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
         idx.stride(0), idx.stride(1), idx.stride(2),
-        info.rows, info.tq, info.q_start, info.n, info.scale * LOG2E,
+        info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
         G=info.group, HPP=hpp, BG=max(16, _pow2(hpp)),
         DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
         DV=info.dv, BV=cfg.block_dv,
         SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
         RPP=cfg.rows_per_prog, KV_HINT=_kv_hint(cfg),
-        VARLEN=info.seq_ids is not None, DOT_PREC=_dot_precision(q.dtype),
+        VARLEN=info.seq_ids is not None, DOT_PREC=_dot_precision(q.dtype), TMA=tma,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return o, lse
+
+
+def _kv_descriptors(
+    k: torch.Tensor, v: torch.Tensor, cfg: SelConfig, info: _Launch
+) -> tuple[Any, Any]:
+    """TMA descriptors over k [B, Tk, H, dk] and v as [B * Tk, H * d] with [block_l, d] boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for name, d, tile in (("dk", info.dk, cfg.block_d), ("dv", info.dv, cfg.block_dv)):
+        if d != tile or d & (d - 1):
+            raise ValueError(f"tma=1 needs {name} a power of two in one tile, got {name}={d}")
+    out = []
+    for x, d in ((k, info.dk), (v, info.dv)):
+        flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * d)
+        out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [cfg.block_l, d]))
+    return out[0], out[1]
 
 
 def _fwd_tiles(

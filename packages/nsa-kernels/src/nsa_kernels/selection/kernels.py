@@ -46,6 +46,8 @@ def sel_fwd_kernel(
     idx_ptr,
     seq_ptr,
     cu_ptr,
+    k_desc,
+    v_desc,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -65,6 +67,7 @@ def sel_fwd_kernel(
     stride_ih,
     n_rows,
     tq,
+    tk,
     q_start,
     nsel,
     qk_scale,
@@ -83,12 +86,17 @@ def sel_fwd_kernel(
     KV_HINT: tl.constexpr,
     VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
     Grid: (ceil(rows / RPP), H * ceil(G / HPP), ceil(DV / BV)). Axis 0 varies fastest, so the
     programs in flight share one kv head and its K/V stays in L2 (KV_HINT="evict_last" asks L2
     to keep K/V over the streamed q and o).
+
+    TMA (NK == 1, BK == DK, BV == DV): K/V tiles come through tensor descriptors over
+    k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the causal mask applies to s), rows
+    past the end read as 0.
     """
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -141,7 +149,11 @@ def sel_fwd_kernel(
             pos = tl.maximum(blk, 0) * SEL + in_blk
             live = (blk >= 0) & (in_blk < SEL) & (pos <= t)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
-            if NK == 1:
+            kv_row = (b * tk + tok0 + tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
+            if TMA:
+                kt = k_desc.load([kv_row, (h * DK).to(tl.int32)])
+                s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)
+            elif NK == 1:
                 kt = tl.load(
                     k_rows + offs_k[None, :],
                     mask=live[:, None] & (offs_k < DK)[None, :],
@@ -169,12 +181,15 @@ def sel_fwd_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(
-                v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
-                mask=live[:, None] & v_mask[None, :],
-                other=0.0,
-                eviction_policy=KV_HINT,
-            )
+            if TMA:
+                vt = v_desc.load([kv_row, (h * DV).to(tl.int32)])
+            else:
+                vt = tl.load(
+                    v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                    mask=live[:, None] & v_mask[None, :],
+                    other=0.0,
+                    eviction_policy=KV_HINT,
+                )
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
             m_i = m_new
 
@@ -840,6 +855,8 @@ def gather_probe_kernel(
     v_ptr,
     idx_ptr,
     out_ptr,
+    k_desc,
+    v_desc,
     stride_kt,
     stride_vt,
     stride_it,
@@ -851,12 +868,14 @@ def gather_probe_kernel(
     BL: tl.constexpr,
     ROWS: tl.constexpr,
     DOT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """Bandwidth probe (benches only): the forward's K/V block reads without its softmax.
 
     Per (row, kv head) of a B == 1 problem it loads the selected blocks as ``sel_fwd_kernel``
     does and feeds them to dots with a constant [ROWS, BL] operand (DOT: pipelined like the
     forward's loads) or merely sums them; its time is the floor of a gather-bound forward.
+    TMA: the tiles come through descriptors over k, v as [T, H * D] (whole tiles, no mask).
     """
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -873,16 +892,21 @@ def gather_probe_kernel(
         blk = tl.load(idx_ptr + row * stride_it + h * nsel + i)
         pos = tl.maximum(blk, 0) * SEL + j * BL + offs_l
         live = (blk >= 0) & (pos <= row)
-        kt = tl.load(
-            k_ptr + pos.to(tl.int64)[:, None] * stride_kt + h * DK + offs_k[None, :],
-            mask=live[:, None],
-            other=0.0,
-        )
-        vt = tl.load(
-            v_ptr + pos.to(tl.int64)[:, None] * stride_vt + h * DV + offs_v[None, :],
-            mask=live[:, None],
-            other=0.0,
-        )
+        if TMA:
+            kv_row = (tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
+            kt = k_desc.load([kv_row, h * DK])
+            vt = v_desc.load([kv_row, h * DV])
+        else:
+            kt = tl.load(
+                k_ptr + pos.to(tl.int64)[:, None] * stride_kt + h * DK + offs_k[None, :],
+                mask=live[:, None],
+                other=0.0,
+            )
+            vt = tl.load(
+                v_ptr + pos.to(tl.int64)[:, None] * stride_vt + h * DV + offs_v[None, :],
+                mask=live[:, None],
+                other=0.0,
+            )
         if DOT:
             acc_k = tl.dot(ones, kt, acc_k)
             acc_v = tl.dot(ones, vt, acc_v)
