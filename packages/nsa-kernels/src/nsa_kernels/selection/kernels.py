@@ -259,8 +259,9 @@ def sel_fwd_tile_kernel(
     """o [TB, BG, BV] and lse [TB, BG] of TB consecutive query rows of one kv head's group.
 
     The rows of one query block share the blocks NSA forces on them, {0, jt-1, jt}: this kernel
-    loads each of those K/V blocks once for the tile (phase 1, one [TB*BG, BL] dot) and walks
-    every other selected block per row (phase 2, batched [TB] x [BG, BL] dots). A row takes part
+    loads each of those K/V blocks once for the tile (phase 1, one [TB*BG, BL] dot per tile),
+    then walks every other selected block row by row (phase 2, the per-row kernel's walk started
+    from the row's share of phase 1). A row takes part
     in phase 1 for a forced candidate only if its own index row holds it, and phase 2 skips
     exactly those entries, so any index rows give the per-row kernel's result.
 
@@ -374,58 +375,65 @@ def sel_fwd_tile_kernel(
             acc = acc * alpha[:, :, None] + tl.reshape(pv, (TB, BG, BV))
             m_i = m_new
 
-    # Phase 2: every other selected block, one per row per step.
-    k_rows = k_ptr + b * stride_kb + tok0 * stride_kt + h * stride_kh
-    v_rows = v_ptr + b * stride_vb + tok0 * stride_vt + h * stride_vh
-    for it in range(nsel * NSUB):
-        i = it // NSUB
-        j = it - i * NSUB
-        blk = tl.load(idx_rows + i, mask=rvalid, other=-1).to(tl.int32)
-        forced = (blk == 0) | ((blk == cand1) & (cand1 >= 1)) | ((blk == cand2) & (cand2 >= 1))
-        walk = rvalid & (blk >= 0) & ~(forced & shared_ok)
-        in_blk = j * BL + offs_l
-        pos = tl.maximum(blk, 0)[:, None] * SEL + in_blk[None, :]
-        live = walk[:, None] & (in_blk < SEL)[None, :] & (pos <= t[:, None])
-        pos64 = pos.to(tl.int64)
-        kt = tl.load(
-            k_rows[:, None, None] + pos64[:, :, None] * stride_kt + offs_k[None, None, :],
-            mask=live[:, :, None] & k_mask[None, None, :],
+    # Phase 2: row by row, the row's other blocks on top of its share of phase 1.
+    for rr in range(TB):
+        pick = offs_r == rr
+        acc_r = tl.sum(tl.where(pick[:, None, None], acc, 0.0), axis=0)
+        m_r = tl.sum(tl.where(pick[:, None], m_i, 0.0), axis=0)
+        l_r = tl.sum(tl.where(pick[:, None], l_i, 0.0), axis=0)
+        t_r = tl.sum(tl.where(pick, t, 0), axis=0)
+        r_r = tl.sum(tl.where(pick, r, 0), axis=0)
+        tok0_r = tl.sum(tl.where(pick, tok0, 0), axis=0)
+        ok_r = tl.sum(tl.where(pick, rvalid.to(tl.int32), 0), axis=0) > 0
+        shared_r = tl.sum(tl.where(pick, shared_ok.to(tl.int32), 0), axis=0) > 0
+        q_r = tl.load(
+            q_ptr + b * stride_qb + r_r * stride_qt + heads[:, None] * stride_qh + offs_k[None, :],
+            mask=g_mask[:, None] & k_mask[None, :],
             other=0.0,
-            eviction_policy=KV_HINT,
         )
-        s = tl.dot(q3, tl.permute(kt, (0, 2, 1)), input_precision=DOT_PREC)
-        s = tl.where(live[:, None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=2))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, :, None])
-        l_i = l_i * alpha + tl.sum(p, axis=2)
-        vt = tl.load(
-            v_rows[:, None, None] + pos64[:, :, None] * stride_vt + offs_v[None, None, :],
-            mask=live[:, :, None] & v_mask[None, None, :],
-            other=0.0,
-            eviction_policy=KV_HINT,
-        )
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-        m_i = m_new
+        k_row = k_ptr + b * stride_kb + tok0_r * stride_kt + h * stride_kh
+        v_row = v_ptr + b * stride_vb + tok0_r * stride_vt + h * stride_vh
+        idx_r = idx_ptr + b * stride_ib + r_r * stride_it + h * stride_ih
+        for it in range(nsel * NSUB):
+            i = it // NSUB
+            j = it - i * NSUB
+            blk = tl.load(idx_r + i).to(tl.int32)
+            forced = (blk == 0) | ((blk == cand1) & (cand1 >= 1)) | ((blk == cand2) & (cand2 >= 1))
+            in_blk = j * BL + offs_l
+            pos = tl.maximum(blk, 0) * SEL + in_blk
+            walk = ok_r & (blk >= 0) & ~(forced & shared_r)
+            live = walk & (in_blk < SEL) & (pos <= t_r)
+            kt = tl.load(
+                k_row + pos.to(tl.int64)[:, None] * stride_kt + offs_k[None, :],
+                mask=live[:, None] & k_mask[None, :],
+                other=0.0,
+                eviction_policy=KV_HINT,
+            )
+            s = tl.dot(q_r, tl.trans(kt), input_precision=DOT_PREC)
+            s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_r, tl.max(s, axis=1))
+            alpha = tl.exp2(m_r - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_r = l_r * alpha + tl.sum(p, axis=1)
+            vt = tl.load(
+                v_row + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                mask=live[:, None] & v_mask[None, :],
+                other=0.0,
+                eviction_policy=KV_HINT,
+            )
+            acc_r = acc_r * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+            m_r = m_new
 
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, :, None]
-    out_mask = rvalid[:, None] & g_mask[None, :]
-    tl.store(
-        o_ptr
-        + b * stride_ob
-        + r[:, None, None] * stride_ot
-        + heads[None, :, None] * stride_oh
-        + offs_v[None, None, :],
-        o.to(o_ptr.dtype.element_ty),
-        mask=out_mask[:, :, None] & v_mask[None, None, :],
-    )
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-    tl.store(
-        lse_ptr + b * stride_lb + r[:, None] * stride_lt + heads[None, :],
-        lse,
-        mask=out_mask,
-    )
+        seen = l_r > 0.0
+        o = acc_r / tl.where(seen, l_r, 1.0)[:, None]
+        out_mask = ok_r & g_mask
+        tl.store(
+            o_ptr + b * stride_ob + r_r * stride_ot + heads[:, None] * stride_oh + offs_v[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=out_mask[:, None] & v_mask[None, :],
+        )
+        lse = tl.where(seen, (m_r + tl.log2(tl.where(seen, l_r, 1.0))) * _LN2, float("-inf"))
+        tl.store(lse_ptr + b * stride_lb + r_r * stride_lt + heads, lse, mask=out_mask)
 
 
 @triton.jit
