@@ -62,19 +62,19 @@ BASE_CASES = [
     ),
     Case("odd_block_len", tq=30, h=1, group=1, sel_block=24, n=3),
 ]
-# The tile forward (tile_rows > 1) on every case whose tiles cover dk and dv: aligned and
-# unaligned q_start, tiles straddling query blocks (l' = 24 with 16-row tiles), varlen tiles
-# spanning sequences, rows whose indices omit or repeat forced blocks.
-TILE_ROWS = {"g1_partial_random": 2, "odd_block_len": 16, "varlen_len1_empty": 8}
-# TMA loads of the forward (tma=1) on the cases whose dk and dv are powers of two in one tile.
+# Dense cases run the split forward by default (forced blocks per tile of rows, the rest per
+# row); each also runs with the plain per-row walk (split_forced=2), and with TMA K/V loads where
+# dk and dv are powers of two in one tile. Forced tiles of 2..16 rows: l' = 24 gets 8-row tiles.
 CASES = (
     BASE_CASES
     + [
-        replace(
-            c, name=f"{c.name}_tile", config={**c.config, "tile_rows": TILE_ROWS.get(c.name, 4)}
-        )
+        replace(c, name=f"{c.name}_walk", config={**c.config, "split_forced": 2})
         for c in BASE_CASES
-        if "block_d" not in c.config
+        if c.seqlens is None
+    ]
+    + [
+        replace(c, name=f"{c.name}_rows2", config={**c.config, "forced_rows": 2})
+        for c in BASE_CASES[:2]
     ]
     + [
         replace(c, name=f"{c.name}_tma", config={**c.config, "tma": 1})

@@ -34,8 +34,8 @@ from nsa_kernels.selection.kernels import (
     sel_bwd_dkv_kernel,
     sel_bwd_dq_kernel,
     sel_dkv_reduce_kernel,
+    sel_fwd_forced_kernel,
     sel_fwd_kernel,
-    sel_fwd_tile_kernel,
 )
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,9 +61,12 @@ class SelConfig:
             their forced blocks, found in L1 by the later rows).
         kv_hint: L2 eviction hint of the K/V loads of forward and dq: 1 "evict_last" (keep K/V
             over the streamed q and o), 2 none.
-        tile_rows: forward query rows per program of the tile kernel (a power of two; 1 = the
-            per-row kernel). A tile loads the blocks NSA forces on a query block, {0, jt-1, jt},
-            once for all its rows (needs one dk and one dv tile: block_d >= dk, block_dv >= dv).
+        split_forced: forward: 1 takes the blocks NSA forces on every row of a query block,
+            {0, jt-1, jt}, out of the per-row walk and computes them once per tile of rows
+            (``sel_fwd_forced_kernel``), the per-row kernel merging its walk into that partial;
+            2 walks every block per row. Dense inputs only (varlen always walks).
+        forced_rows, forced_warps, forced_stages: tile rows (a power of two dividing l') and
+            launch of the forced-block kernel.
         tma: forward K/V loads: 1 through TMA tensor descriptors (dk and dv powers of two in one
             tile each), 2 pointer loads.
     """
@@ -82,8 +85,11 @@ class SelConfig:
     segment_tokens: int = 0
     rows_per_prog: int = 0
     kv_hint: int = 0
-    tile_rows: int = 0
     tma: int = 0
+    split_forced: int = 0
+    forced_rows: int = 0
+    forced_warps: int = 0
+    forced_stages: int = 0
 
     def describe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
@@ -151,8 +157,10 @@ def resolve_config(
         dkv_rows=max(cfg.dkv_rows or rows, _pow2(max(group, 16))),
         rows_per_prog=cfg.rows_per_prog or 1,
         kv_hint=cfg.kv_hint or 1,
-        tile_rows=cfg.tile_rows or 1,
         tma=cfg.tma or 2,
+        split_forced=cfg.split_forced or 1,
+        forced_warps=cfg.forced_warps or 4,
+        forced_stages=cfg.forced_stages or 2,
     )
 
 
@@ -240,6 +248,42 @@ def _varlen_args(info: _Launch, device: torch.device) -> tuple[torch.Tensor, tor
     return info.seq_ids, info.cu_seqlens
 
 
+def split_forced_blocks(
+    idx: torch.Tensor, sel_block: int, q_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Take the forced blocks {0, jt-1, jt} out of the index rows.
+
+    Args:
+        idx: [B, Tq, H, n] int32, valid entries first (``unique_block_rows``).
+    Returns:
+        rest: [B, Tq, H, n] int32, the other entries, valid first, ascending, -1 after.
+        flags: [B, Tq, H] int32, bit c set when the row selected forced candidate c
+            (0: block 0; 1: jt-1 when >= 1; 2: jt when >= 1), jt = (q_start + row) // l'.
+    """
+    tq = idx.shape[1]
+    jt = (q_start + torch.arange(tq, device=idx.device, dtype=torch.int32)) // sel_block
+    jt = jt.view(1, tq, 1, 1)
+    hits = (idx == 0, (idx == jt - 1) & (jt >= 2), (idx == jt) & (jt >= 1))
+    flags = hits[0].any(-1).to(torch.int32)
+    flags |= hits[1].any(-1).to(torch.int32) << 1
+    flags |= hits[2].any(-1).to(torch.int32) << 2
+    padding = torch.iinfo(torch.int32).max
+    rest = torch.where(hits[0] | hits[1] | hits[2] | (idx < 0), padding, idx)
+    rest = torch.sort(rest, dim=-1).values
+    return torch.where(rest == padding, -1, rest), flags
+
+
+def forced_tile_rows(cfg: SelConfig, group: int, sel_block: int) -> int:
+    """Rows per program of the forced-block kernel: about 64 rows x heads, dividing l'."""
+    rows = cfg.forced_rows
+    if rows:
+        if rows & (rows - 1) or sel_block % rows:
+            raise ValueError(f"forced_rows={rows} must be a power of two dividing l'={sel_block}")
+        return rows
+    # The largest power of two dividing l' keeps every tile inside one query block.
+    return min(max(1, 64 // _pow2(group)), sel_block & -sel_block)
+
+
 def _fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,24 +301,29 @@ def _fwd(
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
+    if cfg.tma not in (1, 2):
+        raise ValueError(f"tma must be 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}")
+    if cfg.split_forced not in (1, 2):
+        raise ValueError(f"split_forced must be 1 (on) or 2 (off), got {cfg.split_forced}")
     seq_ids, cu = _varlen_args(info, q.device)
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
     nv = -(-info.dv // cfg.block_dv)
     nsub = -(-sel_block // cfg.block_l)
-    if cfg.tile_rows > 1:
-        _fwd_tiles(q, k, v, o, lse, idx, seq_ids, cu, sel_block, info, cfg)
-        return o, lse
-    grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
-    if cfg.tma not in (1, 2):
-        raise ValueError(f"tma must be 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}")
+    merge = cfg.split_forced == 1 and info.seq_ids is None
+    lse_in = lse
+    if merge:
+        idx, flags = split_forced_blocks(idx, sel_block, info.q_start)
+        lse_in = torch.empty_like(lse)
+        _fwd_forced(q, k, v, o, lse_in, flags, sel_block, info, cfg)
     tma = cfg.tma == 1
     k_desc: Any = k
     v_desc: Any = v
     if tma:
         k_desc, v_desc = _kv_descriptors(k, v, cfg, info)
+    grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
     sel_fwd_kernel[grid](
-        q, k, v, o, lse, idx, seq_ids, cu, k_desc, v_desc,
+        q, k, v, o, lse, lse_in, idx, seq_ids, cu, k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -288,9 +337,41 @@ def _fwd(
         SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
         RPP=cfg.rows_per_prog, KV_HINT=_kv_hint(cfg),
         VARLEN=info.seq_ids is not None, DOT_PREC=_dot_precision(q.dtype), TMA=tma,
+        NP=_pow2(max(info.n, 1)), MERGE=merge,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return o, lse
+
+
+def _fwd_forced(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    flags: torch.Tensor,
+    sel_block: int,
+    info: _Launch,
+    cfg: SelConfig,
+) -> None:
+    """Partial o and lse of every row over its forced blocks (``sel_fwd_forced_kernel``)."""
+    tb = forced_tile_rows(cfg, info.group, sel_block)
+    tiles_per_seq = (info.q_start + info.tq - 1) // tb - info.q_start // tb + 1
+    bl = max(16, min(64, _pow2(sel_block)))
+    sel_fwd_forced_kernel[(info.batch * tiles_per_seq, info.h)](
+        q, k, v, o, lse, flags,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        flags.stride(0), flags.stride(1),
+        info.tq, info.q_start, tiles_per_seq, info.scale * LOG2E,
+        G=info.group, TB=tb, BM=max(16, _pow2(tb * info.group)),
+        DK=info.dk, BK=_pow2(max(info.dk, 16)), DV=info.dv, BV=_pow2(max(info.dv, 16)),
+        SEL=sel_block, BL=bl, NSUB=-(-sel_block // bl), DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.forced_warps, num_stages=cfg.forced_stages,
+    )  # fmt: skip
 
 
 def _kv_descriptors(
@@ -307,54 +388,6 @@ def _kv_descriptors(
         flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * d)
         out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [cfg.block_l, d]))
     return out[0], out[1]
-
-
-def _fwd_tiles(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    idx: torch.Tensor,
-    seq_ids: torch.Tensor,
-    cu: torch.Tensor,
-    sel_block: int,
-    info: _Launch,
-    cfg: SelConfig,
-) -> None:
-    """The tile forward (``sel_fwd_tile_kernel``): ``cfg.tile_rows`` rows per program."""
-    tb = cfg.tile_rows
-    if tb & (tb - 1):
-        raise ValueError(f"tile_rows={tb} must be a power of two")
-    if cfg.block_d < info.dk or cfg.block_dv < info.dv:
-        raise ValueError(
-            f"tile_rows={tb} needs block_d >= dk and block_dv >= dv "
-            f"(got block_d={cfg.block_d}, dk={info.dk}, block_dv={cfg.block_dv}, dv={info.dv})"
-        )
-    hpp = cfg.heads_per_prog
-    if info.seq_ids is None:
-        tiles_per_seq = (info.q_start + info.tq - 1) // tb - info.q_start // tb + 1
-        tiles = info.batch * tiles_per_seq
-    else:
-        tiles_per_seq = 0
-        tiles = -(-info.rows // tb)
-    grid = (tiles, info.h * -(-info.group // hpp))
-    sel_fwd_tile_kernel[grid](
-        q, k, v, o, lse, idx, seq_ids, cu,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        idx.stride(0), idx.stride(1), idx.stride(2),
-        info.rows, info.tq, info.q_start, tiles_per_seq, info.n, info.scale * LOG2E,
-        G=info.group, HPP=hpp, BG=max(16, _pow2(hpp)),
-        DK=info.dk, BK=cfg.block_d, DV=info.dv, BV=cfg.block_dv,
-        SEL=sel_block, BL=cfg.block_l, NSUB=-(-sel_block // cfg.block_l),
-        TB=tb, NP=_pow2(max(info.n, 1)), KV_HINT=_kv_hint(cfg),
-        VARLEN=info.seq_ids is not None, DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-    )  # fmt: skip
 
 
 def _bwd(

@@ -43,6 +43,7 @@ def sel_fwd_kernel(
     v_ptr,
     o_ptr,
     lse_ptr,
+    lse_in_ptr,
     idx_ptr,
     seq_ptr,
     cu_ptr,
@@ -87,6 +88,8 @@ def sel_fwd_kernel(
     VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
+    NP: tl.constexpr,
+    MERGE: tl.constexpr,
 ):
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
@@ -97,6 +100,11 @@ def sel_fwd_kernel(
     TMA (NK == 1, BK == DK, BV == DV): K/V tiles come through tensor descriptors over
     k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the causal mask applies to s), rows
     past the end read as 0.
+
+    A row's walk stops at its last valid entry (function.py sorts the rows, so the -1 padding
+    sits at the end). MERGE: the walk starts from a partial result already in o (normalized)
+    and lse_in (natural log, -inf for none): the forced blocks ``sel_fwd_forced_kernel`` took
+    off the rows.
     """
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -106,7 +114,9 @@ def sel_fwd_kernel(
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
-        row = tl.minimum(tl.program_id(0).to(tl.int64) * RPP + rr, n_rows - 1)
+        row = tl.program_id(0).to(tl.int64) * RPP + rr
+        row_ok = row < n_rows
+        row = tl.minimum(row, n_rows - 1)
         if VARLEN:
             # Packed sequences: row indexes T directly; tok0 is the sequence's first token.
             tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
@@ -138,10 +148,27 @@ def sel_fwd_kernel(
                 q_row + offs_k[None, :], mask=g_mask[:, None] & (offs_k < DK)[None, :], other=0.0
             )
 
-        m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BG], dtype=tl.float32)
-        acc = tl.zeros([BG, BV], dtype=tl.float32)
-        for it in range(nsel * NSUB):
+        o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
+        if MERGE:
+            lse0 = tl.load(
+                lse_in_ptr + b * stride_lb + r * stride_lt + heads,
+                mask=g_mask,
+                other=float("-inf"),
+            )
+            seen0 = lse0 > float("-inf")
+            m_i = tl.where(seen0, lse0 * _LOG2E, -1.0e30)
+            l_i = tl.where(seen0, 1.0, 0.0)
+            acc = tl.load(
+                o_rows + offs_v[None, :], mask=g_mask[:, None] & v_mask[None, :], other=0.0
+            ).to(tl.float32)
+        else:
+            m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([BG], dtype=tl.float32)
+            acc = tl.zeros([BG, BV], dtype=tl.float32)
+        offs_n = tl.arange(0, NP)
+        entries = tl.load(idx_row + offs_n, mask=offs_n < nsel, other=-1)
+        n_walk = tl.max(tl.where(entries >= 0, offs_n + 1, 0), axis=0)
+        for it in range(n_walk * NSUB):
             i = it // NSUB
             j = it - i * NSUB
             blk = tl.load(idx_row + i).to(tl.int32)
@@ -196,27 +223,24 @@ def sel_fwd_kernel(
         # A row that sees no token keeps l == 0: its output is 0 and its lse is -inf.
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
-        o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         tl.store(
             o_rows + offs_v[None, :],
             o.to(o_ptr.dtype.element_ty),
-            mask=g_mask[:, None] & v_mask[None, :],
+            mask=row_ok & g_mask[:, None] & v_mask[None, :],
         )
         if pid_v == 0:
             lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-            tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
+            tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=row_ok & g_mask)
 
 
 @triton.jit
-def sel_fwd_tile_kernel(
+def sel_fwd_forced_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
     o_ptr,
     lse_ptr,
-    idx_ptr,
-    seq_ptr,
-    cu_ptr,
+    flags_ptr,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -231,18 +255,15 @@ def sel_fwd_tile_kernel(
     stride_oh,
     stride_lb,
     stride_lt,
-    stride_ib,
-    stride_it,
-    stride_ih,
-    n_rows,
+    stride_fb,
+    stride_ft,
     tq,
     q_start,
     tiles_per_seq,
-    nsel,
     qk_scale,
     G: tl.constexpr,
-    HPP: tl.constexpr,
-    BG: tl.constexpr,
+    TB: tl.constexpr,
+    BM: tl.constexpr,
     DK: tl.constexpr,
     BK: tl.constexpr,
     DV: tl.constexpr,
@@ -250,190 +271,92 @@ def sel_fwd_tile_kernel(
     SEL: tl.constexpr,
     BL: tl.constexpr,
     NSUB: tl.constexpr,
-    TB: tl.constexpr,
-    NP: tl.constexpr,
-    KV_HINT: tl.constexpr,
-    VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """o [TB, BG, BV] and lse [TB, BG] of TB consecutive query rows of one kv head's group.
+    """Partial o [TB*G, dv] and lse of TB rows over the forced blocks {0, jt-1, jt} they selected.
 
-    The rows of one query block share the blocks NSA forces on them, {0, jt-1, jt}: this kernel
-    loads each of those K/V blocks once for the tile (phase 1, one [TB*BG, BL] dot per tile),
-    then walks every other selected block row by row (phase 2, the per-row kernel's walk started
-    from the row's share of phase 1). A row takes part
-    in phase 1 for a forced candidate only if its own index row holds it, and phase 2 skips
-    exactly those entries, so any index rows give the per-row kernel's result.
-
-    Dense: tiles are aligned to absolute positions (t // TB), so with TB | l' all rows of a tile
-    share jt. Varlen: tiles are TB consecutive packed rows; rows of a different sequence than
-    the tile's first row skip phase 1.
-    Grid: (tiles, H * ceil(G / HPP)).
+    Every row of a query block shares its forced blocks, so one program loads each of them once
+    for TB rows x G heads (the [BM, BL] dots have BM = TB*G rounded up, >= 16); the per-row
+    kernel then walks the rest of each row on top of this partial (MERGE). Tiles are aligned to
+    absolute positions and TB divides l', so all rows of a tile share jt. ``flags`` [B, Tq, H]
+    int32: bit c set when the row selected forced candidate c (0: block 0, 1: jt-1 >= 1,
+    2: jt >= 1).
+    Rows that selected none get o = 0 and lse = -inf. Grid: (B * tiles_per_seq, H).
     """
     pid_t = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1)
-    NCH: tl.constexpr = (G + HPP - 1) // HPP
-    h = pid_h // NCH
-    chunk = pid_h - h * NCH
-    offs_r = tl.arange(0, TB)
-    if VARLEN:
-        row = pid_t * TB + offs_r
-        rvalid = row < n_rows
-        row = tl.minimum(row, n_rows - 1)
-        tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
-        tok_first = tl.load(cu_ptr + tl.load(seq_ptr + pid_t * TB)).to(tl.int64)
-        b = pid_t * 0
-        r = row
-        t = row - tok0
-        t_first = pid_t * TB - tok_first
-        shared_ok = rvalid & (tok0 == tok_first)
-    else:
-        b = pid_t // tiles_per_seq
-        t_first = (q_start // TB + pid_t - b * tiles_per_seq) * TB
-        t = t_first + offs_r
-        rvalid = (t >= q_start) & (t < q_start + tq)
-        t = tl.minimum(tl.maximum(t, q_start), q_start + tq - 1)
-        r = t - q_start
-        tok0 = t * 0
-        tok_first = b * 0
-        shared_ok = rvalid
-
-    offs_g = tl.arange(0, BG)
-    g_in = chunk * HPP + offs_g
-    g_mask = (offs_g < HPP) & (g_in < G)
-    heads = h * G + g_in
-    offs_l = tl.arange(0, BL)
+    h = tl.program_id(1)
+    b = pid_t // tiles_per_seq
+    t0 = (q_start // TB + pid_t - b * tiles_per_seq) * TB
+    offs_m = tl.arange(0, BM)
+    g = offs_m % G
+    t = t0 + offs_m // G
+    valid = (offs_m < TB * G) & (t >= q_start) & (t < q_start + tq)
+    r = tl.minimum(tl.maximum(t - q_start, 0), tq - 1)
+    heads = h * G + g
     offs_k = tl.arange(0, BK)
     k_mask = offs_k < DK
     offs_v = tl.arange(0, BV)
     v_mask = offs_v < DV
+    offs_l = tl.arange(0, BL)
 
-    q3 = tl.load(
-        q_ptr
-        + b * stride_qb
-        + r[:, None, None] * stride_qt
-        + heads[None, :, None] * stride_qh
-        + offs_k[None, None, :],
-        mask=(rvalid[:, None] & g_mask[None, :])[:, :, None] & k_mask[None, None, :],
+    q_rows = q_ptr + b * stride_qb + r[:, None] * stride_qt + heads[:, None] * stride_qh
+    q = tl.load(
+        q_rows + offs_k[None, :],
+        mask=valid[:, None] & k_mask[None, :],
         other=0.0,
     )
-    idx_rows = idx_ptr + b * stride_ib + r * stride_it + h * stride_ih
-    offs_n = tl.arange(0, NP)
-    idx_tile = tl.load(
-        idx_rows[:, None] + offs_n[None, :],
-        mask=rvalid[:, None] & (offs_n < nsel)[None, :],
-        other=-1,
-    )
+    flags = tl.load(flags_ptr + b * stride_fb + r * stride_ft + h, mask=valid, other=0)
+    k_head = k_ptr + b * stride_kb + h * stride_kh
+    v_head = v_ptr + b * stride_vb + h * stride_vh
+    t_last = tl.minimum(t0 + TB - 1, q_start + tq - 1)
+    jt = t0 // SEL
 
-    m_i = tl.full([TB, BG], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([TB, BG], dtype=tl.float32)
-    acc = tl.zeros([TB, BG, BV], dtype=tl.float32)
-
-    # Phase 1: the forced candidates 0, j0 - 1, j0 of the tile's first row, each loaded once.
-    j0 = t_first // SEL
-    cand1 = j0 - 1
-    cand2 = j0
-    t_last = tl.max(tl.where(shared_ok, t, -1))
-    k_first = k_ptr + b * stride_kb + tok_first * stride_kt + h * stride_kh
-    v_first = v_ptr + b * stride_vb + tok_first * stride_vt + h * stride_vh
-    q2 = tl.reshape(q3, (TB * BG, BK))
+    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BV], dtype=tl.float32)
     for c in tl.static_range(3):
         if c == 0:
-            cand = j0 * 0
-            usable = j0 >= 0
+            blk = jt * 0
         elif c == 1:
-            cand = cand1
-            usable = cand1 >= 1
+            blk = jt - 1
         else:
-            cand = cand2
-            usable = cand2 >= 1
-        member = shared_ok & usable & (tl.max((idx_tile == cand).to(tl.int32), axis=1) > 0)
+            blk = jt
+        usable = (c == 0) | (blk >= 1)
+        member = valid & (((flags >> c) & 1) == 1)
         for js in range(NSUB):
-            cand_in = js * BL + offs_l
-            cand_pos = cand * SEL + cand_in
-            load_ok = usable & (cand_in < SEL) & (cand_pos <= t_last)
+            in_blk = js * BL + offs_l
+            pos = blk * SEL + in_blk
+            load_ok = usable & (in_blk < SEL) & (pos <= t_last)
             kt = tl.load(
-                k_first + cand_pos.to(tl.int64)[:, None] * stride_kt + offs_k[None, :],
+                k_head + pos.to(tl.int64)[:, None] * stride_kt + offs_k[None, :],
                 mask=load_ok[:, None] & k_mask[None, :],
                 other=0.0,
-                eviction_policy=KV_HINT,
             )
-            s = tl.reshape(tl.dot(q2, tl.trans(kt), input_precision=DOT_PREC), (TB, BG, BL))
-            cand_live = member[:, None] & load_ok[None, :] & (cand_pos[None, :] <= t[:, None])
-            s = tl.where(cand_live[:, None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=2))
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)
+            live = member[:, None] & load_ok[None, :] & (pos[None, :] <= t[:, None])
+            s = tl.where(live, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, :, None])
-            l_i = l_i * alpha + tl.sum(p, axis=2)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
             vt = tl.load(
-                v_first + cand_pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
                 mask=load_ok[:, None] & v_mask[None, :],
                 other=0.0,
-                eviction_policy=KV_HINT,
             )
-            pv = tl.dot(tl.reshape(p.to(vt.dtype), (TB * BG, BL)), vt, input_precision=DOT_PREC)
-            acc = acc * alpha[:, :, None] + tl.reshape(pv, (TB, BG, BV))
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
             m_i = m_new
 
-    # Phase 2: row by row, the row's other blocks on top of its share of phase 1.
-    for rr in range(TB):
-        pick = offs_r == rr
-        acc_r = tl.sum(tl.where(pick[:, None, None], acc, 0.0), axis=0)
-        m_r = tl.sum(tl.where(pick[:, None], m_i, 0.0), axis=0)
-        l_r = tl.sum(tl.where(pick[:, None], l_i, 0.0), axis=0)
-        t_r = tl.sum(tl.where(pick, t, 0), axis=0)
-        r_r = tl.sum(tl.where(pick, r, 0), axis=0)
-        tok0_r = tl.sum(tl.where(pick, tok0, 0), axis=0)
-        ok_r = tl.sum(tl.where(pick, rvalid.to(tl.int32), 0), axis=0) > 0
-        shared_r = tl.sum(tl.where(pick, shared_ok.to(tl.int32), 0), axis=0) > 0
-        q_r = tl.load(
-            q_ptr + b * stride_qb + r_r * stride_qt + heads[:, None] * stride_qh + offs_k[None, :],
-            mask=g_mask[:, None] & k_mask[None, :],
-            other=0.0,
-        )
-        k_row = k_ptr + b * stride_kb + tok0_r * stride_kt + h * stride_kh
-        v_row = v_ptr + b * stride_vb + tok0_r * stride_vt + h * stride_vh
-        idx_r = idx_ptr + b * stride_ib + r_r * stride_it + h * stride_ih
-        for it in range(nsel * NSUB):
-            i = it // NSUB
-            j = it - i * NSUB
-            blk = tl.load(idx_r + i).to(tl.int32)
-            forced = (blk == 0) | ((blk == cand1) & (cand1 >= 1)) | ((blk == cand2) & (cand2 >= 1))
-            in_blk = j * BL + offs_l
-            pos = tl.maximum(blk, 0) * SEL + in_blk
-            walk = ok_r & (blk >= 0) & ~(forced & shared_r)
-            live = walk & (in_blk < SEL) & (pos <= t_r)
-            kt = tl.load(
-                k_row + pos.to(tl.int64)[:, None] * stride_kt + offs_k[None, :],
-                mask=live[:, None] & k_mask[None, :],
-                other=0.0,
-                eviction_policy=KV_HINT,
-            )
-            s = tl.dot(q_r, tl.trans(kt), input_precision=DOT_PREC)
-            s = tl.where(live[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_r, tl.max(s, axis=1))
-            alpha = tl.exp2(m_r - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_r = l_r * alpha + tl.sum(p, axis=1)
-            vt = tl.load(
-                v_row + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
-                mask=live[:, None] & v_mask[None, :],
-                other=0.0,
-                eviction_policy=KV_HINT,
-            )
-            acc_r = acc_r * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-            m_r = m_new
-
-        seen = l_r > 0.0
-        o = acc_r / tl.where(seen, l_r, 1.0)[:, None]
-        out_mask = ok_r & g_mask
-        tl.store(
-            o_ptr + b * stride_ob + r_r * stride_ot + heads[:, None] * stride_oh + offs_v[None, :],
-            o.to(o_ptr.dtype.element_ty),
-            mask=out_mask[:, None] & v_mask[None, :],
-        )
-        lse = tl.where(seen, (m_r + tl.log2(tl.where(seen, l_r, 1.0))) * _LN2, float("-inf"))
-        tl.store(lse_ptr + b * stride_lb + r_r * stride_lt + heads, lse, mask=out_mask)
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_rows = o_ptr + b * stride_ob + r[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(
+        o_rows + offs_v[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=valid[:, None] & v_mask[None, :],
+    )
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=valid)
 
 
 @triton.jit
