@@ -38,7 +38,7 @@ SEL_T="${SEL_T:-8192,16384,32768,65536}"
 SEL_GROUPS="${SEL_GROUPS-1,2,4,8,16}"
 # Each entry is timed forward and forward+backward at the largest T (the defaults: forward 4 warps
 # x 2 stages, dq 4 x 3, dk/dv 4 warps x 2 stages x 32 rows; docs/selection.md has the sweeps).
-DEFAULT_CONFIGS="fwd_stages=3;fwd_warps=8;block_l=32;rows_per_prog=4;kv_hint=2"
+DEFAULT_CONFIGS="tma=2;tma=2,kv_hint=2;fwd_stages=3;fwd_warps=8;block_l=32"
 DEFAULT_CONFIGS+=";dq_stages=2;dq_warps=8;dkv_rows=64;dkv_rows=16;dkv_warps=8"
 SEL_CONFIGS="${SEL_CONFIGS-$DEFAULT_CONFIGS}"
 SEL_SEEDS_METHODS="${SEL_SEEDS_METHODS:-triton,cuda,sdpa,reference}"

@@ -34,7 +34,6 @@ from nsa_kernels.selection.kernels import (
     sel_bwd_dkv_kernel,
     sel_bwd_dq_kernel,
     sel_dkv_reduce_kernel,
-    sel_fwd_forced_kernel,
     sel_fwd_kernel,
 )
 
@@ -61,14 +60,9 @@ class SelConfig:
             their forced blocks, found in L1 by the later rows).
         kv_hint: L2 eviction hint of the K/V loads of forward and dq: 1 "evict_last" (keep K/V
             over the streamed q and o), 2 none.
-        split_forced: forward: 1 takes the blocks NSA forces on every row of a query block,
-            {0, jt-1, jt}, out of the per-row walk and computes them once per tile of rows
-            (``sel_fwd_forced_kernel``), the per-row kernel merging its walk into that partial;
-            2 walks every block per row. Dense inputs only (varlen always walks).
-        forced_rows, forced_warps, forced_stages: tile rows (a power of two dividing l') and
-            launch of the forced-block kernel.
         tma: forward K/V loads: 1 through TMA tensor descriptors (dk and dv powers of two in one
-            tile each), 2 pointer loads.
+            tile each), 2 pointer loads; 0 chooses TMA on GPUs with SM >= 9.0 where it applies
+            (3-6% faster at the paper's shapes on an H100, docs/selection.md).
     """
 
     block_l: int = 0
@@ -86,10 +80,6 @@ class SelConfig:
     rows_per_prog: int = 0
     kv_hint: int = 0
     tma: int = 0
-    split_forced: int = 0
-    forced_rows: int = 0
-    forced_warps: int = 0
-    forced_stages: int = 0
 
     def describe(self) -> str:
         return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
@@ -128,6 +118,7 @@ def resolve_config(
     one tile (next power of two, masked), the whole group per program (NSA_SEL_TRITON_GROUP=0:
     one head per program); forward: 4 warps, 2 pipeline stages (more stages cost occupancy);
     dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
+    ``tma`` stays 0 here: the launch decides it from the device (:func:`_use_tma`).
     """
     cfg = config or SelConfig()
     toggles = get_toggles()
@@ -157,10 +148,6 @@ def resolve_config(
         dkv_rows=max(cfg.dkv_rows or rows, _pow2(max(group, 16))),
         rows_per_prog=cfg.rows_per_prog or 1,
         kv_hint=cfg.kv_hint or 1,
-        tma=cfg.tma or 2,
-        split_forced=cfg.split_forced or 1,
-        forced_warps=cfg.forced_warps or 4,
-        forced_stages=cfg.forced_stages or 2,
     )
 
 
@@ -248,42 +235,6 @@ def _varlen_args(info: _Launch, device: torch.device) -> tuple[torch.Tensor, tor
     return info.seq_ids, info.cu_seqlens
 
 
-def split_forced_blocks(
-    idx: torch.Tensor, sel_block: int, q_start: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Take the forced blocks {0, jt-1, jt} out of the index rows.
-
-    Args:
-        idx: [B, Tq, H, n] int32, valid entries first (``unique_block_rows``).
-    Returns:
-        rest: [B, Tq, H, n] int32, the other entries, valid first, ascending, -1 after.
-        flags: [B, Tq, H] int32, bit c set when the row selected forced candidate c
-            (0: block 0; 1: jt-1 when >= 1; 2: jt when >= 1), jt = (q_start + row) // l'.
-    """
-    tq = idx.shape[1]
-    jt = (q_start + torch.arange(tq, device=idx.device, dtype=torch.int32)) // sel_block
-    jt = jt.view(1, tq, 1, 1)
-    hits = (idx == 0, (idx == jt - 1) & (jt >= 2), (idx == jt) & (jt >= 1))
-    flags = hits[0].any(-1).to(torch.int32)
-    flags |= hits[1].any(-1).to(torch.int32) << 1
-    flags |= hits[2].any(-1).to(torch.int32) << 2
-    padding = torch.iinfo(torch.int32).max
-    rest = torch.where(hits[0] | hits[1] | hits[2] | (idx < 0), padding, idx)
-    rest = torch.sort(rest, dim=-1).values
-    return torch.where(rest == padding, -1, rest), flags
-
-
-def forced_tile_rows(cfg: SelConfig, group: int, sel_block: int) -> int:
-    """Rows per program of the forced-block kernel: about 64 rows x heads, dividing l'."""
-    rows = cfg.forced_rows
-    if rows:
-        if rows & (rows - 1) or sel_block % rows:
-            raise ValueError(f"forced_rows={rows} must be a power of two dividing l'={sel_block}")
-        return rows
-    # The largest power of two dividing l' keeps every tile inside one query block.
-    return min(max(1, 64 // _pow2(group)), sel_block & -sel_block)
-
-
 def _fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -301,29 +252,19 @@ def _fwd(
         o.zero_()
         lse.fill_(float("-inf"))
         return o, lse
-    if cfg.tma not in (1, 2):
-        raise ValueError(f"tma must be 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}")
-    if cfg.split_forced not in (1, 2):
-        raise ValueError(f"split_forced must be 1 (on) or 2 (off), got {cfg.split_forced}")
     seq_ids, cu = _varlen_args(info, q.device)
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
     nv = -(-info.dv // cfg.block_dv)
     nsub = -(-sel_block // cfg.block_l)
-    merge = cfg.split_forced == 1 and info.seq_ids is None
-    lse_in = lse
-    if merge:
-        idx, flags = split_forced_blocks(idx, sel_block, info.q_start)
-        lse_in = torch.empty_like(lse)
-        _fwd_forced(q, k, v, o, lse_in, flags, sel_block, info, cfg)
-    tma = cfg.tma == 1
+    grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
+    tma = _use_tma(cfg, info, q.device)
     k_desc: Any = k
     v_desc: Any = v
     if tma:
         k_desc, v_desc = _kv_descriptors(k, v, cfg, info)
-    grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
     sel_fwd_kernel[grid](
-        q, k, v, o, lse, lse_in, idx, seq_ids, cu, k_desc, v_desc,
+        q, k, v, o, lse, idx, seq_ids, cu, k_desc, v_desc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -337,41 +278,27 @@ def _fwd(
         SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
         RPP=cfg.rows_per_prog, KV_HINT=_kv_hint(cfg),
         VARLEN=info.seq_ids is not None, DOT_PREC=_dot_precision(q.dtype), TMA=tma,
-        NP=_pow2(max(info.n, 1)), MERGE=merge,
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return o, lse
 
 
-def _fwd_forced(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    flags: torch.Tensor,
-    sel_block: int,
-    info: _Launch,
-    cfg: SelConfig,
-) -> None:
-    """Partial o and lse of every row over its forced blocks (``sel_fwd_forced_kernel``)."""
-    tb = forced_tile_rows(cfg, info.group, sel_block)
-    tiles_per_seq = (info.q_start + info.tq - 1) // tb - info.q_start // tb + 1
-    bl = max(16, min(64, _pow2(sel_block)))
-    sel_fwd_forced_kernel[(info.batch * tiles_per_seq, info.h)](
-        q, k, v, o, lse, flags,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        flags.stride(0), flags.stride(1),
-        info.tq, info.q_start, tiles_per_seq, info.scale * LOG2E,
-        G=info.group, TB=tb, BM=max(16, _pow2(tb * info.group)),
-        DK=info.dk, BK=_pow2(max(info.dk, 16)), DV=info.dv, BV=_pow2(max(info.dv, 16)),
-        SEL=sel_block, BL=bl, NSUB=-(-sel_block // bl), DOT_PREC=_dot_precision(q.dtype),
-        num_warps=cfg.forced_warps, num_stages=cfg.forced_stages,
-    )  # fmt: skip
+def _use_tma(cfg: SelConfig, info: _Launch, device: torch.device) -> bool:
+    """cfg.tma, or for 0 whether TMA serves this call (Hopper or newer, one pow-2 tile each)."""
+    if cfg.tma not in (0, 1, 2):
+        raise ValueError(
+            f"tma must be 0 (choose), 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}"
+        )
+    if cfg.tma:
+        return cfg.tma == 1
+    return (
+        device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and all(
+            d == tile and d & (d - 1) == 0
+            for d, tile in ((info.dk, cfg.block_d), (info.dv, cfg.block_dv))
+        )
+    )
 
 
 def _kv_descriptors(

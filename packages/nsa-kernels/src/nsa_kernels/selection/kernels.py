@@ -43,7 +43,6 @@ def sel_fwd_kernel(
     v_ptr,
     o_ptr,
     lse_ptr,
-    lse_in_ptr,
     idx_ptr,
     seq_ptr,
     cu_ptr,
@@ -88,8 +87,6 @@ def sel_fwd_kernel(
     VARLEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     TMA: tl.constexpr,
-    NP: tl.constexpr,
-    MERGE: tl.constexpr,
 ):
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
@@ -100,11 +97,6 @@ def sel_fwd_kernel(
     TMA (NK == 1, BK == DK, BV == DV): K/V tiles come through tensor descriptors over
     k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the causal mask applies to s), rows
     past the end read as 0.
-
-    A row's walk stops at its last valid entry (function.py sorts the rows, so the -1 padding
-    sits at the end). MERGE: the walk starts from a partial result already in o (normalized)
-    and lse_in (natural log, -inf for none): the forced blocks ``sel_fwd_forced_kernel`` took
-    off the rows.
     """
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -114,9 +106,7 @@ def sel_fwd_kernel(
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
-        row = tl.program_id(0).to(tl.int64) * RPP + rr
-        row_ok = row < n_rows
-        row = tl.minimum(row, n_rows - 1)
+        row = tl.minimum(tl.program_id(0).to(tl.int64) * RPP + rr, n_rows - 1)
         if VARLEN:
             # Packed sequences: row indexes T directly; tok0 is the sequence's first token.
             tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
@@ -148,27 +138,10 @@ def sel_fwd_kernel(
                 q_row + offs_k[None, :], mask=g_mask[:, None] & (offs_k < DK)[None, :], other=0.0
             )
 
-        o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
-        if MERGE:
-            lse0 = tl.load(
-                lse_in_ptr + b * stride_lb + r * stride_lt + heads,
-                mask=g_mask,
-                other=float("-inf"),
-            )
-            seen0 = lse0 > float("-inf")
-            m_i = tl.where(seen0, lse0 * _LOG2E, -1.0e30)
-            l_i = tl.where(seen0, 1.0, 0.0)
-            acc = tl.load(
-                o_rows + offs_v[None, :], mask=g_mask[:, None] & v_mask[None, :], other=0.0
-            ).to(tl.float32)
-        else:
-            m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
-            l_i = tl.zeros([BG], dtype=tl.float32)
-            acc = tl.zeros([BG, BV], dtype=tl.float32)
-        offs_n = tl.arange(0, NP)
-        entries = tl.load(idx_row + offs_n, mask=offs_n < nsel, other=-1)
-        n_walk = tl.max(tl.where(entries >= 0, offs_n + 1, 0), axis=0)
-        for it in range(n_walk * NSUB):
+        m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BG], dtype=tl.float32)
+        acc = tl.zeros([BG, BV], dtype=tl.float32)
+        for it in range(nsel * NSUB):
             i = it // NSUB
             j = it - i * NSUB
             blk = tl.load(idx_row + i).to(tl.int32)
@@ -223,140 +196,15 @@ def sel_fwd_kernel(
         # A row that sees no token keeps l == 0: its output is 0 and its lse is -inf.
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         tl.store(
             o_rows + offs_v[None, :],
             o.to(o_ptr.dtype.element_ty),
-            mask=row_ok & g_mask[:, None] & v_mask[None, :],
+            mask=g_mask[:, None] & v_mask[None, :],
         )
         if pid_v == 0:
             lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-            tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=row_ok & g_mask)
-
-
-@triton.jit
-def sel_fwd_forced_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    lse_ptr,
-    flags_ptr,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lt,
-    stride_fb,
-    stride_ft,
-    tq,
-    q_start,
-    tiles_per_seq,
-    qk_scale,
-    G: tl.constexpr,
-    TB: tl.constexpr,
-    BM: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    SEL: tl.constexpr,
-    BL: tl.constexpr,
-    NSUB: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Partial o [TB*G, dv] and lse of TB rows over the forced blocks {0, jt-1, jt} they selected.
-
-    Every row of a query block shares its forced blocks, so one program loads each of them once
-    for TB rows x G heads (the [BM, BL] dots have BM = TB*G rounded up, >= 16); the per-row
-    kernel then walks the rest of each row on top of this partial (MERGE). Tiles are aligned to
-    absolute positions and TB divides l', so all rows of a tile share jt. ``flags`` [B, Tq, H]
-    int32: bit c set when the row selected forced candidate c (0: block 0, 1: jt-1 >= 1,
-    2: jt >= 1).
-    Rows that selected none get o = 0 and lse = -inf. Grid: (B * tiles_per_seq, H).
-    """
-    pid_t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    b = pid_t // tiles_per_seq
-    t0 = (q_start // TB + pid_t - b * tiles_per_seq) * TB
-    offs_m = tl.arange(0, BM)
-    g = offs_m % G
-    t = t0 + offs_m // G
-    valid = (offs_m < TB * G) & (t >= q_start) & (t < q_start + tq)
-    r = tl.minimum(tl.maximum(t - q_start, 0), tq - 1)
-    heads = h * G + g
-    offs_k = tl.arange(0, BK)
-    k_mask = offs_k < DK
-    offs_v = tl.arange(0, BV)
-    v_mask = offs_v < DV
-    offs_l = tl.arange(0, BL)
-
-    q_rows = q_ptr + b * stride_qb + r[:, None] * stride_qt + heads[:, None] * stride_qh
-    q = tl.load(
-        q_rows + offs_k[None, :],
-        mask=valid[:, None] & k_mask[None, :],
-        other=0.0,
-    )
-    flags = tl.load(flags_ptr + b * stride_fb + r * stride_ft + h, mask=valid, other=0)
-    k_head = k_ptr + b * stride_kb + h * stride_kh
-    v_head = v_ptr + b * stride_vb + h * stride_vh
-    t_last = tl.minimum(t0 + TB - 1, q_start + tq - 1)
-    jt = t0 // SEL
-
-    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, BV], dtype=tl.float32)
-    for c in tl.static_range(3):
-        if c == 0:
-            blk = jt * 0
-        elif c == 1:
-            blk = jt - 1
-        else:
-            blk = jt
-        usable = (c == 0) | (blk >= 1)
-        member = valid & (((flags >> c) & 1) == 1)
-        for js in range(NSUB):
-            in_blk = js * BL + offs_l
-            pos = blk * SEL + in_blk
-            load_ok = usable & (in_blk < SEL) & (pos <= t_last)
-            kt = tl.load(
-                k_head + pos.to(tl.int64)[:, None] * stride_kt + offs_k[None, :],
-                mask=load_ok[:, None] & k_mask[None, :],
-                other=0.0,
-            )
-            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)
-            live = member[:, None] & load_ok[None, :] & (pos[None, :] <= t[:, None])
-            s = tl.where(live, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(
-                v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
-                mask=load_ok[:, None] & v_mask[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
-            m_i = m_new
-
-    seen = l_i > 0.0
-    o = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_rows = o_ptr + b * stride_ob + r[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(
-        o_rows + offs_v[None, :],
-        o.to(o_ptr.dtype.element_ty),
-        mask=valid[:, None] & v_mask[None, :],
-    )
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-    tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=valid)
+            tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
 
 
 @triton.jit
