@@ -20,6 +20,7 @@ DOCUMENTED_DEFAULTS: dict[str, bool | int] = {
     "NSA_SEL_TRITON_BLOCK_D": 0,
     "NSA_SEL_TRITON_BLOCK_L": 0,
     "NSA_SEL_TRITON_BLOCK_DV": 0,
+    "NSA_SEL_TRITON_CHECK_INDICES": False,
     "NSA_USE_FA2": False,
     "NSA_FA2_MIN_LEN_WIN": 16,
     "NSA_FA2_MIN_LEN_CMP": 16,

@@ -13,6 +13,7 @@ naming the toggle. Other modules call :func:`get_toggles` and never read ``os.en
 | NSA_SEL_TRITON_BLOCK_D | int | 0 | Triton tile over dk; 0 = the kernel's own choice |
 | NSA_SEL_TRITON_BLOCK_L | int | 0 | Triton tile over keys; 0 = the kernel's own choice |
 | NSA_SEL_TRITON_BLOCK_DV | int | 0 | Triton tile over dv; 0 = the kernel's own choice |
+| NSA_SEL_TRITON_CHECK_INDICES | bool | 0 | raise on indices outside [-1, blocks) (a sync) |
 | NSA_USE_FA2 | bool | 0 | allow FlashAttention-2 for the sliding and compressed branches |
 | NSA_FA2_MIN_LEN_WIN | int | 16 | shortest sequence routed to FA-2 for the sliding branch |
 | NSA_FA2_MIN_LEN_CMP | int | 16 | shortest sequence routed to FA-2 for the compressed branch |
@@ -67,6 +68,7 @@ class Toggles:
     sel_triton_block_d: int = 0
     sel_triton_block_l: int = 0
     sel_triton_block_dv: int = 0
+    sel_triton_check_indices: bool = False
     use_fa2: bool = False
     fa2_min_len_win: int = 16
     fa2_min_len_cmp: int = 16

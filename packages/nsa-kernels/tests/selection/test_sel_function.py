@@ -31,3 +31,9 @@ def test_parse_config_names_unknown_fields() -> None:
     assert parse_config("tma=1,block_l=32") == SelConfig(tma=1, block_l=32)
     with pytest.raises(ValueError, match="tile_rows"):
         parse_config("tile_rows=4")
+
+
+def test_unique_block_rows_drops_entries_outside_the_keys() -> None:
+    idx = rows([5, -3, 1, 1 << 30], [4, 0, -1, 2])
+    out = unique_block_rows(idx, num_blocks=5)[0, :, 0].tolist()
+    assert out == [[1, -1, -1, -1], [0, 2, 4, -1]]

@@ -193,3 +193,30 @@ def test_no_grad_and_grad_paths_agree(request: pytest.FixtureRequest) -> None:
     tracked = _run(case, q.requires_grad_(), k, v, idx, cu)
     assert tracked.requires_grad
     assert torch.equal(plain, tracked.detach())
+
+
+def test_out_of_range_indices_select_nothing_unless_checked(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries outside [-1, blocks) act as -1 (no device sync); the strict toggle raises."""
+    from nsa_core.toggles import reload_toggles
+
+    assert DEVICE is not None
+    case = Case("out_of_range", tq=24, h=1, group=2, n=3)
+    q, k, v, idx, _ = make_inputs(case, _gen(request), torch.float32, DEVICE)
+    bad = idx.clone()
+    bad[0, ::3, 0, -1] = 1 << 30
+    bad[0, 1::3, 0, -1] = -7
+    bad[0, 2::3, 0, -1] = -(-case.keys // case.sel_block)  # one past the last block
+    clean = torch.where(bad == idx, idx, -1)
+    o_bad, _ = selected_attention_fwd(q, k, v, bad, case.sel_block)
+    o_clean, _ = selected_attention_fwd(q, k, v, clean, case.sel_block)
+    assert torch.equal(o_bad, o_clean)
+    monkeypatch.setenv("NSA_SEL_TRITON_CHECK_INDICES", "1")
+    reload_toggles()
+    try:
+        with pytest.raises(ValueError, match="block_indices must lie in"):
+            selected_attention_fwd(q, k, v, bad, case.sel_block)
+    finally:
+        monkeypatch.delenv("NSA_SEL_TRITON_CHECK_INDICES")
+        reload_toggles()

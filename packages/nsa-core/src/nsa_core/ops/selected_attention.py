@@ -19,9 +19,20 @@ from nsa_core.ops._common import (
 
 
 def check_block_indices(
-    block_indices: torch.Tensor, batch: int, tq: int, h: int, num_blocks: int, device: torch.device
+    block_indices: torch.Tensor,
+    batch: int,
+    tq: int,
+    h: int,
+    num_blocks: int,
+    device: torch.device,
+    *,
+    check_range: bool = True,
 ) -> None:
-    """block_indices [B, Tq, H, n]: integers in [-1, num_blocks), -1 meaning "no block"."""
+    """block_indices [B, Tq, H, n]: integers in [-1, num_blocks), -1 meaning "no block".
+
+    ``check_range`` reads the values on the host (a device sync on CUDA); callers that make
+    out-of-range entries harmless on the device may skip it.
+    """
     check_rank("block_indices", block_indices, 4, "[B, T, H, n]")
     if block_indices.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"block_indices must be int32 or int64, got {block_indices.dtype}")
@@ -34,7 +45,7 @@ def check_block_indices(
     # The range check reads the indices on the host; a CUDA graph capture cannot, so it is
     # skipped there (the eager run before capture has checked the same shapes).
     capturing = block_indices.is_cuda and torch.cuda.is_current_stream_capturing()
-    if block_indices.numel() and not capturing:
+    if check_range and block_indices.numel() and not capturing:
         lo, hi = int(block_indices.min()), int(block_indices.max())
         if lo < -1 or hi >= num_blocks:
             raise ValueError(

@@ -173,6 +173,7 @@ class _Launch:
     dv: int
     group: int
     n: int
+    num_blocks: int
     q_start: int
     scale: float
     seq_ids: torch.Tensor | None
@@ -202,16 +203,20 @@ def _prepare(
     if max(dk, dv) > MAX_HEAD_DIM:
         raise ValueError(f"head dims dk={dk}, dv={dv} exceed {MAX_HEAD_DIM}")
     seq_ids = None
+    # The range check costs a device sync; without it, out-of-range entries become -1 on the
+    # device (unique_block_rows), so the kernels never address keys outside the sequence.
+    strict = get_toggles().sel_triton_check_indices
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, tq, batch, q.device)
         if q_start != 0 or k.shape[1] != tq:
             raise ValueError("varlen selected_attention needs q_start == 0 and k with q's tokens")
-        check_block_indices(block_indices, batch, tq, h, -(-max(tq, 1) // sel_block), q.device)
+        num_blocks = -(-max(tq, 1) // sel_block)
         rows = torch.arange(tq, device=q.device, dtype=torch.int32)
         seq_ids = torch.searchsorted(cu_seqlens[1:], rows, right=True).to(torch.int32)
     else:
         check_q_start(q_start, tq, k.shape[1])
-        check_block_indices(block_indices, batch, tq, h, -(-k.shape[1] // sel_block), q.device)
+        num_blocks = -(-k.shape[1] // sel_block)
+    check_block_indices(block_indices, batch, tq, h, num_blocks, q.device, check_range=strict)
     return _Launch(
         batch=batch,
         tq=tq,
@@ -221,6 +226,7 @@ def _prepare(
         dv=dv,
         group=hq // h,
         n=block_indices.shape[-1],
+        num_blocks=num_blocks,
         q_start=q_start,
         scale=dk**-0.5 if scale is None else float(scale),
         seq_ids=seq_ids,
@@ -428,13 +434,17 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def unique_block_rows(block_indices: torch.Tensor) -> torch.Tensor:
+def unique_block_rows(block_indices: torch.Tensor, num_blocks: int | None = None) -> torch.Tensor:
     """block_indices [..., n] -> int32 [..., n]: each row's distinct blocks ascending, then -1.
 
     The kernels walk every slot of a row, so a block listed twice would count twice; the
-    reference treats a row as a set. One small sort per row restores that contract.
+    reference treats a row as a set. One small sort per row restores that contract. Entries
+    outside [0, num_blocks) (when given) become -1: they select nothing.
     """
-    idx = block_indices.to(torch.int32)
+    idx = block_indices
+    if num_blocks is not None:
+        idx = torch.where((idx >= 0) & (idx < num_blocks), idx, -1)
+    idx = idx.to(torch.int32)
     if idx.shape[-1] < 2:
         return idx.contiguous()
     padding = torch.iinfo(torch.int32).max
@@ -445,10 +455,11 @@ def unique_block_rows(block_indices: torch.Tensor) -> torch.Tensor:
 
 
 def _prepare_tensors(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_indices: torch.Tensor, info: _Launch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # dq/dk/dv are allocated like q/k/v and the kernels give them the same strides.
-    return q.contiguous(), k.contiguous(), v.contiguous(), unique_block_rows(block_indices)
+    idx = unique_block_rows(block_indices, info.num_blocks)
+    return q.contiguous(), k.contiguous(), v.contiguous(), idx
 
 
 def selected_attention_fwd(
@@ -468,7 +479,7 @@ def selected_attention_fwd(
     Arguments as :func:`selected_attention_triton`. ``lse`` is -inf on rows that see no token.
     """
     info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens)
-    q, k, v, idx = _prepare_tensors(q, k, v, block_indices)
+    q, k, v, idx = _prepare_tensors(q, k, v, block_indices, info)
     cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block)
     return _fwd(q, k, v, idx, sel_block, info, cfg)
 
@@ -490,7 +501,7 @@ def selected_attention_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse from the forward)."""
     info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens)
-    q, k, v, idx = _prepare_tensors(q, k, v, block_indices)
+    q, k, v, idx = _prepare_tensors(q, k, v, block_indices, info)
     cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block)
     return _bwd(do, q, k, v, o, lse, idx, sel_block, info, cfg)
 
@@ -512,7 +523,7 @@ class SelectedAttentionFunction(torch.autograd.Function):
         config: SelConfig | None,
     ) -> torch.Tensor:
         info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens)
-        q, k, v, idx = _prepare_tensors(q, k, v, block_indices)
+        q, k, v, idx = _prepare_tensors(q, k, v, block_indices, info)
         cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block)
         o, lse = _fwd(q, k, v, idx, sel_block, info, cfg)
         ctx.save_for_backward(q, k, v, o, lse, idx)
