@@ -75,7 +75,7 @@ PY
 tests_rc=0
 case "$SEL_TESTS" in
   full) select=() ;;
-  quick) select=(-k "group_sizes or varlen or deterministic or quick or tile or (matrix and 512-128-128)") ;;
+  quick) select=(-k "group_sizes or varlen or deterministic or quick or load_paths or (matrix and 512-128-128)") ;;
   none) select=() ;;
   *) echo "SEL_TESTS must be full, quick or none" >&2; exit 2 ;;
 esac

@@ -300,11 +300,16 @@ def _use_tma(cfg: SelConfig, info: _Launch, device: torch.device) -> bool:
     return (
         device.type == "cuda"
         and torch.cuda.get_device_capability(device)[0] >= 9
-        and all(
-            d == tile and d & (d - 1) == 0
-            for d, tile in ((info.dk, cfg.block_d), (info.dv, cfg.block_dv))
-        )
+        and _tma_misfit(cfg, info) is None
     )
+
+
+def _tma_misfit(cfg: SelConfig, info: _Launch) -> str | None:
+    """Why TMA loads cannot serve these head dims and tiles, or None when they can."""
+    for name, d, tile in (("dk", info.dk, cfg.block_d), ("dv", info.dv, cfg.block_dv)):
+        if d != tile or d & (d - 1):
+            return f"tma=1 needs {name} a power of two in one tile, got {name}={d}"
+    return None
 
 
 def _kv_descriptors(
@@ -313,9 +318,9 @@ def _kv_descriptors(
     """TMA descriptors over k [B, Tk, H, dk] and v as [B * Tk, H * d] with [block_l, d] boxes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    for name, d, tile in (("dk", info.dk, cfg.block_d), ("dv", info.dv, cfg.block_dv)):
-        if d != tile or d & (d - 1):
-            raise ValueError(f"tma=1 needs {name} a power of two in one tile, got {name}={d}")
+    misfit = _tma_misfit(cfg, info)
+    if misfit:
+        raise ValueError(misfit)
     out = []
     for x, d in ((k, info.dk), (v, info.dv)):
         flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * d)
@@ -441,14 +446,14 @@ def unique_block_rows(block_indices: torch.Tensor, num_blocks: int | None = None
     reference treats a row as a set. One small sort per row restores that contract. Entries
     outside [0, num_blocks) (when given) become -1: they select nothing.
     """
-    idx = block_indices
+    # The range test runs before the int32 cast, so large int64 values cannot wrap into range.
+    valid = block_indices >= 0
     if num_blocks is not None:
-        idx = torch.where((idx >= 0) & (idx < num_blocks), idx, -1)
-    idx = idx.to(torch.int32)
-    if idx.shape[-1] < 2:
-        return idx.contiguous()
+        valid &= block_indices < num_blocks
+    if block_indices.shape[-1] < 2:
+        return torch.where(valid, block_indices, -1).to(torch.int32).contiguous()
     padding = torch.iinfo(torch.int32).max
-    keys = torch.sort(torch.where(idx < 0, padding, idx), dim=-1).values
+    keys = torch.sort(torch.where(valid, block_indices, padding).to(torch.int32), dim=-1).values
     repeat = torch.zeros_like(keys, dtype=torch.bool)
     repeat[..., 1:] = keys[..., 1:] == keys[..., :-1]
     return torch.where(repeat | (keys == padding), -1, keys).contiguous()

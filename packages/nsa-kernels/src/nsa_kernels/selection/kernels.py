@@ -149,8 +149,8 @@ def sel_fwd_kernel(
             pos = tl.maximum(blk, 0) * SEL + in_blk
             live = (blk >= 0) & (in_blk < SEL) & (pos <= t)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
-            kv_row = (b * tk + tok0 + tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
             if TMA:
+                kv_row = (b * tk + tok0 + tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
                 kt = k_desc.load([kv_row, (h * DK).to(tl.int32)])
                 s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)
             elif NK == 1:
