@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sel_testlib import DEVICE, SKIP_REASON
 
 pytest.importorskip("triton")
 
@@ -13,18 +14,31 @@ from nsa_kernels.selection.function import (
     unique_block_rows,
 )
 
-
-def rows(*entries: list[int]) -> torch.Tensor:
-    """[1, Tq, 1, n] int32 from one list per query row."""
-    return torch.tensor(entries, dtype=torch.int32).view(1, len(entries), 1, -1)
+needs_triton_device = pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
 
 
+def rows(*entries: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """[1, Tq, 1, n] from one list per query row, on the kernels' device."""
+    return torch.tensor(entries, dtype=dtype, device=DEVICE).view(1, len(entries), 1, -1)
+
+
+def as_sets(idx: torch.Tensor, num_blocks: int | None) -> list[list[int]]:
+    """The contract, written out: each row's distinct in-range entries ascending, then -1."""
+    limit = 2**31 - 1 if num_blocks is None else num_blocks
+    n = idx.shape[-1]
+    out = []
+    for row in idx.reshape(-1, n).tolist():
+        kept = sorted({b for b in row if 0 <= b < limit})
+        out.append(kept + [-1] * (n - len(kept)))
+    return out
+
+
+@needs_triton_device
 def test_unique_block_rows_sorts_and_drops_repeats() -> None:
     idx = rows([3, -1, 3, 0], [2, 2, 2, 2], [-1, -1, -1, -1])
     out = unique_block_rows(idx)[0, :, 0].tolist()
-    # Ascending, one copy of each block; repeats become -1 in place (the walk skips them).
-    assert [[b for b in row if b >= 0] for row in out] == [[0, 3], [2], []]
-    assert all(row[0] >= 0 for row in out[:2])
+    # Ascending, one copy of each block, then -1.
+    assert out == [[0, 3, -1, -1], [2, -1, -1, -1], [-1, -1, -1, -1]]
 
 
 def test_parse_config_names_unknown_fields() -> None:
@@ -33,7 +47,37 @@ def test_parse_config_names_unknown_fields() -> None:
         parse_config("tile_rows=4")
 
 
+@needs_triton_device
 def test_unique_block_rows_drops_entries_outside_the_keys() -> None:
     idx = rows([5, -3, 1, 1 << 30], [4, 0, -1, 2])
     out = unique_block_rows(idx, num_blocks=5)[0, :, 0].tolist()
     assert out == [[1, -1, -1, -1], [0, 2, 4, -1]]
+
+
+@needs_triton_device
+@pytest.mark.parametrize("n", [1, 3, 5, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_blocks", [None, 9])
+def test_unique_block_rows_matches_the_set_contract(
+    n: int, dtype: torch.dtype, num_blocks: int | None
+) -> None:
+    gen = torch.Generator().manual_seed(n * 7 + (num_blocks or 0))
+    # Small values repeat often; a few rows carry values far outside any index range.
+    # (Fewer rows for the wide case: the interpreter runs one program per row there.)
+    shape = (2, 37, 3, n) if n <= 16 else (2, 3, 2, n)
+    idx = torch.randint(-2, 12, shape, generator=gen).to(dtype)
+    if dtype == torch.int64:
+        idx[0, 1, 1, 0] = (1 << 40) + 3  # would wrap to 3 in a cast before the range test
+    idx[1, 2, 1] = 4  # a row of one repeated block
+    out = unique_block_rows(idx.to(DEVICE), num_blocks)
+    assert out.dtype == torch.int32
+    assert out.shape == idx.shape
+    assert out.cpu().reshape(-1, n).tolist() == as_sets(idx, num_blocks)
+
+
+@needs_triton_device
+@pytest.mark.parametrize("shape", [(1, 0, 2, 4), (1, 3, 2, 0)])
+def test_unique_block_rows_of_no_rows_or_no_slots(shape: tuple[int, ...]) -> None:
+    out = unique_block_rows(torch.zeros(shape, dtype=torch.int32, device=DEVICE))
+    assert out.shape == shape
+    assert out.dtype == torch.int32

@@ -31,6 +31,7 @@ from nsa_kernels.selection.kernels import (
     LOG2E,
     RED_FIELDS,
     SEG_FIELDS,
+    block_set_kernel,
     sel_bwd_dkv_kernel,
     sel_bwd_dq_kernel,
     sel_dkv_reduce_kernel,
@@ -443,20 +444,22 @@ def unique_block_rows(block_indices: torch.Tensor, num_blocks: int | None = None
     """block_indices [..., n] -> int32 [..., n]: each row's distinct blocks ascending, then -1.
 
     The kernels walk every slot of a row, so a block listed twice would count twice; the
-    reference treats a row as a set. One small sort per row restores that contract. Entries
-    outside [0, num_blocks) (when given) become -1: they select nothing.
+    reference treats a row as a set. One kernel (``block_set_kernel``: a sort of each row in
+    registers) restores that contract. Entries outside [0, num_blocks) (when given; else
+    [0, 2**31 - 1)) become -1: they select nothing.
     """
-    # The range test runs before the int32 cast, so large int64 values cannot wrap into range.
-    valid = block_indices >= 0
-    if num_blocks is not None:
-        valid &= block_indices < num_blocks
-    if block_indices.shape[-1] < 2:
-        return torch.where(valid, block_indices, -1).to(torch.int32).contiguous()
-    padding = torch.iinfo(torch.int32).max
-    keys = torch.sort(torch.where(valid, block_indices, padding).to(torch.int32), dim=-1).values
-    repeat = torch.zeros_like(keys, dtype=torch.bool)
-    repeat[..., 1:] = keys[..., 1:] == keys[..., :-1]
-    return torch.where(repeat | (keys == padding), -1, keys).contiguous()
+    n = block_indices.shape[-1]
+    out = torch.empty(block_indices.shape, dtype=torch.int32, device=block_indices.device)
+    rows = out.numel() // n if n else 0
+    if rows == 0:
+        return out
+    limit = torch.iinfo(torch.int32).max if num_blocks is None else num_blocks
+    np_ = max(2, _pow2(n))
+    per_prog = max(1, 4096 // (np_ * np_))
+    block_set_kernel[(-(-rows // per_prog),)](
+        block_indices.contiguous(), out, rows, n, limit, NP=np_, ROWS=per_prog
+    )
+    return out
 
 
 def _prepare_tensors(

@@ -9,6 +9,7 @@ with ``p <= t``. Softmax runs in base 2: ``qk_scale = scale * log2(e)`` and ``ls
 natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
 
 Kernels:
+- ``block_set_kernel``: the index rows as sets (ascending, repeats and out-of-range entries -1).
 - ``sel_fwd_kernel``: one program per (query row, kv head[, head chunk][, dv chunk]); loads each
   selected K/V block once for all G heads (rows padded to BG >= 16 for ``tl.dot``).
 - ``sel_bwd_dq_kernel``: the same walk, recomputing p from lse; writes dq and delta = rowsum(o*do).
@@ -34,6 +35,37 @@ SEG_B, SEG_H, SEG_KROW0, SEG_KEND, SEG_POS0, SEG_START, SEG_END, SEG_PART, SEG_T
 SEG_FIELDS = 9
 # Fields of one multi-segment block for the reduction: b, h, key row 0, key end, first part, parts.
 RED_FIELDS = 6
+
+
+@triton.jit
+def block_set_kernel(
+    idx_ptr,
+    out_ptr,
+    n_rows,
+    nsel,
+    num_blocks,
+    NP: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """out [ROWS, nsel] int32: each index row as a set, ascending, then -1.
+
+    Entries outside [0, num_blocks) and repeats of an earlier entry become -1. The range test runs
+    in the input's integer type, before the int32 cast, so large int64 values cannot wrap into
+    range. Rows are padded to NP (a power of two) with a key that sorts last.
+    """
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, NP)
+    inside = (rows < n_rows)[:, None] & (cols < nsel)[None, :]
+    offs = rows[:, None] * nsel + cols[None, :]
+    x = tl.load(idx_ptr + offs, mask=inside, other=-1)
+    pad = 2147483647
+    key = tl.sort(tl.where((x >= 0) & (x < num_blocks), x, pad).to(tl.int32), dim=1)
+    # A sorted row holds a repeat where an entry equals one before it; a second sort moves the
+    # repeats behind the distinct entries.
+    earlier = cols[None, :] < cols[:, None]
+    repeat = tl.max(((key[:, :, None] == key[:, None, :]) & earlier[None, :, :]).to(tl.int32), 2)
+    key = tl.sort(tl.where(repeat > 0, pad, key), dim=1)
+    tl.store(out_ptr + offs, tl.where(key == pad, -1, key), mask=inside)
 
 
 @triton.jit
