@@ -444,7 +444,7 @@ def unique_block_rows(block_indices: torch.Tensor, num_blocks: int | None = None
     """block_indices [..., n] -> int32 [..., n]: each row's distinct blocks ascending, then -1.
 
     The kernels walk every slot of a row, so a block listed twice would count twice; the
-    reference treats a row as a set. One kernel (``block_set_kernel``: a sort of each row in
+    reference treats a row as a set. One kernel (``block_set_kernel``: two sorts of each row in
     registers) restores that contract. Entries outside [0, num_blocks) (when given; else
     [0, 2**31 - 1)) become -1: they select nothing.
     """
@@ -455,7 +455,7 @@ def unique_block_rows(block_indices: torch.Tensor, num_blocks: int | None = None
         return out
     limit = torch.iinfo(torch.int32).max if num_blocks is None else num_blocks
     np_ = max(2, _pow2(n))
-    per_prog = max(1, 4096 // (np_ * np_))
+    per_prog = max(1, 4096 // np_)
     block_set_kernel[(-(-rows // per_prog),)](
         block_indices.contiguous(), out, rows, n, limit, NP=np_, ROWS=per_prog
     )

@@ -60,11 +60,11 @@ def block_set_kernel(
     x = tl.load(idx_ptr + offs, mask=inside, other=-1)
     pad = 2147483647
     key = tl.sort(tl.where((x >= 0) & (x < num_blocks), x, pad).to(tl.int32), dim=1)
-    # A sorted row holds a repeat where an entry equals one before it; a second sort moves the
-    # repeats behind the distinct entries.
-    earlier = cols[None, :] < cols[:, None]
-    repeat = tl.max(((key[:, :, None] == key[:, None, :]) & earlier[None, :, :]).to(tl.int32), 2)
-    key = tl.sort(tl.where(repeat > 0, pad, key), dim=1)
+    # A sorted row holds a repeat where an entry equals its left neighbour; a second sort moves
+    # the repeats behind the distinct entries.
+    left = tl.gather(key, tl.maximum(cols - 1, 0)[None, :].broadcast_to(ROWS, NP), axis=1)
+    repeat = (cols > 0)[None, :] & (key == left)
+    key = tl.sort(tl.where(repeat, pad, key), dim=1)
     tl.store(out_ptr + offs, tl.where(key == pad, -1, key), mask=inside)
 
 
