@@ -1,0 +1,1 @@
+"""The compressed branch (docs/spec.md, "Compressed branch"): its GPU backends."""
