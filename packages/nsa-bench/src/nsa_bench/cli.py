@@ -15,6 +15,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("nsa_bench.demo", "small NSA prefill + decode: routing and a reads table"),
     "decode": ("nsa_bench.decode_bench", "decode step per context length, whole and per branch"),
+    "layer": ("nsa_bench.layer_bench", "whole NSA layer vs fla-core, SDPA, FA-2 over T; by step"),
     "fa2": ("nsa_bench.fa2_bench", "FA-2 vs its torch fallbacks per branch over T and D, cutoffs"),
     "routing": ("nsa_bench.routing", "backend chosen per op, with reasons, and the pairing"),
     "sel": ("nsa_bench.sel_bench", "Triton selection vs fallbacks and fla-core; sel_triton_min_L"),
