@@ -1,0 +1,494 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Backward kernels of the compressed branch (FA-2 style, no atomics: bitwise reproducible).
+
+With p = exp2(qk_scale * q.k - lse * log2(e)) recomputed from the forward's lse and
+delta = rowsum(o * do):  dv = p^T do,  ds = p * (do v^T - delta),  dq = scale * ds k,
+dk = scale * ds^T q.
+
+- ``cmp_bwd_dq_kernel``: the forward's query tiles; walks the visible key tiles, writes dq and
+  delta (the dk/dv kernel reads delta, so it runs second).
+- ``cmp_bwd_dkv_kernel``: one program per (key tile of BN blocks, kv head, query segment). The
+  queries that see a block are a suffix of its sequence; that suffix is cut into segments of
+  ``seg_rows`` rows (absolute row ranges ``[j * seg_rows, (j+1) * seg_rows)``) so that the
+  early blocks, seen by almost every query, spread over several programs. A key tile whose
+  queries fit one segment stores dk/dv directly; otherwise each segment stores float32
+  partials and ``cmp_dkv_reduce_kernel`` sums them in segment order.
+
+Rows that see nothing and padding rows get lse = +inf here, so their p is exactly 0.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nsa_kernels.compressed.triton_tiles import key_tile, query_tile, visible_blocks
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _dq_key_tile(
+    q,
+    do,
+    lse2,
+    delta,
+    dq,
+    k_head,
+    v_head,
+    key_row,
+    n0,
+    n_hi,
+    nvis,
+    stride_kt,
+    stride_vt,
+    qk_scale,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    BN: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dq [BM, BK] (unscaled) plus the contribution of blocks [n0, n0 + BN)."""
+    offs_n = tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    blocks = n0 + offs_n
+    k_rows = key_row + offs_n.to(tl.int64)
+    if MASK:
+        live = blocks < n_hi
+        kt = tl.load(
+            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
+            mask=live[:, None] & (offs_k < DK)[None, :],
+            other=0.0,
+        )
+        vt = tl.load(
+            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
+            mask=live[:, None] & (offs_v < DV)[None, :],
+            other=0.0,
+        )
+    else:
+        kt = tl.load(
+            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
+            mask=(offs_k < DK)[None, :],
+            other=0.0,
+        )
+        vt = tl.load(
+            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
+            mask=(offs_v < DV)[None, :],
+            other=0.0,
+        )
+    s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    if MASK:
+        p = tl.where(blocks[None, :] < nvis[:, None], p, 0.0)
+    dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    return tl.dot(ds.to(kt.dtype), kt, dq, input_precision=DOT_PREC)
+
+
+@triton.jit
+def cmp_bwd_dq_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dq_ptr,
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lt,
+    batch,
+    tq,
+    q_start,
+    num_kv_heads,
+    qk_scale,
+    scale,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    TPP: tl.constexpr,
+    NCH: tl.constexpr,
+    BM: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    LBLK: tl.constexpr,
+    DSTR: tl.constexpr,
+    BN: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dq [BM, DK] and delta [BM] of one query tile (the forward's tiling and grid).
+
+    ``q``/``dq`` share strides, as do ``o``/``do`` and ``lse``/``delta`` [B, Tq, HQ].
+    """
+    pid = tl.program_id(0)
+    units = num_kv_heads * NCH
+    unit = pid % units
+    kvh = unit // NCH
+    chunk = unit - kvh * NCH
+    b, r0, r_end, t0, kbase = query_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, pid // units, batch, tq, q_start, TPP, VARLEN
+    )
+
+    rr = tl.arange(0, BM)
+    tok = rr // HPP
+    g = chunk * HPP + (rr - tok * HPP)
+    rows = r0 + tok
+    row_ok = (tok < TPP) & (g < G) & (rows < r_end)
+    heads = kvh * G + g
+    nvis = visible_blocks(t0 + tok, LBLK, DSTR)
+    tokens = tl.minimum(r_end - r0, TPP)
+    n_lo = tl.where(tokens > 0, visible_blocks(t0, LBLK, DSTR), 0)
+    n_hi = tl.where(tokens > 0, visible_blocks(t0 + tokens - 1, LBLK, DSTR), 0)
+    n_full = (n_lo // BN) * BN
+
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    q_rows = b * stride_qb + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+    qk_mask = row_ok[:, None] & (offs_k < DK)[None, :]
+    q = tl.load(q_ptr + q_rows + offs_k[None, :], mask=qk_mask, other=0.0)
+    o_rows = b * stride_ob + rows[:, None] * stride_ot + heads[:, None] * stride_oh
+    ov_mask = row_ok[:, None] & (offs_v < DV)[None, :]
+    do = tl.load(do_ptr + o_rows + offs_v[None, :], mask=ov_mask, other=0.0)
+    o = tl.load(o_ptr + o_rows + offs_v[None, :], mask=ov_mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    stat = b * stride_lb + rows * stride_lt + heads
+    tl.store(delta_ptr + stat, delta, mask=row_ok)
+    lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+
+    k_head = k_ptr + b * stride_kb + kvh * stride_kh
+    v_head = v_ptr + b * stride_vb + kvh * stride_vh
+    dq = tl.zeros([BM, BK], dtype=tl.float32)
+    for n0 in range(0, n_full, BN):
+        dq = _dq_key_tile(
+            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis,
+            stride_kt, stride_vt, qk_scale,
+            DK, BK, DV, BV, BN, False, DOT_PREC,
+        )  # fmt: skip
+    for n0 in range(n_full, n_hi, BN):
+        dq = _dq_key_tile(
+            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis,
+            stride_kt, stride_vt, qk_scale,
+            DK, BK, DV, BV, BN, True, DOT_PREC,
+        )  # fmt: skip
+    tl.store(
+        dq_ptr + q_rows + offs_k[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=qk_mask
+    )
+
+
+@triton.jit
+def _dkv_query_tile(
+    kt,
+    vt,
+    dk,
+    dv,
+    blocks,
+    q_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    b,
+    kvh,
+    start,
+    seg_hi,
+    chunk,
+    shift,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lt,
+    qk_scale,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    TPQ: tl.constexpr,
+    BMQ: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    LBLK: tl.constexpr,
+    DSTR: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dk, dv [BN, *] plus the contribution of query rows [start, start + TPQ) x head chunk.
+
+    Computed transposed (blocks on the rows): st = k q^T [BN, BMQ]. MASK: some query row does
+    not see every block of the tile.
+    """
+    rr = tl.arange(0, BMQ)
+    tok = rr // HPP
+    g = chunk * HPP + (rr - tok * HPP)
+    rows = start + tok
+    row_ok = (tok < TPQ) & (g < G) & (rows < seg_hi)
+    heads = kvh * G + g
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    qt = tl.load(
+        q_ptr + b * stride_qb + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+        + offs_k[None, :],
+        mask=row_ok[:, None] & (offs_k < DK)[None, :],
+        other=0.0,
+    )  # fmt: skip
+    dot_ = tl.load(
+        do_ptr + b * stride_ob + rows[:, None] * stride_ot + heads[:, None] * stride_oh
+        + offs_v[None, :],
+        mask=row_ok[:, None] & (offs_v < DV)[None, :],
+        other=0.0,
+    )  # fmt: skip
+    stat = b * stride_lb + rows * stride_lt + heads
+    lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
+
+    st = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC) * qk_scale
+    pt = tl.exp2(st - lse2[None, :])
+    if MASK:
+        nvis = visible_blocks(rows - shift, LBLK, DSTR)
+        pt = tl.where(blocks[:, None] < nvis[None, :], pt, 0.0)
+    dv = tl.dot(pt.to(dot_.dtype), dot_, dv, input_precision=DOT_PREC)
+    dpt = tl.dot(vt, tl.trans(dot_), input_precision=DOT_PREC)
+    dst = pt * (dpt - delta[None, :])
+    dk = tl.dot(dst.to(qt.dtype), qt, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def dkv_segments(n0, r_lo, r_end, shift, seg_rows, LBLK: tl.constexpr, DSTR: tl.constexpr):
+    """(row_first, j_lo, j_hi) of a key tile starting at block n0.
+
+    row_first: first row that sees block n0 (clamped to [r_lo, r_end]); its queries are the rows
+    [row_first, r_end), covered by segments j_lo .. j_hi (j_hi < j_lo when there are none).
+    """
+    row_first = tl.minimum(tl.maximum(n0 * DSTR + LBLK - 1 + shift, r_lo), r_end)
+    j_lo = row_first // seg_rows
+    j_hi = tl.where(row_first < r_end, (r_end - 1) // seg_rows, j_lo - 1)
+    return row_first, j_lo, j_hi
+
+
+@triton.jit
+def cmp_bwd_dkv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    do_ptr,
+    lse_ptr,
+    delta_ptr,
+    dk_ptr,
+    dv_ptr,
+    dk_part_ptr,
+    dv_part_ptr,
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lt,
+    batch,
+    tq,
+    q_start,
+    num_blocks,
+    num_kv_heads,
+    num_tiles,
+    num_segs,
+    seg_rows,
+    qk_scale,
+    scale,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    TPQ: tl.constexpr,
+    NCH: tl.constexpr,
+    BMQ: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    LBLK: tl.constexpr,
+    DSTR: tl.constexpr,
+    BN: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """dk [BN, DK], dv [BN, DV] of one key tile of one kv head, over one query segment.
+
+    k/dk share strides, as do v/dv, q (its strides also index the query rows of dq's layout),
+    do, and lse/delta. Partials: dk_part [num_tiles * H * num_segs, BN, BK] float32 (dv_part
+    likewise with BV), entry ``(tile * H + kvh) * num_segs + j``. Grid:
+    (num_segs * num_tiles * H,), program p -> kv head ``p % H``, tile ``(p // H) % num_tiles``,
+    segment ``num_segs - 1 - p // (H * num_tiles)`` (the last segments are the fullest).
+    """
+    pid = tl.program_id(0)
+    kvh = pid % num_kv_heads
+    rest = pid // num_kv_heads
+    tile = rest % num_tiles
+    j = num_segs - 1 - rest // num_tiles
+    b, n0, n_end, kbase, r_lo, r_end, shift = key_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, BN, VARLEN
+    )
+    row_first, j_lo, j_hi = dkv_segments(n0, r_lo, r_end, shift, seg_rows, LBLK, DSTR)
+    split = j_hi > j_lo
+    # A tile no query sees still owns its (zero) gradient rows: segment 0 writes them.
+    direct = ((j_hi == j_lo) & (j == j_lo)) | ((j_hi < j_lo) & (j == 0))
+    active = (j >= j_lo) & (j <= j_hi)
+    seg_lo = tl.maximum(j * seg_rows, row_first)
+    seg_hi = tl.minimum((j + 1) * seg_rows, r_end)
+    n_iter = tl.where(active, tl.cdiv(seg_hi - seg_lo, TPQ), 0)
+    # Rows from row_full on see the tile's last block, hence all of it.
+    row_full = (n0 + BN - 1) * DSTR + LBLK - 1 + shift
+    n_masked = tl.minimum(tl.maximum(tl.cdiv(row_full - seg_lo, TPQ), 0), n_iter)
+
+    blocks = n0 + tl.arange(0, BN)
+    live = blocks < n_end
+    k_rows = (kbase + blocks).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    k_off = b * stride_kb + k_rows[:, None] * stride_kt + kvh * stride_kh + offs_k[None, :]
+    v_off = b * stride_vb + k_rows[:, None] * stride_vt + kvh * stride_vh + offs_v[None, :]
+    kd_mask = live[:, None] & (offs_k < DK)[None, :]
+    vd_mask = live[:, None] & (offs_v < DV)[None, :]
+    kt = tl.load(k_ptr + k_off, mask=kd_mask, other=0.0)
+    vt = tl.load(v_ptr + v_off, mask=vd_mask, other=0.0)
+
+    dk = tl.zeros([BN, BK], dtype=tl.float32)
+    dv = tl.zeros([BN, BV], dtype=tl.float32)
+    for it in range(0, n_masked * NCH):
+        dk, dv = _dkv_query_tile(
+            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse_ptr, delta_ptr,
+            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift,
+            stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+            stride_lb, stride_lt, qk_scale,
+            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, True, DOT_PREC,
+        )  # fmt: skip
+    for it in range(n_masked * NCH, n_iter * NCH):
+        dk, dv = _dkv_query_tile(
+            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse_ptr, delta_ptr,
+            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift,
+            stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+            stride_lb, stride_lt, qk_scale,
+            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, False, DOT_PREC,
+        )  # fmt: skip
+    dk = dk * scale
+
+    tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=kd_mask & direct)
+    tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=vd_mask & direct)
+    part = ((tile * num_kv_heads + kvh) * num_segs + j).to(tl.int64)
+    offs_n = tl.arange(0, BN)
+    keep = split & active
+    tl.store(
+        dk_part_ptr + (part * BN + offs_n[:, None]) * BK + offs_k[None, :],
+        dk,
+        mask=(offs_n < BN)[:, None] & keep,
+    )
+    tl.store(
+        dv_part_ptr + (part * BN + offs_n[:, None]) * BV + offs_v[None, :],
+        dv,
+        mask=(offs_n < BN)[:, None] & keep,
+    )
+
+
+@triton.jit
+def cmp_dkv_reduce_kernel(
+    dk_ptr,
+    dv_ptr,
+    dk_part_ptr,
+    dv_part_ptr,
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    batch,
+    tq,
+    q_start,
+    num_blocks,
+    num_kv_heads,
+    num_segs,
+    seg_rows,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    LBLK: tl.constexpr,
+    DSTR: tl.constexpr,
+    BN: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """Sum, in segment order, the partials of one key tile split over several segments.
+
+    Grid: (num_tiles * H,), program p -> tile ``p // H``, kv head ``p % H``. Tiles that were not
+    split were written by ``cmp_bwd_dkv_kernel``; their programs store nothing.
+    """
+    pid = tl.program_id(0)
+    kvh = pid % num_kv_heads
+    tile = pid // num_kv_heads
+    b, n0, n_end, kbase, r_lo, r_end, shift = key_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, BN, VARLEN
+    )
+    _, j_lo, j_hi = dkv_segments(n0, r_lo, r_end, shift, seg_rows, LBLK, DSTR)
+    split = j_hi > j_lo
+    j_stop = tl.where(split, j_hi + 1, j_lo)
+    offs_n = tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    dk = tl.zeros([BN, BK], dtype=tl.float32)
+    dv = tl.zeros([BN, BV], dtype=tl.float32)
+    for j in range(j_lo, j_stop):
+        part = ((tile * num_kv_heads + kvh) * num_segs + j).to(tl.int64)
+        dk += tl.load(dk_part_ptr + (part * BN + offs_n[:, None]) * BK + offs_k[None, :])
+        dv += tl.load(dv_part_ptr + (part * BN + offs_n[:, None]) * BV + offs_v[None, :])
+    blocks = n0 + offs_n
+    live = blocks < n_end
+    k_rows = (kbase + blocks).to(tl.int64)
+    tl.store(
+        dk_ptr + b * stride_kb + k_rows[:, None] * stride_kt + kvh * stride_kh + offs_k[None, :],
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=live[:, None] & (offs_k < DK)[None, :] & split,
+    )
+    tl.store(
+        dv_ptr + b * stride_vb + k_rows[:, None] * stride_vt + kvh * stride_vh + offs_v[None, :],
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=live[:, None] & (offs_v < DV)[None, :] & split,
+    )

@@ -1,0 +1,625 @@
+"""Compressed attention on Triton: tile choice, the launches, and the autograd Function.
+
+:func:`compressed_attention_triton` has the reference op's signature and semantics
+(docs/spec.md, "Compressed branch"): query t sees compressed block i iff ``i*d + l - 1 <= t``,
+softmax over the visible blocks, rows that see none give 0 and no gradient.
+:func:`compressed_attention_triton_with_lse` also returns the log-sum-exp the block-scoring
+kernel takes to skip its own normaliser pass.
+
+Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
+float16, bfloat16 or float32, dk and dv <= 256 (tiles are padded to powers of two and masked).
+float32 runs every ``tl.dot`` with ``input_precision="ieee"`` (no TF32) to meet the float32 bound
+of docs/spec.md; float16/bfloat16 multiply on tensor cores with float32 accumulation.
+
+The launches never read device values on the host: packed sequences (``cu_seqlens``) reach the
+kernels through tile tables built on the device, sized from the shapes alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
+from nsa_core.checks import check_compressed_attention
+from nsa_kernels.compressed.triton_bwd import (
+    cmp_bwd_dkv_kernel,
+    cmp_bwd_dq_kernel,
+    cmp_dkv_reduce_kernel,
+)
+from nsa_kernels.compressed.triton_fwd import LOG2E, cmp_fwd_kernel
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+# The dk/dv kernel aims at this many programs per SM, so the unequal key tiles balance out.
+DKV_PROGRAMS_PER_SM = 4
+# Fewest query rows one dk/dv program takes when a key tile is split over several programs.
+MIN_SEGMENT_ROWS = 512
+
+
+@dataclass(frozen=True)
+class CmpConfig:
+    """Tiles and launch parameters; 0 means "choose" (see :func:`resolve_config`).
+
+    Attributes:
+        block_m: forward rows per program (query tokens x query heads of one group), a power of
+            two >= 16. A group of G <= block_m heads takes block_m // G tokens per program; a
+            larger group is split into chunks of block_m heads.
+        block_n: forward compressed blocks per key tile (power of two >= 16).
+        fwd_warps, fwd_stages: forward launch.
+        dq_block_m, dq_block_n, dq_warps, dq_stages: the dq kernel, as the forward.
+        dkv_block_n: compressed blocks per dk/dv program (power of two >= 16).
+        dkv_block_m: query rows (tokens x heads) per step of the dk/dv kernel.
+        dkv_warps, dkv_stages: dk/dv launch.
+        dkv_segment: most query rows one dk/dv program walks; a key tile seen by more rows is
+            split over several programs whose float32 partials are summed in a fixed order.
+            0 chooses from the SM count (about DKV_PROGRAMS_PER_SM programs per SM).
+    """
+
+    block_m: int = 0
+    block_n: int = 0
+    fwd_warps: int = 0
+    fwd_stages: int = 0
+    dq_block_m: int = 0
+    dq_block_n: int = 0
+    dq_warps: int = 0
+    dq_stages: int = 0
+    dkv_block_n: int = 0
+    dkv_block_m: int = 0
+    dkv_warps: int = 0
+    dkv_stages: int = 0
+    dkv_segment: int = 0
+
+    def describe(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
+
+
+def parse_config(text: str) -> CmpConfig:
+    """``"block_m=64,fwd_warps=4"`` -> CmpConfig (unnamed fields keep 0 = choose)."""
+    values: dict[str, int] = {}
+    names = set(CmpConfig.__dataclass_fields__)
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, raw = item.partition("=")
+        if name not in names:
+            raise ValueError(
+                f"unknown CmpConfig field {name!r} in {text!r}; known: {sorted(names)}"
+            )
+        values[name] = int(raw)
+    return CmpConfig(**values)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+_TILE_FIELDS = ("block_m", "block_n", "dq_block_m", "dq_block_n", "dkv_block_n", "dkv_block_m")
+
+
+def resolve_config(config: CmpConfig | None, dk: int, dv: int) -> CmpConfig:
+    """Fill the zeros of ``config`` with the defaults for head dims dk, dv.
+
+    Defaults (padded head dim D = next power of two of max(dk, dv)): D <= 128: forward 128 rows
+    x 64 blocks, 8 warps, 3 stages; dq 128 x 64, 8 warps, 2 stages; dk/dv 64 blocks x 64 rows,
+    8 warps, 2 stages. D = 256 halves the row tiles (registers: q and the accumulators are
+    [rows, 256] and [blocks, 256]).
+    """
+    cfg = config or CmpConfig()
+    for name in _TILE_FIELDS:
+        value = getattr(cfg, name)
+        if value and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name}={value} must be 0 or a power of two >= 16")
+    if cfg.dkv_segment < 0:
+        raise ValueError(f"dkv_segment must be >= 0, got {cfg.dkv_segment}")
+    wide = _pow2(max(dk, dv, 16)) > 128
+    return replace(
+        cfg,
+        block_m=cfg.block_m or (64 if wide else 128),
+        block_n=cfg.block_n or 64,
+        fwd_warps=cfg.fwd_warps or (4 if wide else 8),
+        fwd_stages=cfg.fwd_stages or (2 if wide else 3),
+        dq_block_m=cfg.dq_block_m or (64 if wide else 128),
+        dq_block_n=cfg.dq_block_n or (32 if wide else 64),
+        dq_warps=cfg.dq_warps or (4 if wide else 8),
+        dq_stages=cfg.dq_stages or 2,
+        dkv_block_n=cfg.dkv_block_n or 64,
+        dkv_block_m=cfg.dkv_block_m or (32 if wide else 64),
+        dkv_warps=cfg.dkv_warps or 8,
+        dkv_stages=cfg.dkv_stages or 2,
+    )
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """How a query group is laid out on ``block_m`` rows: HPP heads x TPP tokens, NCH chunks."""
+
+    heads: int
+    tokens: int
+    chunks: int
+
+
+def row_tiles(group: int, block_m: int) -> RowTiles:
+    heads = min(group, block_m)
+    return RowTiles(heads=heads, tokens=block_m // heads, chunks=-(-group // heads))
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """The facts every launch of one call shares."""
+
+    batch: int
+    tq: int
+    hq: int
+    h: int
+    dk: int
+    dv: int
+    num_blocks: int
+    cmp_block: int
+    cmp_stride: int
+    q_start: int
+    scale: float
+    cu_seqlens: torch.Tensor | None
+    cmp_cu: torch.Tensor | None
+
+    @property
+    def group(self) -> int:
+        return self.hq // self.h
+
+    @property
+    def bk(self) -> int:
+        return _pow2(max(self.dk, 16))
+
+    @property
+    def bv(self) -> int:
+        return _pow2(max(self.dv, 16))
+
+
+def _prepare(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None,
+    q_start: int,
+    cu_seqlens: torch.Tensor | None,
+) -> _Launch:
+    """Validate like the reference op, then the kernels' own limits; collect the launch facts."""
+    check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    batch, tq, hq, dk = q.shape
+    h, dv = k_cmp.shape[2], v_cmp.shape[3]
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"Triton compressed attention supports {SUPPORTED_DTYPES}, got {q.dtype}")
+    if max(dk, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims dk={dk}, dv={dv} exceed {MAX_HEAD_DIM}")
+    cmp_cu = None
+    if cu_seqlens is not None:
+        cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride).to(torch.int32)
+    return _Launch(
+        batch=batch,
+        tq=tq,
+        hq=hq,
+        h=h,
+        dk=dk,
+        dv=dv,
+        num_blocks=k_cmp.shape[1],
+        cmp_block=cmp_block,
+        cmp_stride=cmp_stride,
+        q_start=q_start,
+        scale=dk**-0.5 if scale is None else float(scale),
+        cu_seqlens=cu_seqlens,
+        cmp_cu=cmp_cu,
+    )
+
+
+def tile_table(
+    lengths: torch.Tensor,
+    per_tile: int,
+    bound: int,
+    work: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Tiles of ``per_tile`` items over packed sequences, longest work first, on the device.
+
+    Args:
+        lengths: [S] items (tokens or compressed blocks) per sequence.
+        per_tile: items per tile.
+        bound: rows of the table, at least the number of tiles (``ceil(total / per_tile) + S``
+            always is); the extra rows are padding.
+        work: (sequence [bound], first item [bound]) -> work estimate [bound] of each tile.
+
+    Returns:
+        int32 [bound, 2]: (sequence, first item counted from the sequence's start), sorted by
+        decreasing work (stable); padding rows are (-1, 0) and come last.
+    """
+    lengths = lengths.to(torch.int64)
+    count = lengths.numel()
+    tiles = (lengths + per_tile - 1) // per_tile
+    ends = torch.cumsum(tiles, 0)
+    index = torch.arange(bound, device=lengths.device)
+    seq = torch.searchsorted(ends, index, right=True)
+    valid = seq < count
+    seq_c = seq.clamp(max=count - 1)
+    first = (index - (ends - tiles)[seq_c]) * per_tile
+    effort = torch.where(valid, work(seq_c, first), torch.full_like(first, -1))
+    order = torch.argsort(effort, descending=True, stable=True)
+    table = torch.stack(
+        [torch.where(valid, seq, -1), torch.where(valid, first, torch.zeros_like(first))], dim=1
+    )
+    return table[order].to(torch.int32).contiguous()
+
+
+def _query_tiles(info: _Launch, tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(varlen tile table or a dummy, number of query tiles) for ``tokens`` tokens per tile."""
+    if info.cu_seqlens is None:
+        return torch.zeros(2, dtype=torch.int32, device=device), info.batch * -(-info.tq // tokens)
+    lengths = (info.cu_seqlens[1:] - info.cu_seqlens[:-1]).to(torch.int64)
+    bound = -(-info.tq // tokens) + lengths.numel()
+    # A tile's last token sees the most blocks: its position + 1 measures the work.
+    table = tile_table(
+        lengths, tokens, bound, lambda seq, first: torch.minimum(first + tokens, lengths[seq])
+    )
+    return table, bound
+
+
+def _key_tiles(info: _Launch, blocks: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(varlen tile table or a dummy, number of key tiles) for ``blocks`` blocks per tile."""
+    if info.cu_seqlens is None or info.cmp_cu is None:
+        return torch.zeros(2, dtype=torch.int32, device=device), info.batch * -(
+            -info.num_blocks // blocks
+        )
+    lengths = (info.cu_seqlens[1:] - info.cu_seqlens[:-1]).to(torch.int64)
+    cmp_lengths = (info.cmp_cu[1:] - info.cmp_cu[:-1]).to(torch.int64)
+    bound = -(-info.num_blocks // blocks) + lengths.numel()
+    first_row = info.cmp_block - 1
+    # The queries that see a tile's first block: the rows from its end token to the sequence end.
+    table = tile_table(
+        cmp_lengths,
+        blocks,
+        bound,
+        lambda seq, first: (lengths[seq] - first * info.cmp_stride - first_row).clamp_min(0),
+    )
+    return table, bound
+
+
+def _varlen_args(info: _Launch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if info.cu_seqlens is None or info.cmp_cu is None:
+        dummy = torch.zeros(2, dtype=torch.int32, device=device)
+        return dummy, dummy
+    return info.cu_seqlens, info.cmp_cu
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: _Launch, cfg: CmpConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    o = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(info.batch, info.tq, info.hq, dtype=torch.float32, device=q.device)
+    if info.tq == 0:
+        return o, lse
+    if info.num_blocks == 0:
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return o, lse
+    layout = row_tiles(info.group, cfg.block_m)
+    tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
+    cu, cmp_cu = _varlen_args(info, q.device)
+    grid = (num_tiles * info.h * layout.chunks,)
+    cmp_fwd_kernel[grid](
+        q, k, v, o, lse, tiles, cu, cmp_cu,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        info.batch, info.tq, info.q_start, info.h, info.scale * LOG2E,
+        G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
+        DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
+        LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
+        VARLEN=info.cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )  # fmt: skip
+    return o, lse
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4
+
+
+def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, device: torch.device) -> int:
+    """Query rows per dk/dv program: cfg.dkv_segment, or from the work and the SM count.
+
+    The work is the number of (query row, key tile) pairs of one sequence of ``tq`` rows (for
+    packed sequences an overestimate: it treats them as one sequence, which splits less).
+    """
+    if cfg.dkv_segment:
+        return cfg.dkv_segment
+    bn = cfg.dkv_block_n
+    rows = info.tq
+    pairs = 0
+    for tile in range(-(-info.num_blocks // bn)):
+        first = tile * bn * info.cmp_stride + info.cmp_block - 1 - info.q_start
+        pairs += max(0, rows - max(0, first))
+    work = pairs * info.batch * info.h
+    seg = max(MIN_SEGMENT_ROWS, -(-work // (DKV_PROGRAMS_PER_SM * _num_sms(device))))
+    seg = -(-seg // tokens) * tokens
+    return min(seg, max(rows, 1))
+
+
+def _bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    info: _Launch,
+    cfg: CmpConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if info.tq == 0 or info.num_blocks == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    do = do.contiguous()
+    o = o.contiguous()
+    delta = torch.empty_like(lse)
+    cu, cmp_cu = _varlen_args(info, q.device)
+    varlen = info.cu_seqlens is not None
+    prec = _dot_precision(q.dtype)
+
+    layout = row_tiles(info.group, cfg.dq_block_m)
+    tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
+    cmp_bwd_dq_kernel[(num_tiles * info.h * layout.chunks,)](
+        q, k, v, o, do, lse, delta, dq, tiles, cu, cmp_cu,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        info.batch, info.tq, info.q_start, info.h, info.scale * LOG2E, info.scale,
+        G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks,
+        BM=cfg.dq_block_m, DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
+        LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.dq_block_n,
+        VARLEN=varlen, DOT_PREC=prec,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )  # fmt: skip
+
+    bn = cfg.dkv_block_n
+    layout = row_tiles(info.group, cfg.dkv_block_m)
+    tiles, num_tiles = _key_tiles(info, bn, q.device)
+    seg = segment_rows(info, cfg, layout.tokens, q.device)
+    num_segs = max(1, -(-info.tq // seg))
+    parts = num_tiles * info.h * num_segs if num_segs > 1 else 1
+    dk_part = torch.empty(parts, bn, info.bk, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty(parts, bn, info.bv, dtype=torch.float32, device=q.device)
+    common = dict(
+        DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
+        LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=bn, VARLEN=varlen,
+    )  # fmt: skip
+    cmp_bwd_dkv_kernel[(num_segs * num_tiles * info.h,)](
+        q, k, v, do, lse, delta, dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1),
+        info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_tiles, num_segs, seg,
+        info.scale * LOG2E, info.scale,
+        G=info.group, HPP=layout.heads, TPQ=layout.tokens, NCH=layout.chunks,
+        BMQ=cfg.dkv_block_m, DOT_PREC=prec, **common,
+        num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages,
+    )  # fmt: skip
+    if num_segs > 1:
+        cmp_dkv_reduce_kernel[(num_tiles * info.h,)](
+            dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_segs, seg,
+            **common, num_warps=4,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+def compressed_attention_fwd(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    config: CmpConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward only: o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ] float32 (natural log).
+
+    Arguments as :func:`compressed_attention_triton`; lse is -inf on rows that see no block.
+    """
+    info = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens)
+    cfg = resolve_config(config, info.dk, info.dv)
+    return _fwd(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), info, cfg)
+
+
+def compressed_attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    config: CmpConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk_cmp, dv_cmp for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse: forward)."""
+    info = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens)
+    cfg = resolve_config(config, info.dk, info.dv)
+    return _bwd(
+        do, q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), o, lse.contiguous(), info, cfg
+    )
+
+
+class CompressedAttentionFunction(torch.autograd.Function):
+    """(o, lse) = compressed attention; o is differentiable in q, k_cmp, v_cmp, lse is not."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k_cmp: torch.Tensor,
+        v_cmp: torch.Tensor,
+        cmp_block: int,
+        cmp_stride: int,
+        scale: float | None,
+        q_start: int,
+        cu_seqlens: torch.Tensor | None,
+        config: CmpConfig | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        info = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens)
+        cfg = resolve_config(config, info.dk, info.dv)
+        q, k_cmp, v_cmp = q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous()
+        o, lse = _fwd(q, k_cmp, v_cmp, info, cfg)
+        ctx.save_for_backward(q, k_cmp, v_cmp, o, lse)
+        ctx.info = info
+        ctx.cfg = cfg
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(
+        ctx: Any, do: torch.Tensor, _dlse: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k_cmp, v_cmp, o, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd(do, q, k_cmp, v_cmp, o, lse, ctx.info, ctx.cfg)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def compressed_attention_triton_with_lse(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    config: CmpConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed attention and its log-sum-exp; arguments as :func:`compressed_attention_triton`.
+
+    Returns:
+        o [B, Tq, HQ, dv] in q's dtype (differentiable in q, k_cmp, v_cmp) and lse [B, Tq, HQ]
+        float32: ``log sum_i exp(scale * q . k_cmp[i])`` over the visible blocks, -inf for rows
+        that see none (no gradient flows through lse).
+    """
+    if torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad or v_cmp.requires_grad):
+        out = CompressedAttentionFunction.apply(  # type: ignore[no-untyped-call]
+            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config
+        )
+        o, lse = out
+        assert isinstance(o, torch.Tensor)
+        assert isinstance(lse, torch.Tensor)
+        return o, lse
+    return compressed_attention_fwd(
+        q,
+        k_cmp,
+        v_cmp,
+        cmp_block,
+        cmp_stride,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+        config=config,
+    )
+
+
+def compressed_attention_triton(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    config: CmpConfig | None = None,
+) -> torch.Tensor:
+    """Compressed attention (docs/spec.md) on Triton; the reference op's contract.
+
+    Query row r sits at position ``t = q_start + r`` (varlen: positions restart at 0 in every
+    sequence); head h (kv head ``h // G``) attends in one softmax to the compressed blocks i with
+    ``i*d + l - 1 <= t``. A row that sees no block gives 0 and passes no gradient.
+
+    Args:
+        q: [B, Tq, HQ, dk]; k_cmp: [B, N, H, dk]; v_cmp: [B, N, H, dv]; float16, bfloat16 or
+            float32, HQ a multiple of H, dk and dv <= 256.
+        cmp_block, cmp_stride: l and d (d divides l).
+        scale: softmax scale, default dk ** -0.5.
+        q_start: position of q[:, 0] (dense only).
+        cu_seqlens: int32 [S+1] over tokens for packed sequences (B == 1, q_start == 0); k_cmp
+            and v_cmp packed per sequence as ``nsa_core.blocks.cmp_cu_seqlens`` says.
+        config: tiles and launch parameters (default: :func:`resolve_config`).
+
+    Returns:
+        o [B, Tq, HQ, dv] in q's dtype; differentiable in q, k_cmp and v_cmp.
+    """
+    return compressed_attention_triton_with_lse(
+        q,
+        k_cmp,
+        v_cmp,
+        cmp_block,
+        cmp_stride,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+        config=config,
+    )[0]
+
+
+def attention_flops(
+    batch: int,
+    tq: int,
+    hq: int,
+    dk: int,
+    dv: int,
+    cmp_block: int,
+    cmp_stride: int,
+    q_start: int = 0,
+) -> int:
+    """Matmul FLOPs of the forward: 2 * B * HQ * (dk + dv) * sum over rows of N_cmp(t + 1)."""
+    visible = sum(
+        num_cmp_blocks(t + 1, cmp_block, cmp_stride) for t in range(q_start, q_start + tq)
+    )
+    return 2 * batch * hq * (dk + dv) * visible
+
+
+__all__ = [
+    "CmpConfig",
+    "CompressedAttentionFunction",
+    "attention_flops",
+    "compressed_attention_bwd",
+    "compressed_attention_fwd",
+    "compressed_attention_triton",
+    "compressed_attention_triton_with_lse",
+    "parse_config",
+    "resolve_config",
+    "row_tiles",
+    "segment_rows",
+    "tile_table",
+]

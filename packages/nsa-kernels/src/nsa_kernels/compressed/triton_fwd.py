@@ -1,0 +1,207 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Forward kernel of the compressed branch: online softmax over the visible compressed keys.
+
+One program per (query tile, kv head[, head chunk]): BM rows = TPP query tokens x HPP query heads
+of one group, so each K/V tile is loaded once for the whole group. The rows of a tile see block
+prefixes that differ by at most ceil(TPP / d) blocks, so all key tiles but the last one or two
+are visible to every row and run without a mask; key tiles no row sees are never loaded.
+
+Softmax in base 2: ``qk_scale = scale * log2(e)``; lse is stored in natural log, -inf for rows
+that see no block (their output is 0).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nsa_kernels.compressed.triton_tiles import query_tile, visible_blocks
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Plain module floats are not visible inside @jit; constexpr globals are.
+_LN2 = tl.constexpr(LN2)
+
+
+@triton.jit
+def _fwd_key_tile(
+    q,
+    k_head,
+    v_head,
+    key_row,
+    n0,
+    n_hi,
+    nvis,
+    m_i,
+    l_i,
+    acc,
+    stride_kt,
+    stride_vt,
+    qk_scale,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    BN: tl.constexpr,
+    MASK: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One online-softmax step over blocks [n0, n0 + BN): -> (m_i, l_i, acc) [BM], [BM], [BM, BV].
+
+    MASK: some row does not see every block of the tile (per-row prefix ``nvis``, and blocks at
+    or past ``n_hi`` do not exist for any row); without it every block is visible to every row.
+    """
+    offs_n = tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    blocks = n0 + offs_n
+    k_rows = key_row + offs_n.to(tl.int64)
+    if MASK:
+        live = blocks < n_hi
+        kt = tl.load(
+            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
+            mask=live[:, None] & (offs_k < DK)[None, :],
+            other=0.0,
+        )
+    else:
+        kt = tl.load(
+            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
+            mask=(offs_k < DK)[None, :],
+            other=0.0,
+        )
+    s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
+    if MASK:
+        s = tl.where(blocks[None, :] < nvis[:, None], s, float("-inf"))
+    # m_i starts finite (-1e30), so a row that sees nothing keeps p = exp2(-inf) = 0, alpha = 1.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASK:
+        vt = tl.load(
+            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
+            mask=live[:, None] & (offs_v < DV)[None, :],
+            other=0.0,
+        )
+    else:
+        vt = tl.load(
+            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
+            mask=(offs_v < DV)[None, :],
+            other=0.0,
+        )
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def cmp_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    lse_ptr,
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ob,
+    stride_ot,
+    stride_oh,
+    stride_lb,
+    stride_lt,
+    batch,
+    tq,
+    q_start,
+    num_kv_heads,
+    qk_scale,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    TPP: tl.constexpr,
+    NCH: tl.constexpr,
+    BM: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    LBLK: tl.constexpr,
+    DSTR: tl.constexpr,
+    BN: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """o [BM, DV] and lse [BM] of one query tile of one kv head (head chunk).
+
+    q [B, Tq, HQ, DK], k [B, N, H, DK], v [B, N, H, DV], o [B, Tq, HQ, DV], lse [B, Tq, HQ].
+    Grid: (num_tiles * H * NCH,), program p -> head unit ``p % (H * NCH)``, tile ``p // (H*NCH)``.
+    """
+    pid = tl.program_id(0)
+    units = num_kv_heads * NCH
+    unit = pid % units
+    kvh = unit // NCH
+    chunk = unit - kvh * NCH
+    b, r0, r_end, t0, kbase = query_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, pid // units, batch, tq, q_start, TPP, VARLEN
+    )
+
+    rr = tl.arange(0, BM)
+    tok = rr // HPP
+    g = chunk * HPP + (rr - tok * HPP)
+    rows = r0 + tok
+    row_ok = (tok < TPP) & (g < G) & (rows < r_end)
+    heads = kvh * G + g
+    nvis = visible_blocks(t0 + tok, LBLK, DSTR)
+    # The tile's first token sees the fewest blocks, its last the most.
+    tokens = tl.minimum(r_end - r0, TPP)
+    n_lo = tl.where(tokens > 0, visible_blocks(t0, LBLK, DSTR), 0)
+    n_hi = tl.where(tokens > 0, visible_blocks(t0 + tokens - 1, LBLK, DSTR), 0)
+    n_full = (n_lo // BN) * BN
+
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    q = tl.load(
+        q_ptr + b * stride_qb + rows[:, None] * stride_qt + heads[:, None] * stride_qh
+        + offs_k[None, :],
+        mask=row_ok[:, None] & (offs_k < DK)[None, :],
+        other=0.0,
+    )  # fmt: skip
+    k_head = k_ptr + b * stride_kb + kvh * stride_kh
+    v_head = v_ptr + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BV], dtype=tl.float32)
+    for n0 in range(0, n_full, BN):
+        m_i, l_i, acc = _fwd_key_tile(
+            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, m_i, l_i, acc,
+            stride_kt, stride_vt, qk_scale,
+            DK, BK, DV, BV, BN, False, DOT_PREC,
+        )  # fmt: skip
+    for n0 in range(n_full, n_hi, BN):
+        m_i, l_i, acc = _fwd_key_tile(
+            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, m_i, l_i, acc,
+            stride_kt, stride_vt, qk_scale,
+            DK, BK, DV, BV, BN, True, DOT_PREC,
+        )  # fmt: skip
+
+    seen = l_i > 0.0
+    denom = tl.where(seen, l_i, 1.0)
+    o = acc / denom[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(denom)) * _LN2, float("-inf"))
+    tl.store(
+        o_ptr + b * stride_ob + rows[:, None] * stride_ot + heads[:, None] * stride_oh
+        + offs_v[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_v < DV)[None, :],
+    )  # fmt: skip
+    tl.store(lse_ptr + b * stride_lb + rows * stride_lt + heads, lse, mask=row_ok)

@@ -1,0 +1,114 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Tile arithmetic of the compressed-branch Triton kernels (docs/spec.md, "Compressed branch").
+
+A query at position t sees compressed block i iff ``i*d + l - 1 <= t``: the visible blocks of a
+row are the prefix ``0 .. N_cmp(t+1) - 1``. The kernels walk that prefix in tiles of BN blocks.
+
+Query tiles (forward and dq): TPP consecutive query tokens x HPP query heads of one kv head, laid
+out as BM = TPP * HPP rows (padded to a power of two), row ``r = tok * HPP + g``. When G > BM a
+group is split into NCH = ceil(G / HPP) head chunks, each its own program.
+
+Key tiles (dk/dv): BN consecutive compressed blocks of one kv head; the query rows that see them
+are walked TPQ tokens x HPP heads at a time.
+
+Packed sequences (varlen) index the tiles through tables built on the device
+(``tile_table`` of triton_function.py): int32 rows
+``(sequence, first token)`` or ``(sequence, first block)``, both counted from the sequence's
+start, sequence -1 for padding entries.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def visible_blocks(pos, LBLK: tl.constexpr, DSTR: tl.constexpr):
+    """N_cmp(pos + 1): how many blocks a query at position ``pos`` sees (0 for pos < l - 1).
+
+    ``(pos + 1 - l + d) // d`` is exact for pos + 1 >= l; below that it is 0 or negative under
+    both truncating and flooring division, so the clamp gives 0.
+    """
+    return tl.maximum((pos + 1 - LBLK + DSTR) // DSTR, 0)
+
+
+@triton.jit
+def query_tile(
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    i,
+    batch,
+    tq,
+    q_start,
+    TPP: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """(b, r0, r_end, t0, kbase) of query tile ``i`` (tiles ordered longest first).
+
+    r0: first row of the tile in q's token axis; r_end: end of its sequence's rows (r_end <= r0
+    for a padding entry of the varlen table: the tile has no rows); t0: position of row r0;
+    kbase: row of the sequence's block 0 in k_cmp. All int64.
+    """
+    if VARLEN:
+        seq = tl.load(tiles_ptr + 2 * i)
+        t0 = tl.load(tiles_ptr + 2 * i + 1).to(tl.int64)
+        seq_c = tl.maximum(seq, 0)
+        first = tl.load(cu_ptr + seq_c).to(tl.int64)
+        r0 = first + t0
+        r_end = tl.where(seq >= 0, tl.load(cu_ptr + seq_c + 1).to(tl.int64), r0)
+        b = r0 * 0
+        kbase = tl.load(cmp_cu_ptr + seq_c).to(tl.int64)
+    else:
+        # Later tiles see more blocks: program 0 takes the last tile of each batch row.
+        per_b = tl.cdiv(tq, TPP)
+        b = (i % batch).to(tl.int64)
+        r0 = ((per_b - 1 - i // batch) * TPP).to(tl.int64)
+        r_end = r0 * 0 + tq
+        t0 = r0 + q_start
+        kbase = r0 * 0
+    return b, r0, r_end, t0, kbase
+
+
+@triton.jit
+def key_tile(
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    i,
+    batch,
+    tq,
+    q_start,
+    num_blocks,
+    BN: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """(b, n0, n_end, kbase, r_lo, r_end, shift) of key tile ``i`` (tiles ordered longest first).
+
+    n0: first block of the tile within its sequence; n_end: blocks of the sequence; kbase: row of
+    the sequence's block 0 in k_cmp; [r_lo, r_end): the sequence's query rows; a query at
+    position p sits on row ``p + shift``. All int64.
+    """
+    if VARLEN:
+        seq = tl.load(tiles_ptr + 2 * i)
+        n0 = tl.load(tiles_ptr + 2 * i + 1).to(tl.int64)
+        seq_c = tl.maximum(seq, 0)
+        r_lo = tl.load(cu_ptr + seq_c).to(tl.int64)
+        r_end = tl.where(seq >= 0, tl.load(cu_ptr + seq_c + 1).to(tl.int64), r_lo)
+        kbase = tl.load(cmp_cu_ptr + seq_c).to(tl.int64)
+        n_end = tl.where(seq >= 0, tl.load(cmp_cu_ptr + seq_c + 1).to(tl.int64) - kbase, 0)
+        b = n0 * 0
+        shift = r_lo
+    else:
+        # Earlier tiles are seen by more queries: program 0 takes block tile 0.
+        b = (i % batch).to(tl.int64)
+        n0 = ((i // batch) * BN).to(tl.int64)
+        n_end = n0 * 0 + num_blocks
+        kbase = n0 * 0
+        r_lo = n0 * 0
+        r_end = r_lo + tq
+        shift = r_lo - q_start
+    return b, n0, n_end, kbase, r_lo, r_end, shift
