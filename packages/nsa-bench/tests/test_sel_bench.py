@@ -19,7 +19,7 @@ from nsa_bench.sel_bench import (
     recommend_min_l,
     visible_keys,
 )
-from nsa_core.ops.selected_attention import selected_attention
+from nsa_core.reference.selected_attention import selected_attention
 
 
 def _check_rows(idx: torch.Tensor, q_start: int, sel_block: int) -> None:

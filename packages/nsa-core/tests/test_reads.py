@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nsa_core import NSAAttention, NSACache, NSAConfig, expected_reads, selected_reads
-from nsa_core.ops.selected_attention import selected_visibility
+from nsa_core.reference.selected_attention import selected_visibility
 
 LayerFactory = Callable[..., NSAAttention]
 

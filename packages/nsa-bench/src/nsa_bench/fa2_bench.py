@@ -29,7 +29,7 @@ import torch
 from nsa_bench.env import collect
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
-from nsa_core.ops import compressed_attention, sliding_attention
+from nsa_core.reference import compressed_attention, sliding_attention
 
 BRANCHES = ("sliding", "compressed")
 METHODS = ("fa2", "flex", "sdpa", "reference")

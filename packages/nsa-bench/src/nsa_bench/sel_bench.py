@@ -277,7 +277,7 @@ def _call(
     if method == "sdpa":
         return gathered_sdpa(q, k, v, p.idx, p.sel_block, p.q_start)
     if method == "reference":
-        from nsa_core.ops.selected_attention import selected_attention
+        from nsa_core.reference.selected_attention import selected_attention
 
         return selected_attention(q, k, v, p.idx, p.sel_block, q_start=p.q_start)
     if method == "cuda":

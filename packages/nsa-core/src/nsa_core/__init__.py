@@ -1,27 +1,31 @@
-"""nsa-core: the reference Native Sparse Attention (arXiv 2502.11089) in pure PyTorch.
+"""nsa-core: Native Sparse Attention (arXiv 2502.11089), its reference in pure PyTorch and its ops.
 
-NSA-SPEC.md fixes the semantics; every function here follows it to the index. Faster backends
-(nsa-kernels) plug in through :mod:`nsa_core.registry`; the reference stays callable everywhere.
+docs/spec.md fixes the semantics. The public ops (:mod:`nsa_core.ops`) validate their arguments
+once and run the backend the registry (:mod:`nsa_core.registry`) picks: faster ones plug in from
+nsa-kernels, and the reference bodies (:mod:`nsa_core.reference`) serve everything else and stay
+callable by name.
 """
 
-from nsa_core.attention import BranchInputs, DecodeStats, NSAAttention
+from nsa_core.attention import BranchInputs, DecodeStats, NSAAttention, nsa_attention
 from nsa_core.blocks import cmp_block_overlap, cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
 from nsa_core.cache import NSACache
 from nsa_core.config import NSAConfig
 from nsa_core.ops import (
+    compressed_attention,
+    select_blocks,
+    selected_attention,
+    sliding_attention,
+)
+from nsa_core.reads import expected_reads, selected_reads
+from nsa_core.reference import (
     CompressMLP,
     block_scores,
     compress,
     compress_avg,
-    compressed_attention,
     gated_combine,
-    select_blocks,
-    selected_attention,
-    sliding_attention,
     split_blocks,
     topn_blocks,
 )
-from nsa_core.reads import expected_reads, selected_reads
 from nsa_core.registry import register_reference_backends
 from nsa_core.rope import apply_rope
 from nsa_core.toggles import Toggles, get_toggles
@@ -48,6 +52,7 @@ __all__ = [
     "expected_reads",
     "gated_combine",
     "get_toggles",
+    "nsa_attention",
     "num_cmp_blocks",
     "num_sel_blocks",
     "select_blocks",

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nsa_core import ops
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.cache import NSACache
+from nsa_core.checks import check_cu_seqlens, check_rank, shape
 from nsa_core.config import NSAConfig
-from nsa_core.ops._common import check_cu_seqlens, check_rank, shape
-from nsa_core.ops.combine import gated_combine
-from nsa_core.ops.compress import CompressMLP, compress
-from nsa_core.ops.compressed_attention import cmp_visible
-from nsa_core.ops.selected_attention import selected_visibility
-from nsa_core.ops.selection import select_blocks
 from nsa_core.reads import expected_reads
-from nsa_core.registry import OpContext, resolve
+from nsa_core.reference.combine import gated_combine
+from nsa_core.reference.compress import CompressMLP, compress
+from nsa_core.reference.compressed_attention import cmp_visible
+from nsa_core.reference.selected_attention import selected_visibility
 from nsa_core.rope import apply_rope
 
 BRANCHES = ("cmp", "slc", "win")
@@ -68,6 +68,115 @@ def positions_of(
     starts = cu_seqlens[:-1].to(torch.int64)
     seq = torch.bucketize(positions, cu_seqlens[1:].to(torch.int64), right=True)
     return positions - starts[seq.clamp_max(starts.numel() - 1)]
+
+
+def branch_outputs(
+    config: NSAConfig,
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    *,
+    q_start: int = 0,
+    win_start: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """o_cmp, o_slc, o_win [B, Tq, HQ, dv] and the block indices [B, Tq, H, n] used.
+
+    q [B, Tq, HQ, dk] at positions ``q_start + r``; k_slc/v_slc hold every token from 0;
+    k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
+    """
+    cfg = config
+    scale = cfg.softmax_scale
+    indices, _ = ops.select_blocks(
+        q,
+        k_cmp,
+        cfg.cmp_block,
+        cfg.cmp_stride,
+        cfg.sel_block,
+        cfg.num_selected,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+    )
+    o_cmp = ops.compressed_attention(
+        q,
+        k_cmp,
+        v_cmp,
+        cfg.cmp_block,
+        cfg.cmp_stride,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+    )
+    o_slc = ops.selected_attention(
+        q, k_slc, v_slc, indices, cfg.sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    o_win = ops.sliding_attention(
+        q,
+        k_win,
+        v_win,
+        cfg.window,
+        scale,
+        q_start=q_start if win_start is None else win_start,
+        cu_seqlens=cu_seqlens,
+    )
+    return o_cmp, o_slc, o_win, indices
+
+
+def nsa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor | Mapping[str, torch.Tensor],
+    v: torch.Tensor | Mapping[str, torch.Tensor],
+    gates: torch.Tensor,
+    config: NSAConfig,
+    *,
+    phi_k: nn.Module | None = None,
+    phi_v: nn.Module | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The NSA attention core: compress, select, the three branches and the gated combine.
+
+    Args:
+        q: [B, T, HQ, dk], rotated.
+        k, v: [B, T, H, dk] and [B, T, H, dv] shared by the three branches (the spec's allowed
+            special case), or mappings ``{"cmp": ..., "slc": ..., "win": ...}`` of them.
+        gates: [B, T, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+        config: the NSA geometry (l, d, l', n, w, scale); its head counts must match q and k.
+        phi_k, phi_v: learned compression (``CompressMLP``); None means the mean.
+        cu_seqlens: int32 [S+1] for packed sequences (B == 1).
+
+    Returns:
+        o [B, T, HQ, dv]. Every step runs on the backend the registry picks for it.
+    """
+    ks = {b: k for b in BRANCHES} if isinstance(k, torch.Tensor) else dict(k)
+    vs = {b: v for b in BRANCHES} if isinstance(v, torch.Tensor) else dict(v)
+    for name, parts in (("k", ks), ("v", vs)):
+        if set(parts) != set(BRANCHES):
+            raise ValueError(f"{name} must be a tensor or a mapping with keys {BRANCHES}")
+    check_rank("q", q, 4, "[B, T, HQ, dk]")
+    if (q.shape[2], ks["slc"].shape[2]) != (config.num_q_heads, config.num_kv_heads):
+        raise ValueError(
+            f"q {shape(q)} and k {shape(ks['slc'])} heads differ from the config's "
+            f"HQ={config.num_q_heads}, H={config.num_kv_heads}"
+        )
+    k_cmp = compress(ks["cmp"], config.cmp_block, config.cmp_stride, phi_k, cu_seqlens=cu_seqlens)
+    v_cmp = compress(vs["cmp"], config.cmp_block, config.cmp_stride, phi_v, cu_seqlens=cu_seqlens)
+    o_cmp, o_slc, o_win, _ = branch_outputs(
+        config,
+        q,
+        k_cmp,
+        v_cmp,
+        ks["slc"],
+        vs["slc"],
+        ks["win"],
+        vs["win"],
+        cu_seqlens=cu_seqlens,
+    )
+    return gated_combine(o_cmp, o_slc, o_win, gates)
 
 
 class NSAAttention(nn.Module):
@@ -137,20 +246,6 @@ class NSAAttention(nn.Module):
         v_cmp = compress(v_raw, cfg.cmp_block, cfg.cmp_stride, self.phi_v, cu_seqlens=cu_seqlens)
         return k_cmp, v_cmp
 
-    def _context(self, q: torch.Tensor, seq_len: int, varlen: bool) -> OpContext:
-        cfg = self.config
-        return OpContext(
-            device=q.device,
-            dtype=q.dtype,
-            seq_len=seq_len,
-            num_q_heads=cfg.num_q_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim_qk=cfg.head_dim_qk,
-            head_dim_v=cfg.head_dim_v,
-            requires_grad=torch.is_grad_enabled() and q.requires_grad,
-            varlen=varlen,
-        )
-
     def branch_outputs(
         self,
         q: torch.Tensor,
@@ -165,49 +260,20 @@ class NSAAttention(nn.Module):
         win_start: int | None = None,
         cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """o_cmp, o_slc, o_win [B, Tq, HQ, dv] and the block indices [B, Tq, H, n] used.
-
-        q [B, Tq, HQ, dk] at positions ``q_start + r``; k_slc/v_slc hold every token from 0;
-        k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
-        """
-        cfg = self.config
-        scale = cfg.softmax_scale
-        varlen = cu_seqlens is not None
-        ctx = self._context(q, k_slc.shape[1], varlen)
-        indices, _ = select_blocks(
-            q.detach(),
-            k_cmp.detach(),
-            cfg.cmp_block,
-            cfg.cmp_stride,
-            cfg.sel_block,
-            cfg.num_selected,
-            scale,
-            q_start=q_start,
-            cu_seqlens=cu_seqlens,
-        )
-        o_cmp = resolve("compressed_attention", ctx).backend.fn(
+        """:func:`branch_outputs` with this layer's config."""
+        return branch_outputs(
+            self.config,
             q,
             k_cmp,
             v_cmp,
-            cfg.cmp_block,
-            cfg.cmp_stride,
-            scale,
-            q_start=q_start,
-            cu_seqlens=cu_seqlens,
-        )
-        o_slc = resolve("selected_attention", ctx).backend.fn(
-            q, k_slc, v_slc, indices, cfg.sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
-        )
-        o_win = resolve("sliding_attention", ctx).backend.fn(
-            q,
+            k_slc,
+            v_slc,
             k_win,
             v_win,
-            cfg.window,
-            scale,
-            q_start=q_start if win_start is None else win_start,
+            q_start=q_start,
+            win_start=win_start,
             cu_seqlens=cu_seqlens,
         )
-        return o_cmp, o_slc, o_win, indices
 
     # ----------------------------------------------------------------------------- entry points
 

@@ -15,6 +15,7 @@ given context, so the choice is observable.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from nsa_core.debug_log import debug_log, log_once
 from nsa_core.toggles import Toggles, get_toggles
 
 OPS = (
+    "select_blocks",
     "compressed_attention",
     "selected_attention",
     "sliding_attention",
@@ -69,7 +71,12 @@ Supports = Callable[[OpContext, Toggles], "str | None"]
 
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of ``op``: ``fn`` has the reference op's signature."""
+    """One implementation of ``op``.
+
+    ``fn`` takes the public op's arguments, already validated by the op's ``check_<op>`` in
+    :mod:`nsa_core.checks`, plus the keyword ``toggles``: the toggles the routing decision that
+    chose it was made with (a backend never re-reads the environment).
+    """
 
     op: str
     name: str
@@ -157,18 +164,32 @@ def _always(ctx: OpContext, toggles: Toggles) -> str | None:
     return None
 
 
+def _without_toggles(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A reference body as a backend: the reference takes no toggles."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, toggles: Toggles, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    return call
+
+
 def register_reference_backends() -> None:
-    """Register nsa-core's reference ops (priority 0, accept every call)."""
-    from nsa_core.ops.compressed_attention import compressed_attention
-    from nsa_core.ops.selected_attention import selected_attention
-    from nsa_core.ops.sliding_attention import sliding_attention
+    """Register nsa-core's reference bodies (priority 0, accept every call)."""
+    from nsa_core.reference.compressed_attention import compressed_attention_impl
+    from nsa_core.reference.selected_attention import selected_attention_impl
+    from nsa_core.reference.selection import select_blocks_impl
+    from nsa_core.reference.sliding_attention import sliding_attention_impl
 
     for op, fn in (
-        ("compressed_attention", compressed_attention),
-        ("selected_attention", selected_attention),
-        ("sliding_attention", sliding_attention),
+        ("select_blocks", select_blocks_impl),
+        ("compressed_attention", compressed_attention_impl),
+        ("selected_attention", selected_attention_impl),
+        ("sliding_attention", sliding_attention_impl),
     ):
-        register_backend(Backend(op=op, name="reference", fn=fn, supports=_always, priority=0))
+        register_backend(
+            Backend(op=op, name="reference", fn=_without_toggles(fn), supports=_always, priority=0)
+        )
 
 
 logging.getLogger("nsa").addHandler(logging.NullHandler())

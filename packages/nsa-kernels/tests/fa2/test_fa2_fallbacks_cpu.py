@@ -16,7 +16,7 @@ import torch
 from fa2_testing import FLOAT32_BOUND, cu_seqlens_of, randn, rel_err
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
-from nsa_core.ops import compressed_attention, sliding_attention
+from nsa_core.reference import compressed_attention, sliding_attention
 from nsa_kernels.fa2 import (
     compressed_attention_flex,
     compressed_attention_sdpa,

@@ -16,7 +16,7 @@ from fa2_testing import GRAD_FACTOR, KERNEL_BOUND, cu_seqlens_of, rel_err, toggl
 
 from nsa_core import registry
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
-from nsa_core.ops import compressed_attention, sliding_attention
+from nsa_core.reference import compressed_attention, sliding_attention
 from nsa_core.registry import OpContext, resolve
 from nsa_core.toggles import Toggles
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nsa_core.ops.selected_attention import selected_attention
+from nsa_core.reference.selected_attention import selected_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRET:
@@ -146,7 +146,7 @@ def reference(
 
 def reference_lse(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, case: Case) -> torch.Tensor:
     """lse [B, Tq, HQ] float64 by brute force over the visible tokens (-inf when none)."""
-    from nsa_core.ops.selected_attention import selected_visibility
+    from nsa_core.reference.selected_attention import selected_visibility
 
     q64, k64 = q.double().cpu(), k.double().cpu()
     idx = idx.cpu()

@@ -17,7 +17,7 @@ from sel_testlib import BOUND, rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")
 
-from nsa_core.ops.selected_attention import selected_attention  # noqa: E402
+from nsa_core.reference.selected_attention import selected_attention  # noqa: E402
 from nsa_kernels.selection.function import selected_attention_triton  # noqa: E402
 from nsa_kernels.selection.quick import sel_attn_fwd_dense, sel_attn_fwd_varlen  # noqa: E402
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from nsa_core.toggles import Toggles
 from nsa_kernels.cuda_sel.build import load_extension
 
 CUDA_SEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -26,6 +27,7 @@ def selected_attention_cuda(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """nsa_core ``selected_attention`` on the CUDA kernel (forward only).
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nsa_core.toggles import get_toggles
+from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
 from nsa_kernels.fa2._flash import fa2_dense, fa2_varlen
 from nsa_kernels.fa2.cmp_fold import dense_fold, fold_heads, unfold_heads, varlen_fold
@@ -35,6 +35,7 @@ def compressed_attention_fa2(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """nsa_core ``compressed_attention`` on FA-2: query t sees blocks i with ``i*d + l - 1 <= t``.
 
@@ -46,7 +47,7 @@ def compressed_attention_fa2(
     scale = dk**-0.5 if scale is None else scale
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
-    toggles = get_toggles()
+    toggles = get_toggles() if toggles is None else toggles
     d = cmp_stride
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, batch, tq)

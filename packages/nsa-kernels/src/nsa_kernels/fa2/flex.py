@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
+from nsa_core.toggles import Toggles
 from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
 from nsa_kernels.fa2.intervals import (
     compressed_intervals,
@@ -185,6 +186,7 @@ def sliding_attention_flex(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """nsa_core ``sliding_attention`` on FlexAttention: query t sees keys [max(0, t - w + 1), t].
 
@@ -223,6 +225,7 @@ def compressed_attention_flex(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """nsa_core ``compressed_attention`` on FlexAttention: query t sees blocks i*d + l - 1 <= t.
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa_core.blocks import cmp_cu_seqlens
+from nsa_core.toggles import Toggles
 from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
 from nsa_kernels.fa2.intervals import (
     compressed_intervals,
@@ -111,6 +112,7 @@ def sliding_attention_sdpa(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """nsa_core ``sliding_attention`` on torch SDPA: query t sees keys [max(0, t - w + 1), t].
 
@@ -145,6 +147,7 @@ def compressed_attention_sdpa(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """nsa_core ``compressed_attention`` on torch SDPA: query t sees blocks i with i*d + l - 1 <= t.
 

@@ -16,7 +16,7 @@ import itertools
 
 import torch
 
-from nsa_core.toggles import get_toggles
+from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
 from nsa_kernels.fa2._flash import fa2_dense, fa2_varlen
 
@@ -34,6 +34,7 @@ def sliding_attention_fa2(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """nsa_core ``sliding_attention`` on FA-2: query t attends to keys [max(0, t - w + 1), t].
 
@@ -44,7 +45,7 @@ def sliding_attention_fa2(
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     scale = dk**-0.5 if scale is None else scale
-    toggles = get_toggles()
+    toggles = get_toggles() if toggles is None else toggles
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
     if cu_seqlens is not None:

@@ -1,1 +1,1 @@
-"""Block scoring and top-n selection (docs/spec.md, "Selection scores", "Choosing blocks") on the GPU."""
+"""Block scoring and top-n selection on the GPU (docs/spec.md, "Selection scores")."""

@@ -181,11 +181,12 @@ def selected_attention_backend(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """The registered ``fn``: :func:`selected_attention_triton` plus the debug hooks."""
     from nsa_kernels.selection.function import kv_bytes_read, selected_attention_triton
 
-    toggles = get_toggles()
+    toggles = get_toggles() if toggles is None else toggles
     _log_device(q.device)
     if toggles.debug_shapes:
         debug_log(
@@ -239,7 +240,7 @@ def selected_attention_backend(
             io_gbps=f"{(kv + qo) / (ms * 1e6):.1f}" if ms > 0 else "inf",
         )
     if toggles.debug_compare:
-        from nsa_core.ops.selected_attention import selected_attention
+        from nsa_core.reference.selected_attention import selected_attention
 
         with torch.no_grad():
             ref = selected_attention(

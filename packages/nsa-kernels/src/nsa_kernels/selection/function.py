@@ -1,7 +1,7 @@
 """Selected attention on Triton: tile choice, the launches, and the autograd Function.
 
 :func:`selected_attention_triton` has the reference op's signature and semantics
-(``nsa_core.ops.selected_attention``); see docs/selection.md for the design and its arithmetic.
+(``nsa_core.reference.selected_attention``); docs/selection.md gives the design and arithmetic.
 Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
 float16, bfloat16 or float32. Repeated block indices in one row are honoured as a set, as in the
 reference (the kernels skip a repeat; nsa_core's ``select_blocks`` never emits one).
@@ -18,8 +18,12 @@ from typing import Any
 
 import torch
 
-from nsa_core.ops._common import check_attention_args, check_cu_seqlens, check_q_start
-from nsa_core.ops.selected_attention import check_block_indices
+from nsa_core.checks import (
+    check_attention_args,
+    check_block_indices,
+    check_cu_seqlens,
+    check_q_start,
+)
 from nsa_core.toggles import get_toggles
 from nsa_kernels.selection.csr import (
     BlockCSR,

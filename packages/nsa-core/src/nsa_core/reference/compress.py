@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from nsa_core.blocks import num_cmp_blocks
-from nsa_core.ops._common import check_cu_seqlens, check_rank, shape, spans
+from nsa_core.checks import check_cu_seqlens, check_rank, shape
+from nsa_core.reference.common import spans
 
 
 def split_blocks(x: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.blocks import cmp_block_band, cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
-from nsa_core.ops._common import (
-    check_attention_args,
-    check_cu_seqlens,
-    check_rank,
-    masked_softmax,
-    query_chunk,
-    spans,
-)
-from nsa_core.ops.compressed_attention import cmp_visible
+from nsa_core.blocks import cmp_block_band, cmp_cu_seqlens, num_sel_blocks
+from nsa_core.checks import check_attention_args, check_rank, check_select_blocks
+from nsa_core.reference.common import masked_softmax, query_chunk, spans
+from nsa_core.reference.compressed_attention import cmp_visible
 
 
 def block_scores(
@@ -145,15 +139,48 @@ def select_blocks(
     Returns:
         indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H] int32.
     """
-    check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
+    check_select_blocks(
+        q,
+        k_cmp,
+        cmp_block,
+        cmp_stride,
+        sel_block,
+        num_selected,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+    )
+    return select_blocks_impl(
+        q,
+        k_cmp,
+        cmp_block,
+        cmp_stride,
+        sel_block,
+        num_selected,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def select_blocks_impl(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    num_selected: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`select_blocks` on arguments that passed ``check_select_blocks``."""
     batch, tq, hq, _ = q.shape
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
-        if q_start != 0:
-            raise ValueError("varlen select_blocks needs q_start == 0")
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
         parts = [
-            select_blocks(
+            select_blocks_impl(
                 q[:, s:e], k_cmp[:, cs:ce], cmp_block, cmp_stride, sel_block, num_selected, scale
             )
             for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu), strict=True)
@@ -163,12 +190,6 @@ def select_blocks(
             empty = torch.zeros(batch, 0, h, dtype=torch.int32, device=q.device)
             return empty.unsqueeze(-1).expand(batch, 0, h, num_selected), empty
         return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
-    needed = num_cmp_blocks(q_start + tq, cmp_block, cmp_stride)
-    if k_cmp.shape[1] < needed:
-        raise ValueError(
-            f"queries up to position {q_start + tq - 1} see {needed} compressed blocks, "
-            f"but k_cmp holds {k_cmp.shape[1]}"
-        )
     n_sel = num_sel_blocks(q_start + tq, sel_block)
     chunk = query_chunk(hq * (k_cmp.shape[1] + n_sel) + 2 * n_sel)
     indices, counts = [], []

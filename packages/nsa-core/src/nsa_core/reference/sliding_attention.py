@@ -6,15 +6,8 @@ import math
 
 import torch
 
-from nsa_core.ops._common import (
-    CHUNK_ELEMENTS,
-    check_attention_args,
-    check_cu_seqlens,
-    check_q_start,
-    compute_dtype,
-    masked_softmax,
-    spans,
-)
+from nsa_core.checks import check_sliding_attention
+from nsa_core.reference.common import CHUNK_ELEMENTS, compute_dtype, masked_softmax, spans
 
 
 def sliding_attention(
@@ -39,20 +32,30 @@ def sliding_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    batch, tq, hq, _, dk, dv = check_attention_args(q, k, v)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    return sliding_attention_impl(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+
+
+def sliding_attention_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`sliding_attention` on arguments that passed ``check_sliding_attention``."""
+    batch, _, hq, dk = q.shape
+    dv = v.shape[3]
     scale = dk**-0.5 if scale is None else scale
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
-        if q_start != 0 or k.shape[1] != tq:
-            raise ValueError("varlen sliding_attention needs q_start == 0 and k with q's tokens")
         outs = [
             _sliding_dense(q[:, s:e], k[:, s:e], v[:, s:e], window, scale, 0)
             for s, e in spans(cu_seqlens)
         ]
         return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
-    check_q_start(q_start, tq, k.shape[1])
     return _sliding_dense(q, k, v, window, scale, q_start)
 
 

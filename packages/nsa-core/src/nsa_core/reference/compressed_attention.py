@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
-from nsa_core.ops._common import (
-    check_attention_args,
-    check_cu_seqlens,
-    compute_dtype,
-    masked_softmax,
-    query_chunk,
-    spans,
-)
+from nsa_core.blocks import cmp_cu_seqlens
+from nsa_core.checks import check_compressed_attention
+from nsa_core.reference.common import compute_dtype, masked_softmax, query_chunk, spans
 
 
 def cmp_visible(
@@ -71,22 +65,31 @@ def compressed_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype; zero for rows that see no block.
     """
-    batch, tq, hq, _, dk, dv = check_attention_args(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp")
-    if cmp_block < 1 or cmp_stride < 1 or cmp_block % cmp_stride != 0:
-        raise ValueError(
-            f"cmp_stride ({cmp_stride}) must be >= 1 and divide cmp_block ({cmp_block})"
-        )
+    check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    return compressed_attention_impl(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+
+
+def compressed_attention_impl(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`compressed_attention` on arguments that passed ``check_compressed_attention``."""
+    batch, _, hq, dk = q.shape
+    dv = v_cmp.shape[3]
     scale = dk**-0.5 if scale is None else scale
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
-        if q_start != 0:
-            raise ValueError("varlen compressed_attention needs q_start == 0")
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
-        if int(cmp_cu[-1]) != k_cmp.shape[1]:
-            raise ValueError(
-                f"k_cmp holds {k_cmp.shape[1]} blocks but cu_seqlens {cu_seqlens.tolist()} "
-                f"implies {int(cmp_cu[-1])} (l={cmp_block}, d={cmp_stride})"
-            )
         outs = [
             _compressed_dense(
                 q[:, s:e], k_cmp[:, cs:ce], v_cmp[:, cs:ce], cmp_block, cmp_stride, scale, 0
@@ -94,14 +97,6 @@ def compressed_attention(
             for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu), strict=True)
         ]
         return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
-    if q_start < 0:
-        raise ValueError(f"q_start must be >= 0, got {q_start}")
-    needed = num_cmp_blocks(q_start + tq, cmp_block, cmp_stride)
-    if k_cmp.shape[1] < needed:
-        raise ValueError(
-            f"queries up to position {q_start + tq - 1} see {needed} compressed blocks, "
-            f"but k_cmp holds {k_cmp.shape[1]}"
-        )
     return _compressed_dense(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.ops._common import check_rank, shape
+from nsa_core.checks import check_rank, shape
 
 
 def gated_combine(

@@ -5,53 +5,8 @@ from __future__ import annotations
 import torch
 
 from nsa_core.blocks import num_sel_blocks
-from nsa_core.ops._common import (
-    check_attention_args,
-    check_cu_seqlens,
-    check_q_start,
-    check_rank,
-    compute_dtype,
-    masked_softmax,
-    query_chunk,
-    shape,
-    spans,
-)
-
-
-def check_block_indices(
-    block_indices: torch.Tensor,
-    batch: int,
-    tq: int,
-    h: int,
-    num_blocks: int,
-    device: torch.device,
-    *,
-    check_range: bool = True,
-) -> None:
-    """block_indices [B, Tq, H, n]: integers in [-1, num_blocks), -1 meaning "no block".
-
-    ``check_range`` reads the values on the host (a device sync on CUDA); callers that make
-    out-of-range entries harmless on the device may skip it.
-    """
-    check_rank("block_indices", block_indices, 4, "[B, T, H, n]")
-    if block_indices.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"block_indices must be int32 or int64, got {block_indices.dtype}")
-    if tuple(block_indices.shape[:3]) != (batch, tq, h):
-        raise ValueError(
-            f"block_indices {shape(block_indices)} must be [B={batch}, T={tq}, H={h}, n]"
-        )
-    if block_indices.device != device:
-        raise ValueError(f"block_indices is on {block_indices.device} but q is on {device}")
-    # The range check reads the indices on the host; a CUDA graph capture cannot, so it is
-    # skipped there (the eager run before capture has checked the same shapes).
-    capturing = block_indices.is_cuda and torch.cuda.is_current_stream_capturing()
-    if check_range and block_indices.numel() and not capturing:
-        lo, hi = int(block_indices.min()), int(block_indices.max())
-        if lo < -1 or hi >= num_blocks:
-            raise ValueError(
-                f"block_indices must lie in [-1, {num_blocks}) (selection blocks of the keys), "
-                f"got values in [{lo}, {hi}]"
-            )
+from nsa_core.checks import check_selected_attention
+from nsa_core.reference.common import compute_dtype, masked_softmax, query_chunk, spans
 
 
 def selected_attention(
@@ -84,17 +39,30 @@ def selected_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
-    if sel_block < 1:
-        raise ValueError(f"sel_block must be >= 1, got {sel_block}")
+    check_selected_attention(
+        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    return selected_attention_impl(
+        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+
+
+def selected_attention_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`selected_attention` on arguments that passed ``check_selected_attention``."""
+    batch, _, hq, dk = q.shape
+    dv = v.shape[3]
     scale = dk**-0.5 if scale is None else scale
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, q.shape[1], batch, q.device)
-        if q_start != 0 or k.shape[1] != tq:
-            raise ValueError("varlen selected_attention needs q_start == 0 and k with q's tokens")
-        check_block_indices(
-            block_indices, batch, tq, h, num_sel_blocks(max(tq, 1), sel_block), q.device
-        )
         outs = [
             _selected_dense(
                 q[:, s:e], k[:, s:e], v[:, s:e], block_indices[:, s:e], sel_block, scale, 0
@@ -102,10 +70,6 @@ def selected_attention(
             for s, e in spans(cu_seqlens)
         ]
         return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
-    check_q_start(q_start, tq, k.shape[1])
-    check_block_indices(
-        block_indices, batch, tq, h, num_sel_blocks(k.shape[1], sel_block), q.device
-    )
     return _selected_dense(q, k, v, block_indices, sel_block, scale, q_start)
 
 

@@ -1,0 +1,312 @@
+"""Argument checks of every public op, written once (docs/spec.md fixes the rules).
+
+The public ops (:mod:`nsa_core.ops`) and the reference bodies (:mod:`nsa_core.reference`) call the
+``check_<op>`` validator of their op before anything else; backends then receive arguments that
+passed it. A failed check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (right kind,
+wrong value) and names the argument and the rule.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+
+import torch
+
+from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
+
+
+def shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_rank(name: str, t: torch.Tensor, rank: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {shape(t)}")
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    k_name: str = "k",
+    v_name: str = "v",
+) -> tuple[int, int, int, int, int, int]:
+    """Check q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; -> (B, Tq, HQ, H, dk, dv)."""
+    check_rank("q", q, 4, "[B, T, HQ, dk]")
+    check_rank(k_name, k, 4, "[B, T, H, dk]")
+    check_rank(v_name, v, 4, "[B, T, H, dv]")
+    batch, tq, hq, dk = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(
+            f"batch sizes differ: q {shape(q)}, {k_name} {shape(k)}, {v_name} {shape(v)}"
+        )
+    if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
+        raise ValueError(f"{k_name} {shape(k)} and {v_name} {shape(v)} differ in tokens or heads")
+    h = k.shape[2]
+    if hq % h != 0:
+        raise ValueError(
+            f"query heads HQ={hq} (q {shape(q)}) must be a multiple of kv heads H={h} "
+            f"({k_name} {shape(k)})"
+        )
+    if k.shape[3] != dk:
+        raise ValueError(f"head dims differ: q {shape(q)} has dk={dk}, {k_name} {shape(k)}")
+    for name, t in ((k_name, k), (v_name, v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    return batch, tq, hq, h, dk, v.shape[3]
+
+
+def check_q_start(q_start: int, tq: int, tk: int, k_name: str = "k") -> None:
+    if q_start < 0:
+        raise ValueError(f"q_start must be >= 0, got {q_start}")
+    if q_start + tq > tk:
+        raise ValueError(
+            f"queries at positions [{q_start}, {q_start + tq}) need keys up to {q_start + tq - 1}, "
+            f"but {k_name} holds {tk} tokens"
+        )
+
+
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor, total: int, batch: int, device: torch.device
+) -> None:
+    """cu_seqlens: int32 [S+1], starts at 0, non-decreasing, ends at ``total``; needs B == 1."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an int32 tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {shape(cu_seqlens)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+    if batch != 1:
+        raise ValueError(f"varlen inputs pack sequences along T with B == 1, got B={batch}")
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # the values live on the device; the eager call before capture checked them
+    values = cu_seqlens.tolist()
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+    if any(b < a for a, b in itertools.pairwise(values)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
+    if values[-1] != total:
+        raise ValueError(f"cu_seqlens must end at T={total}, got {values[-1]}")
+
+
+def check_block_indices(
+    block_indices: torch.Tensor,
+    batch: int,
+    tq: int,
+    h: int,
+    num_blocks: int,
+    device: torch.device,
+    *,
+    check_range: bool = True,
+) -> None:
+    """block_indices [B, Tq, H, n]: integers in [-1, num_blocks), -1 meaning "no block".
+
+    ``check_range`` reads the values on the host (a device sync on CUDA); callers that make
+    out-of-range entries harmless on the device may skip it.
+    """
+    check_rank("block_indices", block_indices, 4, "[B, T, H, n]")
+    if block_indices.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"block_indices must be int32 or int64, got {block_indices.dtype}")
+    if tuple(block_indices.shape[:3]) != (batch, tq, h):
+        raise ValueError(
+            f"block_indices {shape(block_indices)} must be [B={batch}, T={tq}, H={h}, n]"
+        )
+    if block_indices.device != device:
+        raise ValueError(f"block_indices is on {block_indices.device} but q is on {device}")
+    # The range check reads the indices on the host; a CUDA graph capture cannot, so it is
+    # skipped there (the eager run before capture has checked the same shapes).
+    capturing = block_indices.is_cuda and torch.cuda.is_current_stream_capturing()
+    if check_range and block_indices.numel() and not capturing:
+        lo, hi = int(block_indices.min()), int(block_indices.max())
+        if lo < -1 or hi >= num_blocks:
+            raise ValueError(
+                f"block_indices must lie in [-1, {num_blocks}) (selection blocks of the keys), "
+                f"got values in [{lo}, {hi}]"
+            )
+
+
+def check_int(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int >= ``minimum``; bools and floats (even 4.0) are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_scale(scale: object) -> None:
+    """``scale`` is None (dk ** -0.5) or a finite real number > 0."""
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
+    if not math.isfinite(float(scale)) or float(scale) <= 0:
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+
+
+def check_cmp_geometry(cmp_block: object, cmp_stride: object) -> tuple[int, int]:
+    """l >= 1 and d >= 1 with d dividing l (docs/spec.md, "Symbols")."""
+    l_cmp = check_int("cmp_block", cmp_block, 1)
+    d = check_int("cmp_stride", cmp_stride, 0)
+    if d < 1 or l_cmp % d != 0:
+        raise ValueError(f"cmp_stride ({d}) must be >= 1 and divide cmp_block ({l_cmp})")
+    return l_cmp, d
+
+
+def _check_varlen_or_start(
+    op: str,
+    q: torch.Tensor,
+    tk: int,
+    q_start: object,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    keys_are_tokens: bool = True,
+    k_name: str = "k",
+) -> int:
+    """q_start an int >= 0 that leaves room in the keys; varlen needs q_start == 0."""
+    start = check_int("q_start", q_start, 0)
+    batch, tq = q.shape[0], q.shape[1]
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
+        if start != 0:
+            raise ValueError(f"varlen {op} needs q_start == 0, got {start}")
+        if keys_are_tokens and tk != tq:
+            raise ValueError(
+                f"varlen {op} needs {k_name} with q's tokens: q has {tq}, {k_name} has {tk}"
+            )
+    elif keys_are_tokens:
+        check_q_start(start, tq, tk, k_name)
+    return start
+
+
+def _check_cmp_keys(
+    op: str,
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    q_start: int,
+    cu_seqlens: torch.Tensor | None,
+) -> None:
+    """k_cmp holds every compressed block the queries can see (exactly, when varlen)."""
+    if cu_seqlens is not None:
+        capturing = cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            return
+        expected = int(cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)[-1])
+        if k_cmp.shape[1] != expected:
+            raise ValueError(
+                f"k_cmp holds {k_cmp.shape[1]} blocks but cu_seqlens {cu_seqlens.tolist()} "
+                f"implies {expected} (l={cmp_block}, d={cmp_stride}) for {op}"
+            )
+        return
+    needed = num_cmp_blocks(q_start + q.shape[1], cmp_block, cmp_stride)
+    if k_cmp.shape[1] < needed:
+        raise ValueError(
+            f"queries up to position {q_start + q.shape[1] - 1} see {needed} compressed blocks, "
+            f"but k_cmp holds {k_cmp.shape[1]}"
+        )
+
+
+def check_compressed_attention(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: object,
+    cmp_stride: object,
+    scale: object = None,
+    *,
+    q_start: object = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """Every rule of ``compressed_attention``; raises on the first one broken."""
+    check_attention_args(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp")
+    l_cmp, d = check_cmp_geometry(cmp_block, cmp_stride)
+    check_scale(scale)
+    start = _check_varlen_or_start(
+        "compressed_attention", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
+    )
+    _check_cmp_keys("compressed_attention", q, k_cmp, l_cmp, d, start, cu_seqlens)
+
+
+def check_selected_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: object,
+    scale: object = None,
+    *,
+    q_start: object = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    check_range: bool = True,
+) -> None:
+    """Every rule of ``selected_attention``; ``check_range`` reads the indices (a sync on CUDA)."""
+    batch, tq, _, h, _, _ = check_attention_args(q, k, v)
+    l_sel = check_int("sel_block", sel_block, 1)
+    check_scale(scale)
+    _check_varlen_or_start("selected_attention", q, k.shape[1], q_start, cu_seqlens)
+    keys = max(tq, 1) if cu_seqlens is not None else k.shape[1]
+    check_block_indices(
+        block_indices,
+        batch,
+        tq,
+        h,
+        num_sel_blocks(keys, l_sel),
+        q.device,
+        check_range=check_range,
+    )
+
+
+def check_sliding_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: object,
+    scale: object = None,
+    *,
+    q_start: object = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """Every rule of ``sliding_attention``; raises on the first one broken."""
+    check_attention_args(q, k, v)
+    check_int("window", window, 1)
+    check_scale(scale)
+    _check_varlen_or_start("sliding_attention", q, k.shape[1], q_start, cu_seqlens)
+
+
+def check_select_blocks(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: object,
+    cmp_stride: object,
+    sel_block: object,
+    num_selected: object,
+    scale: object = None,
+    *,
+    q_start: object = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """Every rule of ``select_blocks`` (d must divide l' as well as l)."""
+    check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
+    l_cmp, d = check_cmp_geometry(cmp_block, cmp_stride)
+    l_sel = check_int("sel_block", sel_block, 1)
+    if l_sel % d != 0:
+        raise ValueError(f"cmp_stride ({d}) must divide sel_block ({l_sel})")
+    check_int("num_selected", num_selected, 1)
+    check_scale(scale)
+    start = _check_varlen_or_start(
+        "select_blocks", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
+    )
+    _check_cmp_keys("select_blocks", q, k_cmp, l_cmp, d, start, cu_seqlens)

@@ -1,0 +1,28 @@
+"""The reference NSA: every op as plain PyTorch with the shapes of docs/spec.md.
+
+These bodies are the parity target of every kernel and what CPU users run. Each public function
+here validates its arguments (:mod:`nsa_core.checks`) and computes; the ``*_impl`` variants in
+the op modules skip the checks and are what the registry runs after :mod:`nsa_core.ops` has
+validated a call.
+"""
+
+from nsa_core.reference.combine import gated_combine
+from nsa_core.reference.compress import CompressMLP, compress, compress_avg, split_blocks
+from nsa_core.reference.compressed_attention import compressed_attention
+from nsa_core.reference.selected_attention import selected_attention
+from nsa_core.reference.selection import block_scores, select_blocks, topn_blocks
+from nsa_core.reference.sliding_attention import sliding_attention
+
+__all__ = [
+    "CompressMLP",
+    "block_scores",
+    "compress",
+    "compress_avg",
+    "compressed_attention",
+    "gated_combine",
+    "select_blocks",
+    "selected_attention",
+    "sliding_attention",
+    "split_blocks",
+    "topn_blocks",
+]
