@@ -690,26 +690,27 @@ def add_ratios(rows: Sequence[Row]) -> None:
 
 
 def _cell(value: Any) -> Any:
+    # Full precision, so ratios recomputed from the files match the ones written; no number is "".
     if isinstance(value, float) and not math.isfinite(value):
         return ""
-    if isinstance(value, float):
-        return round(value, 4)
     return value
 
 
-def records(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """One flat dict per row: the row's columns then its ``env_*`` columns."""
-    out = []
-    for row in rows:
-        rec = {k: _cell(v) for k, v in asdict(row).items() if k != "env"}
-        rec.update(row.env)
-        out.append(rec)
-    return out
-
-
 def columns(rows: Sequence[Row]) -> list[str]:
+    """The row's columns, then every ``env_*`` key of any row, sorted."""
     env_keys = sorted({k for row in rows for k in row.env})
     return ROW_COLUMNS + env_keys
+
+
+def records(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """One flat dict per row, keys in :func:`columns` order (CSV and JSON share them)."""
+    keys = columns(rows)
+    out = []
+    for row in rows:
+        flat = {k: _cell(v) for k, v in asdict(row).items() if k != "env"}
+        flat.update(row.env)
+        out.append({k: flat.get(k, "") for k in keys})
+    return out
 
 
 def write_tables(rows: Sequence[Row], out: Path) -> tuple[Path, Path]:
