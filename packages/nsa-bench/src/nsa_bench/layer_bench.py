@@ -983,7 +983,10 @@ def _progress(row: Row) -> None:
 def sweep(args: argparse.Namespace, out: Path) -> list[Row]:
     """Time every (head dims, T, mode, method) and the core's steps; outputs after every case."""
     device = torch.device(args.device)
-    hq, h = parse_pairs(args.heads)[0]
+    heads = parse_pairs(args.heads)
+    if len(heads) != 1:
+        raise argparse.ArgumentTypeError(f"--heads takes one HQ/H pair, got {args.heads!r}")
+    hq, h = heads[0]
     head_dims = parse_pairs(args.head_dims)
     lengths = [parse_length(x) for x in args.seqlens.split(",") if x.strip()]
     modes = parse_names(args.modes, MODES)
