@@ -52,6 +52,7 @@ import torch.nn.functional as F
 import nsa_core
 from nsa_bench.timing import median_ms
 from nsa_core import NSAConfig
+from nsa_core.registry import OpContext
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NSA_METHODS = ("nsa_core", "nsa_module")
@@ -260,10 +261,13 @@ def measure(
         row.status = failure_status(exc)
         row.ms = math.nan
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
-        row.peak_mib = peak / MIB
-        row.work_mib = (peak - base) / MIB
+        try:
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
+            row.peak_mib = peak / MIB
+            row.work_mib = (peak - base) / MIB
+        except Exception as exc:  # a kernel fault poisons the context: say so, keep the row
+            row.status += f"; memory not read: {type(exc).__name__}: {exc}"
     for t in leaves:
         t.grad = None
     if row.status.startswith("oom"):
@@ -375,15 +379,7 @@ def _run(
     return call_fwdbwd, [*leaves, *extra_leaves]
 
 
-def core_function(name: str) -> Callable[..., Any]:
-    """``nsa_core.<name>``, or an error saying this nsa-core does not have it."""
-    fn = getattr(nsa_core, name, None)
-    if fn is None:
-        raise AttributeError(f"nsa_core.{name} is missing: this nsa-core predates it")
-    return fn  # type: ignore[no-any-return]
-
-
-def routed_backend(op: str, ctx: Any) -> str:
+def routed_backend(op: str, ctx: OpContext) -> str:
     """The backend nsa_core's registry picks for ``op`` in ``ctx``, or why it cannot say."""
     from nsa_core import registry
 
@@ -395,10 +391,8 @@ def routed_backend(op: str, ctx: Any) -> str:
         return f"unknown ({type(exc).__name__}: {exc})"
 
 
-def op_context(shape: Shape, device: torch.device, requires_grad: bool) -> Any:
-    """The registry's routing context for the core's calls at ``shape`` (or None if it changed)."""
-    from nsa_core.registry import OpContext
-
+def op_context(shape: Shape, device: torch.device, requires_grad: bool) -> OpContext:
+    """The registry's routing context of the core's calls at ``shape`` (dense, no varlen)."""
     return OpContext(
         device=device,
         dtype=DTYPES[shape.dtype],
@@ -431,15 +425,10 @@ def bench_nsa_core(shape: Shape, inp: Inputs, mode: str, timer: Timer, device: t
         backend=core_routing(shape, device, mode == "fwdbwd"),
         note="one K/V shared by the three branches",
     )
-    try:
-        nsa_attention = core_function("nsa_attention")
-    except AttributeError as exc:
-        row.status = failure_status(exc)
-        return row
     config = shape.config()
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> Any:
-        return nsa_attention(q, k, v, g, config)
+        return nsa_core.nsa_attention(q, k, v, g, config)
 
     call, leaves = _run(forward, (inp.q, inp.k, inp.v, inp.gates), inp.do, mode)
     return measure(row, call, leaves, timer, device)
@@ -460,7 +449,7 @@ def bench_nsa_module(
         ),
     )
     try:
-        torch.manual_seed(seed)
+        torch.manual_seed(seed)  # the parameters' initialisation draws from the global generator
         layer = nsa_core.NSAAttention(shape.config(), hidden_size)
         layer = layer.to(device=device, dtype=DTYPES[shape.dtype])
         gen = torch.Generator(device=device).manual_seed(seed)
@@ -592,7 +581,7 @@ STEP_NEEDS: dict[str, tuple[str, ...]] = {
 def bench_steps(shape: Shape, inp: Inputs, timer: Timer, device: torch.device) -> list[Row]:
     """The core forward step by step, each through its public nsa_core op, routed backends named.
 
-    Each step runs once untimed to hand its outputs to the steps after it, then is timed; a step
+    Each step is timed, then run once more to hand its outputs to the steps after it; a step
     whose input step failed is reported as skipped, with the reason.
     """
     cmp_block, cmp_stride, sel_block = shape.cmp_block, shape.cmp_stride, shape.sel_block
@@ -608,31 +597,32 @@ def bench_steps(shape: Shape, inp: Inputs, timer: Timer, device: torch.device) -
 
     done: dict[str, Any] = {}
 
+    # Looked up on nsa_core at call time: the public, routed ops.
     def compress() -> Any:
-        fn = core_function("compress")
-        return fn(inp.k, cmp_block, cmp_stride), fn(inp.v, cmp_block, cmp_stride)
+        k_cmp = nsa_core.compress(inp.k, cmp_block, cmp_stride)
+        return k_cmp, nsa_core.compress(inp.v, cmp_block, cmp_stride)
 
     def select_blocks() -> Any:
         k_cmp, _ = done["compress"]
-        fn = core_function("select_blocks")
-        indices, _counts = fn(inp.q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale)
+        indices, _counts = nsa_core.select_blocks(
+            inp.q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale
+        )
         return indices
 
     def compressed() -> Any:
         k_cmp, v_cmp = done["compress"]
-        fn = core_function("compressed_attention")
-        return fn(inp.q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
+        return nsa_core.compressed_attention(inp.q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
 
     def selected() -> Any:
-        fn = core_function("selected_attention")
-        return fn(inp.q, inp.k, inp.v, done["select_blocks"], sel_block, scale)
+        indices = done["select_blocks"]
+        return nsa_core.selected_attention(inp.q, inp.k, inp.v, indices, sel_block, scale)
 
     def sliding() -> Any:
-        return core_function("sliding_attention")(inp.q, inp.k, inp.v, window, scale)
+        return nsa_core.sliding_attention(inp.q, inp.k, inp.v, window, scale)
 
     def combine() -> Any:
-        fn = core_function("gated_combine")
-        return fn(done["compressed"], done["selected"], done["sliding"], inp.gates)
+        o_cmp, o_slc, o_win = done["compressed"], done["selected"], done["sliding"]
+        return nsa_core.gated_combine(o_cmp, o_slc, o_win, inp.gates)
 
     calls: dict[str, Callable[[], Any]] = {
         "compress": compress,
@@ -690,7 +680,8 @@ def add_ratios(rows: Sequence[Row]) -> None:
 
 
 def _cell(value: Any) -> Any:
-    # Full precision, so ratios recomputed from the files match the ones written; no number is "".
+    # A missing number (NaN) is an empty cell; the others keep full precision, so ratios
+    # recomputed from the files equal the written ones.
     if isinstance(value, float) and not math.isfinite(value):
         return ""
     return value
