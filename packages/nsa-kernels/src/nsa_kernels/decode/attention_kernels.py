@@ -1,0 +1,401 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Split-K attention of a decode step: partial softmax states of the three branches.
+
+One query token per sequence; the G query heads of kv head h form the rows of every ``tl.dot``
+(padded to BG >= 16). Each program covers a slice of one branch's keys for one (sequence b,
+kv head h), ``bh = b*H + h``, and leaves a partial state in slot ``slot`` of the workspace:
+
+- ``part_m [B*H, P, G]``: running max of the base-2 logits ``s = q.k * scale * log2(e)``;
+- ``part_l [B*H, P, G]``: ``sum exp2(s - m)`` over the slice's keys;
+- ``part_acc [B*H, P, G, dv]``: ``sum exp2(s - m) * v``;
+- ``part_n [B*H, P]``: how many keys entered the softmax (the reads).
+
+Slots: ``[0, NC)`` compressed chunks, ``[NC, NC+NW)`` window chunks, ``[NC+NW, P)`` selected
+splits. combine_kernels.py merges them in slot order. Buffers are contiguous: q ``[B, HQ, dk]``,
+cache buffers ``[B, rows, H, D]``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from nsa_kernels.decode.topn_kernels import merge_topn
+
+
+@triton.jit
+def _load_q(
+    q_ptr,
+    b,
+    h,
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """q [BG, BK] of the G heads of kv head h (padding rows and columns are 0)."""
+    g = tl.arange(0, BG)
+    col = tl.arange(0, BK)
+    return tl.load(
+        q_ptr + (b * HQ + h * G + g[:, None]) * DK + col[None, :],
+        mask=(g < G)[:, None] & (col < DK)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    k_ptr,
+    v_ptr,
+    key_rows,
+    live,
+    h,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    H: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One online-softmax step over the keys at rows ``key_rows`` [BN] (``b*rows + row``).
+
+    Returns (p [BG, BN], m, l, acc); p = exp2(s - m) with the updated m, 0 where not live.
+    """
+    col = tl.arange(0, BK)
+    kt = tl.load(
+        k_ptr + (key_rows * H + h)[:, None] * DK + col[None, :],
+        mask=live[:, None] & (col < DK)[None, :],
+        other=0.0,
+    )
+    s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    vcol = tl.arange(0, BV)
+    vt = tl.load(
+        v_ptr + (key_rows * H + h)[:, None] * DV + vcol[None, :],
+        mask=live[:, None] & (vcol < DV)[None, :],
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+    return p, m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    part_n_ptr,
+    bh,
+    slot,
+    m_i,
+    l_i,
+    acc,
+    count,
+    P: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+):
+    g = tl.arange(0, BG)
+    vcol = tl.arange(0, BV)
+    row = (bh * P + slot) * G + g
+    tl.store(part_m_ptr + row, m_i, mask=g < G)
+    tl.store(part_l_ptr + row, l_i, mask=g < G)
+    tl.store(
+        part_acc_ptr + row[:, None] * DV + vcol[None, :],
+        acc,
+        mask=(g < G)[:, None] & (vcol < DV)[None, :],
+    )
+    tl.store(part_n_ptr + bh * P + slot, count)
+
+
+@triton.jit
+def _cmp_chunk(
+    q,
+    k_cmp,
+    v_cmp,
+    tile_m_ptr,
+    u_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    part_n_ptr,
+    b,
+    h,
+    bh,
+    chunk,
+    n_cmp,
+    cmp_rows,
+    qk_scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    P: tl.constexpr,
+    BN: tl.constexpr,
+    CT: tl.constexpr,
+    NT: tl.constexpr,
+    NR: tl.constexpr,
+    R: tl.constexpr,
+    EXTRA: tl.constexpr,
+    LCMP: tl.constexpr,
+    DSTRIDE: tl.constexpr,
+    SEL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Compressed keys of tiles ``[chunk*CT, (chunk+1)*CT)`` (BN blocks each), visible ones only.
+
+    Besides the partial state (written only when the chunk holds a visible block), every tile
+    leaves its running max ``tile_m [B*H, NT, G]`` and band sums ``u [B*H, EXTRA+1, G, NR]``
+    for the scores (topn_kernels.py).
+    """
+    g = tl.arange(0, BG)
+    m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BV], dtype=tl.float32)
+    count = n_cmp * 0
+    tile0 = chunk * CT
+    tile_end = tl.minimum(tile0 + CT, tl.cdiv(n_cmp, BN))
+    RPT: tl.constexpr = BN // R  # ranges per tile
+    r = tl.arange(0, R)
+    for tile in range(tile0, tile_end):
+        i = tile * BN + tl.arange(0, BN)
+        live = i < n_cmp
+        p, m_i, l_i, acc = _attend_tile(
+            q, k_cmp, v_cmp, b * cmp_rows + i, live, h, m_i, l_i, acc, qk_scale,
+            H, DK, BK, DV, BV, DOT_PREC,
+        )  # fmt: skip
+        count += tl.sum(live.to(tl.int32), axis=0)
+        tl.store(tile_m_ptr + (bh * NT + tile) * G + g, m_i, mask=g < G)
+        # Block i = tile*BN + rr*R + r starts r*d into selection block tile*RPT + rr (its
+        # "range"): relative to that block's start it covers [r*d, r*d + l), so it overlaps
+        # selection block range + e by w_e[r] (in units of d).
+        p3 = tl.reshape(p, (BG, RPT, R))
+        rng = tile * RPT + tl.arange(0, RPT)
+        for e in tl.static_range(EXTRA + 1):
+            lo = tl.maximum(r * DSTRIDE, e * SEL)
+            hi = tl.minimum(r * DSTRIDE + LCMP, (e + 1) * SEL)
+            w = tl.maximum(hi - lo, 0).to(tl.float32) / DSTRIDE
+            u = tl.sum(p3 * w[None, None, :], axis=2)
+            tl.store(
+                u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * NR + rng[None, :],
+                u,
+                mask=(g < G)[:, None],
+            )
+    if tile0 < tile_end:
+        _store_partial(
+            part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, chunk, m_i, l_i, acc, count,
+            P, G, BG, DV, BV,
+        )  # fmt: skip
+
+
+@triton.jit
+def _window_chunk(
+    q,
+    k_win,
+    v_win,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    part_n_ptr,
+    b,
+    h,
+    bh,
+    chunk,
+    slot,
+    length,
+    qk_scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    P: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WC: tl.constexpr,
+    BW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Positions ``[start + chunk*WC, start + (chunk+1)*WC)`` of the window ``[start, L)``.
+
+    ``start = max(0, L - w)``; token p sits at ring row ``p % w``. Always writes its slot (an
+    empty slice leaves l = 0).
+    """
+    m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BV], dtype=tl.float32)
+    count = length * 0
+    lo = tl.maximum(length - WINDOW, 0) + chunk * WC
+    hi = tl.minimum(lo + WC, length)
+    for p0 in range(lo, hi, BW):
+        pos = p0 + tl.arange(0, BW)
+        live = pos < hi
+        _, m_i, l_i, acc = _attend_tile(
+            q, k_win, v_win, b * WINDOW + pos % WINDOW, live, h, m_i, l_i, acc, qk_scale,
+            H, DK, BK, DV, BV, DOT_PREC,
+        )  # fmt: skip
+        count += tl.sum(live.to(tl.int32), axis=0)
+    _store_partial(
+        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slot, m_i, l_i, acc, count,
+        P, G, BG, DV, BV,
+    )  # fmt: skip
+
+
+@triton.jit
+def cmp_window_kernel(
+    q_ptr,
+    k_cmp,
+    v_cmp,
+    k_win,
+    v_win,
+    seqlens_ptr,
+    num_cmp_ptr,
+    tile_m_ptr,
+    u_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    part_n_ptr,
+    cmp_rows,
+    qk_scale,
+    H: tl.constexpr,
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    P: tl.constexpr,
+    NC: tl.constexpr,
+    BN: tl.constexpr,
+    CT: tl.constexpr,
+    NT: tl.constexpr,
+    NR: tl.constexpr,
+    R: tl.constexpr,
+    EXTRA: tl.constexpr,
+    LCMP: tl.constexpr,
+    DSTRIDE: tl.constexpr,
+    SEL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    WC: tl.constexpr,
+    BW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """The branches that need no selection: grid (B*H, NC + NW).
+
+    ``program_id(1) < NC``: compressed chunk (with the score sums), else window chunk. Both
+    read the lengths after this step's append (``cache_seqlens``, ``num_cmp``).
+    """
+    bh = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
+    if slot < NC:
+        n_cmp = tl.load(num_cmp_ptr + b)
+        _cmp_chunk(
+            q, k_cmp, v_cmp, tile_m_ptr, u_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
+            b, h, bh, slot, n_cmp, cmp_rows, qk_scale,
+            H, G, BG, DK, BK, DV, BV, P, BN, CT, NT, NR, R, EXTRA, LCMP, DSTRIDE, SEL, DOT_PREC,
+        )  # fmt: skip
+    else:
+        length = tl.load(seqlens_ptr + b)
+        _window_chunk(
+            q, k_win, v_win, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
+            b, h, bh, slot - NC, slot, length, qk_scale,
+            H, G, BG, DK, BK, DV, BV, P, WINDOW, WC, BW, DOT_PREC,
+        )  # fmt: skip
+
+
+@triton.jit
+def selected_kernel(
+    q_ptr,
+    k_slc,
+    v_slc,
+    cand_ptr,
+    seqlens_ptr,
+    indices_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    part_n_ptr,
+    capacity,
+    qk_scale,
+    H: tl.constexpr,
+    HQ: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    DK: tl.constexpr,
+    BK: tl.constexpr,
+    DV: tl.constexpr,
+    BV: tl.constexpr,
+    P: tl.constexpr,
+    SLOT0: tl.constexpr,
+    SEL: tl.constexpr,
+    BL: tl.constexpr,
+    NSUB: tl.constexpr,
+    BPS: tl.constexpr,
+    JS: tl.constexpr,
+    NSC: tl.constexpr,
+    NSCP: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Selected branch: grid (B*H, NSP); split s attends to chosen blocks ``[s*BPS, (s+1)*BPS)``.
+
+    Every split merges the chunk candidates itself (the same n blocks, ascending), which costs
+    less than a launch; split 0 writes them to ``indices [B, H, N]``. A block's tokens past the
+    query (``p > t``) are masked (docs/spec.md, "Selected branch").
+    """
+    bh = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    length = tl.load(seqlens_ptr + b)
+    t = length - 1
+    chosen = merge_topn(cand_ptr, bh, tl.cdiv(t // SEL + 1, JS), NSC, NSCP, N, NP)
+    offs = tl.arange(0, NP)
+    tl.store(indices_ptr + bh * N + offs, chosen, mask=(offs < N) & (split == 0))
+
+    q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
+    m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BV], dtype=tl.float32)
+    count = length * 0
+    for i in range(BPS):
+        rank = split * BPS + i
+        block = tl.sum(tl.where(offs == rank, chosen, 0), axis=0)
+        block = tl.where(rank < N, block, -1)
+        for sub in range(NSUB):
+            in_block = sub * BL + tl.arange(0, BL)
+            pos = tl.maximum(block, 0) * SEL + in_block
+            live = (block >= 0) & (in_block < SEL) & (pos <= t)
+            _, m_i, l_i, acc = _attend_tile(
+                q, k_slc, v_slc, b * capacity + pos, live, h, m_i, l_i, acc, qk_scale,
+                H, DK, BK, DV, BV, DOT_PREC,
+            )  # fmt: skip
+            count += tl.sum(live.to(tl.int32), axis=0)
+    _store_partial(
+        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, SLOT0 + split, m_i, l_i, acc, count,
+        P, G, BG, DV, BV,
+    )  # fmt: skip

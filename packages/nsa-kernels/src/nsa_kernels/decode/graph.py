@@ -1,0 +1,80 @@
+"""One decode step captured as a CUDA graph and replayed token after token.
+
+The step keeps positions and lengths on the device and its launches do not change between
+tokens (step.py), so the graph captured once serves every following token: the caller writes
+the next token's inputs into :attr:`DecodeGraph.inputs` (or passes them to :meth:`step`) and
+replays. Outputs live in the graph's memory and are overwritten by the next replay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_kernels.decode.state import BlockPhi, DecodeState
+from nsa_kernels.decode.step import (
+    DecodeKernelConfig,
+    DecodePlan,
+    StepInputs,
+    StepOutputs,
+    decode_step,
+)
+
+
+class DecodeGraph:
+    """A captured decode step over ``state`` (CUDA only).
+
+    Construction compiles the kernels with ``warmup`` eager steps that are undone (the state's
+    counters restored, see :meth:`DecodeState.snapshot_counters`), then captures one step;
+    capturing runs nothing, so the state is as it was given. Each :meth:`replay` then advances
+    every sequence by one token.
+
+    Args:
+        state: the caches the graph reads and writes; do not replace its tensors afterwards.
+        phi_k, phi_v: the learned phi for ``config.phi == "mlp"`` (captured with the step).
+        config: tiles and splits (see :class:`DecodeKernelConfig`).
+        warmup: eager steps before capture (at least 1: the first launch compiles).
+    """
+
+    def __init__(
+        self,
+        state: DecodeState,
+        *,
+        phi_k: BlockPhi | None = None,
+        phi_v: BlockPhi | None = None,
+        config: DecodeKernelConfig | None = None,
+        warmup: int = 2,
+    ) -> None:
+        if state.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA state, got {state.device}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (the first launch compiles), got {warmup}")
+        self.state = state
+        self.plan = DecodePlan(state, config)
+        self.inputs = StepInputs.zeros(state)
+        self._phi_k, self._phi_v = phi_k, phi_v
+        saved = state.snapshot_counters()
+        side = torch.cuda.Stream(state.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(state.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._run()
+                state.restore_counters(saved)
+        torch.cuda.current_stream(state.device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = self._run()
+
+    def _run(self) -> StepOutputs:
+        return decode_step(
+            self.state, self.inputs, phi_k=self._phi_k, phi_v=self._phi_v, plan=self.plan
+        )
+
+    def replay(self) -> StepOutputs:
+        """Run the captured step on the current :attr:`inputs`; advances the state."""
+        self.graph.replay()
+        return self.outputs
+
+    def step(self, inputs: StepInputs) -> StepOutputs:
+        """Copy ``inputs`` into the static buffers and replay."""
+        self.inputs.copy_(inputs)
+        return self.replay()

@@ -1,0 +1,302 @@
+"""The device-resident decode state of one NSA layer for B sequences of different lengths.
+
+docs/spec.md, "Decode": a step needs the selected-branch K/V of every past token, the last w
+sliding-branch K/V, the raw compressed-branch K/V not yet folded into a block and the emitted
+compressed K~/V~. Here every part lives in a buffer of fixed size allocated once, and the
+lengths live on the device, so a step launches the same kernels with the same arguments at every
+position (what a CUDA graph needs).
+
+Layout, for sequence b holding ``L_b = cache_seqlens[b]`` tokens:
+
+- ``k_slc [B, capacity, H, dk]``, ``v_slc [B, capacity, H, dv]``: token p at row p.
+- ``k_win [B, w, H, dk]``, ``v_win``: a ring, token p at row ``p % w`` (the last ``min(w, L_b)``).
+- ``k_raw [B, l, H, dk]``, ``v_raw``: a ring, token p at row ``p % l``. The tokens not yet folded
+  into a block, ``[num_cmp[b] * d, L_b)``, are at most l - 1, and the l tokens of a block that
+  completes are all in the ring when its last token arrives.
+- ``k_cmp [B, max(1, N_cmp(capacity)), H, dk]``, ``v_cmp``: compressed block i at row i.
+- ``cache_seqlens [B]`` int32: L_b, the position of the next token.
+- ``num_cmp [B]`` int32: emitted compressed blocks, ``N_cmp(L_b)``.
+- ``overflow [B]`` int32: 1 once a step found its sequence at capacity; that step left the
+  sequence as it was (see :meth:`DecodeState.check_capacity`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from nsa_core import NSACache, NSAConfig, num_cmp_blocks, split_blocks
+
+# phi of one block per (sequence, kv head): blocks [B, H, l, D] -> [B, H, D].
+BlockPhi = Callable[[torch.Tensor], torch.Tensor]
+
+BRANCHES = ("cmp", "slc", "win")
+
+
+def block_phi(module: Callable[[torch.Tensor], torch.Tensor]) -> BlockPhi:
+    """Adapt an nsa_core phi (blocks [B, N, l, H, D] -> [B, N, H, D], e.g. ``CompressMLP``).
+
+    The result maps blocks [B, H, l, D] -> [B, H, D], the form :func:`decode_step` calls.
+    """
+
+    def phi(blocks: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = module(blocks.permute(0, 2, 1, 3).unsqueeze(1))  # [B, 1, l, H, D]
+        return out.squeeze(1)
+
+    return phi
+
+
+def compress_prefix(x: torch.Tensor, config: NSAConfig, phi: BlockPhi | None) -> torch.Tensor:
+    """Compressed keys or values of one prefix: x [T, H, D] -> [N_cmp(T), H, D].
+
+    phi None is the mean over the block; otherwise every block goes through ``phi`` as one
+    batch entry.
+    """
+    blocks = split_blocks(x.unsqueeze(0), config.cmp_block, config.cmp_stride)[0]  # [N, l, H, D]
+    if phi is None:
+        return blocks.mean(dim=1)
+    if blocks.shape[0] == 0:
+        return x.new_zeros(0, x.shape[1], x.shape[2])
+    return phi(blocks.permute(0, 2, 1, 3)).to(x.dtype)
+
+
+@dataclass
+class DecodeState:
+    """Preallocated decode buffers and device-side lengths of B sequences (module docstring)."""
+
+    config: NSAConfig
+    capacity: int
+    k_slc: torch.Tensor
+    v_slc: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    k_raw: torch.Tensor
+    v_raw: torch.Tensor
+    k_cmp: torch.Tensor
+    v_cmp: torch.Tensor
+    cache_seqlens: torch.Tensor
+    num_cmp: torch.Tensor
+    overflow: torch.Tensor
+
+    # ----------------------------------------------------------------------------- construction
+
+    @classmethod
+    def empty(
+        cls,
+        config: NSAConfig,
+        batch: int,
+        capacity: int,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> DecodeState:
+        """B sequences of length 0, room for ``capacity`` tokens each."""
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        h, dk, dv = config.num_kv_heads, config.head_dim_qk, config.head_dim_v
+        # At least one row, so that kernels always get a real pointer.
+        cmp_rows = max(1, num_cmp_blocks(capacity, config.cmp_block, config.cmp_stride))
+
+        def z(n: int, d: int) -> torch.Tensor:
+            return torch.zeros(batch, n, h, d, device=device, dtype=dtype)
+
+        def counter() -> torch.Tensor:
+            return torch.zeros(batch, device=device, dtype=torch.int32)
+
+        return cls(
+            config=config,
+            capacity=capacity,
+            k_slc=z(capacity, dk),
+            v_slc=z(capacity, dv),
+            k_win=z(config.window, dk),
+            v_win=z(config.window, dv),
+            k_raw=z(config.cmp_block, dk),
+            v_raw=z(config.cmp_block, dv),
+            k_cmp=z(cmp_rows, dk),
+            v_cmp=z(cmp_rows, dv),
+            cache_seqlens=counter(),
+            num_cmp=counter(),
+            overflow=counter(),
+        )
+
+    @classmethod
+    def from_cache(cls, cache: NSACache, capacity: int) -> DecodeState:
+        """The state of an nsa_core cache (e.g. a prefill's); every sequence has its length."""
+        cfg = cache.config
+        if capacity < cache.length:
+            raise ValueError(f"capacity {capacity} is below the cache length {cache.length}")
+        batch = cache.k_slc.shape[0]
+        state = cls.empty(cfg, batch, capacity, device=cache.k_slc.device, dtype=cache.k_slc.dtype)
+        length = cache.length
+        state.k_slc[:, :length] = cache.k_slc
+        state.v_slc[:, :length] = cache.v_slc
+        state._fill_ring(state.k_win, cache.k_win, length)
+        state._fill_ring(state.v_win, cache.v_win, length)
+        state._fill_ring(state.k_raw, cache.k_raw, length)
+        state._fill_ring(state.v_raw, cache.v_raw, length)
+        state.k_cmp[:, : cache.num_cmp] = cache.k_cmp
+        state.v_cmp[:, : cache.num_cmp] = cache.v_cmp
+        state.cache_seqlens.fill_(length)
+        state.num_cmp.fill_(cache.num_cmp)
+        return state
+
+    @classmethod
+    def from_prefixes(
+        cls,
+        config: NSAConfig,
+        k: Mapping[str, torch.Tensor],
+        v: Mapping[str, torch.Tensor],
+        lengths: Sequence[int],
+        capacity: int,
+        *,
+        phi_k: BlockPhi | None = None,
+        phi_v: BlockPhi | None = None,
+    ) -> DecodeState:
+        """Sequences of different lengths from their per-branch K/V.
+
+        Args:
+            k, v: per branch ("cmp", "slc", "win") keys [B, T, H, dk] and values [B, T, H, dv];
+                sequence b uses its first ``lengths[b]`` tokens (rotated keys; the compressed
+                branch's raw, unfolded K/V).
+            lengths: B prefix lengths, each <= T and <= capacity.
+            phi_k, phi_v: compression of a block for ``config.phi == "mlp"`` (see
+                :func:`block_phi`); None means the mean (``phi == "avg"``).
+        """
+        _check_phi(config, phi_k, phi_v)
+        ref = k["slc"]
+        batch = ref.shape[0]
+        if len(lengths) != batch:
+            raise ValueError(f"{len(lengths)} lengths for a batch of {batch}")
+        for name in BRANCHES:
+            if k[name].shape[:3] != ref.shape[:3] or v[name].shape[:3] != ref.shape[:3]:
+                raise ValueError(f"branch {name!r} K/V do not match k['slc'] {list(ref.shape)}")
+        if any(n < 0 or n > ref.shape[1] or n > capacity for n in lengths):
+            raise ValueError(
+                f"lengths {list(lengths)} must lie in [0, min(T={ref.shape[1]}, {capacity})]"
+            )
+        state = cls.empty(config, batch, capacity, device=ref.device, dtype=ref.dtype)
+        cfg = config
+        for b, n in enumerate(lengths):
+            state.k_slc[b, :n] = k["slc"][b, :n]
+            state.v_slc[b, :n] = v["slc"][b, :n]
+            win0 = max(0, n - cfg.window)
+            state._fill_ring(state.k_win[b : b + 1], k["win"][b : b + 1, win0:n], n)
+            state._fill_ring(state.v_win[b : b + 1], v["win"][b : b + 1, win0:n], n)
+            blocks = num_cmp_blocks(n, cfg.cmp_block, cfg.cmp_stride)
+            raw0 = blocks * cfg.cmp_stride
+            state._fill_ring(state.k_raw[b : b + 1], k["cmp"][b : b + 1, raw0:n], n)
+            state._fill_ring(state.v_raw[b : b + 1], v["cmp"][b : b + 1, raw0:n], n)
+            with torch.no_grad():
+                state.k_cmp[b, :blocks] = compress_prefix(k["cmp"][b, :n], cfg, phi_k)
+                state.v_cmp[b, :blocks] = compress_prefix(v["cmp"][b, :n], cfg, phi_v)
+        state.cache_seqlens.copy_(torch.tensor(list(lengths), dtype=torch.int32))
+        state.num_cmp.copy_(
+            torch.tensor(
+                [num_cmp_blocks(n, cfg.cmp_block, cfg.cmp_stride) for n in lengths],
+                dtype=torch.int32,
+            )
+        )
+        return state
+
+    @staticmethod
+    def _fill_ring(ring: torch.Tensor, tokens: torch.Tensor, length: int) -> None:
+        """Write the last ``tokens.shape[1]`` tokens of a prefix of ``length`` into ``ring``."""
+        count = tokens.shape[1]
+        if count > ring.shape[1]:
+            raise ValueError(f"{count} tokens do not fit a ring of {ring.shape[1]}")
+        rows = torch.arange(length - count, length, device=ring.device) % ring.shape[1]
+        ring[:, rows] = tokens
+
+    # ----------------------------------------------------------------------------- facts
+
+    @property
+    def batch(self) -> int:
+        return int(self.k_slc.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_slc.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_slc.dtype
+
+    @property
+    def cmp_capacity(self) -> int:
+        """N_cmp(capacity): the compressed blocks a full sequence holds."""
+        cfg = self.config
+        return num_cmp_blocks(self.capacity, cfg.cmp_block, cfg.cmp_stride)
+
+    def lengths(self) -> list[int]:
+        """The B lengths on the host (a device sync)."""
+        return [int(n) for n in self.cache_seqlens.tolist()]
+
+    def check_capacity(self) -> None:
+        """Raise if a step found a sequence at capacity (a device sync; call it between steps)."""
+        full = [b for b, flag in enumerate(self.overflow.tolist()) if flag]
+        if full:
+            raise RuntimeError(
+                f"sequences {full} reached the capacity of {self.capacity} tokens; the steps "
+                "after that left them unchanged"
+            )
+
+    def snapshot_counters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of (cache_seqlens, num_cmp, overflow).
+
+        Restoring them undoes a step: everything else a step writes lies past the logical
+        content (row L of k_slc, row num_cmp of k_cmp) or in ring rows the next step at the
+        same position overwrites with the same token before any read.
+        """
+        return self.cache_seqlens.clone(), self.num_cmp.clone(), self.overflow.clone()
+
+    def restore_counters(self, saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        self.cache_seqlens.copy_(saved[0])
+        self.num_cmp.copy_(saved[1])
+        self.overflow.copy_(saved[2])
+
+    def clone(self) -> DecodeState:
+        """An independent copy of every buffer and counter."""
+        return DecodeState(
+            config=self.config,
+            capacity=self.capacity,
+            **{
+                f.name: getattr(self, f.name).clone()
+                for f in fields(self)
+                if f.name not in ("config", "capacity")
+            },
+        )
+
+    def to_cache(self, b: int) -> NSACache:
+        """Sequence b as an nsa_core cache of batch 1 (host-side lengths; for comparisons)."""
+        cfg = self.config
+        length = self.lengths()[b]
+        blocks = int(self.num_cmp[b])
+        cache = NSACache.empty(cfg, 1, capacity=length, device=self.device, dtype=self.dtype)
+
+        def ring(buf: torch.Tensor, first: int) -> torch.Tensor:
+            rows = torch.arange(first, length, device=self.device) % buf.shape[1]
+            return buf[b : b + 1, rows]
+
+        win0 = max(0, length - cfg.window)
+        cache.append_tokens(
+            self.k_slc[b : b + 1, :length],
+            self.v_slc[b : b + 1, :length],
+            ring(self.k_win, win0),
+            ring(self.v_win, win0),
+            ring(self.k_raw, blocks * cfg.cmp_stride),
+            ring(self.v_raw, blocks * cfg.cmp_stride),
+        )
+        # append_tokens keeps every raw token it is given: these are exactly the unfolded ones.
+        cache.append_blocks(self.k_cmp[b : b + 1, :blocks], self.v_cmp[b : b + 1, :blocks], 0)
+        return cache
+
+
+def _check_phi(config: NSAConfig, phi_k: BlockPhi | None, phi_v: BlockPhi | None) -> None:
+    if config.phi == "mlp" and (phi_k is None or phi_v is None):
+        raise ValueError("config.phi == 'mlp' needs phi_k and phi_v (see block_phi)")
+    if config.phi == "avg" and (phi_k is not None or phi_v is not None):
+        raise ValueError("config.phi == 'avg' compresses by the mean; pass no phi_k / phi_v")

@@ -1,0 +1,409 @@
+"""One fused NSA decode step for B sequences: the launches, their tiles and the workspace.
+
+A step at each sequence's own position ``t = cache_seqlens[b]`` (docs/spec.md, "Decode"):
+
+1. ``append_kernel`` (update.py): the token's K/V go into every cache; a block completed by the
+   token is folded (phi); the lengths advance on the device.
+2. ``cmp_window_kernel``: compressed attention split over chunks of compressed keys (leaving
+   the band sums that score selection blocks) and sliding attention split over window chunks.
+3. ``score_topn_kernel``: selection scores of chunks of selection blocks, each chunk's n best.
+4. ``selected_kernel``: the n blocks (forced {0, jt-1, jt}, then the best, ties to the lower j)
+   and the selected branch split over them.
+5. ``combine_kernel``: partial states merged in a fixed order, gated combine, reads.
+
+No host synchronisation, no host-side position: the launches and their arguments are the same
+at every step, so one CUDA graph replays for every following token (graph.py).
+
+Top-n contract: the indices equal the reference's (``nsa_core`` ``select_blocks`` at the same
+position) except in rows whose n-th and (n+1)-th best non-forced scores differ by less than
+``TOPN_REL_GAP`` times the n-th score: the kernel sums the same probabilities in another order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from nsa_core import NSAConfig
+from nsa_kernels.decode.attention_kernels import cmp_window_kernel, selected_kernel
+from nsa_kernels.decode.combine_kernels import combine_kernel
+from nsa_kernels.decode.state import BlockPhi, DecodeState, _check_phi
+from nsa_kernels.decode.topn_kernels import score_topn_kernel
+from nsa_kernels.decode.update import append_token
+
+LOG2E = 1.4426950408889634
+TOPN_REL_GAP = 1e-4
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+CPU_PROGRAM_SLOTS = 4  # stands in for the SM count under the interpreter
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ------------------------------------------------------------------------------------ inputs
+
+
+@dataclass
+class StepInputs:
+    """The new token of each sequence, already projected (and q and keys rotated).
+
+    q [B, HQ, dk]; per branch k_* [B, H, dk], v_* [B, H, dv] (``k_cmp``/``v_cmp``: the raw,
+    unfolded compressed-branch K/V); gates [B, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+    """
+
+    q: torch.Tensor
+    k_cmp: torch.Tensor
+    v_cmp: torch.Tensor
+    k_slc: torch.Tensor
+    v_slc: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    gates: torch.Tensor
+
+    @classmethod
+    def zeros(cls, state: DecodeState) -> StepInputs:
+        """Zero inputs shaped for ``state`` (static buffers to fill before each graph replay)."""
+        cfg, batch = state.config, state.batch
+        hq, h = cfg.num_q_heads, cfg.num_kv_heads
+        dk, dv = cfg.head_dim_qk, cfg.head_dim_v
+
+        def z(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, device=state.device, dtype=state.dtype)
+
+        return cls(
+            q=z(batch, hq, dk),
+            k_cmp=z(batch, h, dk),
+            v_cmp=z(batch, h, dv),
+            k_slc=z(batch, h, dk),
+            v_slc=z(batch, h, dv),
+            k_win=z(batch, h, dk),
+            v_win=z(batch, h, dv),
+            gates=z(batch, hq, 3),
+        )
+
+    def copy_(self, other: StepInputs) -> None:
+        """Fill these tensors in place from ``other`` (same shapes)."""
+        for f in fields(self):
+            getattr(self, f.name).copy_(getattr(other, f.name))
+
+    def check(self, state: DecodeState) -> None:
+        """Shapes, dtype and device against ``state`` (metadata only: no device sync)."""
+        cfg, batch = state.config, state.batch
+        hq, h = cfg.num_q_heads, cfg.num_kv_heads
+        dk, dv = cfg.head_dim_qk, cfg.head_dim_v
+        want = {
+            "q": (batch, hq, dk),
+            "k_cmp": (batch, h, dk),
+            "v_cmp": (batch, h, dv),
+            "k_slc": (batch, h, dk),
+            "v_slc": (batch, h, dv),
+            "k_win": (batch, h, dk),
+            "v_win": (batch, h, dv),
+            "gates": (batch, hq, 3),
+        }
+        for name, shape in want.items():
+            x = getattr(self, name)
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+            if tuple(x.shape) != shape:
+                raise ValueError(f"{name} {list(x.shape)} must be {list(shape)} for this state")
+            if x.dtype != state.dtype:
+                raise TypeError(f"{name} dtype {x.dtype} differs from the state's {state.dtype}")
+            if x.device != state.device:
+                raise ValueError(f"{name} is on {x.device} but the state on {state.device}")
+
+
+@dataclass
+class StepOutputs:
+    """What one step produced, all on the device.
+
+    o [B, HQ, dv] in the state's dtype; indices [B, H, n] int32 (ascending, -1 padded) the
+    selected blocks; reads_cmp, reads_slc, reads_win [B, H] int32: the key tokens each branch's
+    softmax covered, counted by the kernels.
+    """
+
+    o: torch.Tensor
+    indices: torch.Tensor
+    reads: torch.Tensor  # [3, B, H]: cmp, slc, win
+
+    @property
+    def reads_cmp(self) -> torch.Tensor:
+        return self.reads[0]
+
+    @property
+    def reads_slc(self) -> torch.Tensor:
+        return self.reads[1]
+
+    @property
+    def reads_win(self) -> torch.Tensor:
+        return self.reads[2]
+
+    @property
+    def reads_total(self) -> torch.Tensor:
+        """[B, H] tokens read by the whole step."""
+        return self.reads.sum(0)
+
+
+# ------------------------------------------------------------------------------------ tiles
+
+
+@dataclass(frozen=True)
+class DecodeKernelConfig:
+    """Tiles and splits of the step; 0 means "choose" (see :class:`DecodePlan`).
+
+    Attributes:
+        cmp_tile: compressed keys per tile (a power of two >= 16 and >= l'/d).
+        cmp_chunk_tiles: tiles per compressed program (the split-K chunk).
+        window_tile: window keys per tile (a power of two >= 16).
+        window_chunk: window keys per window program (a multiple of ``window_tile``).
+        sel_tile: selected keys per tile (a power of two >= 16).
+        sel_splits: selected-branch programs per (sequence, kv head), each taking
+            ceil(n / sel_splits) blocks.
+        score_chunk: selection blocks per scoring program (a power of two >= 16).
+        combine_tile: partial states merged per step of the combine loop (a power of two).
+        combine_heads: query heads per combine program.
+        program_slots: programs the device runs at once, for the split choices (default: the
+            SM count on CUDA).
+        warps: warps of the attention programs.
+        stages: pipeline stages of the attention loops.
+    """
+
+    cmp_tile: int = 0
+    cmp_chunk_tiles: int = 0
+    window_tile: int = 0
+    window_chunk: int = 0
+    sel_tile: int = 0
+    sel_splits: int = 0
+    score_chunk: int = 0
+    combine_tile: int = 0
+    combine_heads: int = 0
+    program_slots: int = 0
+    warps: int = 0
+    stages: int = 0
+
+
+def _check_pow2(name: str, value: int, least: int) -> None:
+    if value and (value < least or value & (value - 1)):
+        raise ValueError(f"{name}={value} must be 0 or a power of two >= {least}")
+
+
+class DecodePlan:
+    """Resolved tiles, launch grids and the workspace for one state's geometry.
+
+    The workspace (partial states, tile maxima, band sums, top-n candidates) is reused by every
+    step run with this plan; steps on one stream run in order, so sharing it is safe there.
+    """
+
+    def __init__(self, state: DecodeState, config: DecodeKernelConfig | None = None) -> None:
+        cfg = state.config
+        kc = config or DecodeKernelConfig()
+        for name, least in (
+            ("cmp_tile", 16),
+            ("window_tile", 16),
+            ("sel_tile", 16),
+            ("score_chunk", 16),
+            ("combine_tile", 1),
+        ):
+            _check_pow2(name, getattr(kc, name), least)
+        _check_geometry(cfg)
+        if state.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"decode supports {SUPPORTED_DTYPES}, got {state.dtype}")
+        self.config = cfg
+        self.batch = state.batch
+        self.capacity = state.capacity
+        self.device = state.device
+        self.dtype = state.dtype
+        device = state.device
+        slots = kc.program_slots or (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda"
+            else CPU_PROGRAM_SLOTS
+        )
+        bh = state.batch * cfg.num_kv_heads
+        self.group = cfg.group_size
+        self.block_g = max(16, _pow2(self.group))
+        self.block_k = max(16, _pow2(cfg.head_dim_qk))
+        self.block_v = max(16, _pow2(cfg.head_dim_v))
+
+        # Compressed branch: tiles of cmp_tile blocks, chunks of cmp_chunk_tiles tiles, enough
+        # chunks that every (sequence, kv head) together fill the device a few times over.
+        self.ranges_per_sel = cfg.sel_block // cfg.cmp_stride  # R: blocks starting in one l'
+        self.extra = (cfg.sel_block - cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
+        self.cmp_tile = max(kc.cmp_tile or 64, self.ranges_per_sel)
+        tiles = max(1, _cdiv(state.cmp_capacity, self.cmp_tile))
+        per_seq = max(1, _cdiv(4 * slots, bh))
+        self.cmp_chunk_tiles = kc.cmp_chunk_tiles or max(1, _cdiv(tiles, per_seq))
+        self.cmp_chunks = _cdiv(state.cmp_capacity, self.cmp_tile * self.cmp_chunk_tiles)
+        self.cmp_chunk = self.cmp_tile * self.cmp_chunk_tiles
+        self.tiles = tiles
+        self.ranges = tiles * self.cmp_tile // self.ranges_per_sel
+
+        # Window: chunks of window_chunk keys.
+        self.window_tile = kc.window_tile or min(64, max(16, _pow2(cfg.window)))
+        self.window_chunk = kc.window_chunk or max(self.window_tile, 128)
+        if self.window_chunk % self.window_tile:
+            raise ValueError(
+                f"window_chunk={self.window_chunk} must be a multiple of "
+                f"window_tile={self.window_tile}"
+            )
+        self.window_chunks = _cdiv(cfg.window, self.window_chunk)
+
+        # Selected branch: the n blocks split over sel_splits programs.
+        n = cfg.num_selected
+        self.sel_tile = kc.sel_tile or min(64, max(16, _pow2(cfg.sel_block)))
+        self.sel_sub = _cdiv(cfg.sel_block, self.sel_tile)
+        splits = kc.sel_splits or max(1, min(n, _cdiv(2 * slots, bh)))
+        self.blocks_per_split = _cdiv(n, min(splits, n))
+        self.sel_splits = _cdiv(n, self.blocks_per_split)
+
+        # Scoring: chunks of selection blocks, few enough that the merge stays small.
+        num_sel = _cdiv(state.capacity, cfg.sel_block)
+        self.score_chunk = kc.score_chunk or max(32, _pow2(_cdiv(num_sel, 16)))
+        self.score_chunks = _cdiv(num_sel, self.score_chunk)
+        self.n_pad = _pow2(n)
+
+        self.slots = self.cmp_chunks + self.window_chunks + self.sel_splits
+        self.combine_tile = kc.combine_tile or 16
+        self.combine_heads = min(kc.combine_heads or 1, self.group)
+        self.warps = kc.warps or 4
+        self.stages = kc.stages or 2
+        self.dot_precision = "ieee" if state.dtype == torch.float32 else "tf32"
+
+        g, dv = self.group, cfg.head_dim_v
+
+        def f32(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, device=device, dtype=torch.float32)
+
+        self.part_m = f32(bh, self.slots, g)
+        self.part_l = f32(bh, self.slots, g)
+        self.part_acc = f32(bh, self.slots, g, dv)
+        self.part_n = torch.empty(bh, self.slots, device=device, dtype=torch.int32)
+        self.tile_m = f32(bh, tiles, g)
+        self.band = f32(bh, self.extra + 1, g, self.ranges)
+        self.cand = torch.empty(bh, self.score_chunks, self.n_pad, device=device, dtype=torch.int64)
+
+    def matches(self, state: DecodeState) -> bool:
+        return (
+            state.config == self.config
+            and state.batch == self.batch
+            and state.capacity == self.capacity
+            and state.device == self.device
+            and state.dtype == self.dtype
+        )
+
+    def describe(self) -> str:
+        """The resolved tiles and splits, for logs and benches."""
+        return (
+            f"cmp_tile={self.cmp_tile},cmp_chunk_tiles={self.cmp_chunk_tiles},"
+            f"cmp_chunks={self.cmp_chunks},window_chunk={self.window_chunk},"
+            f"window_chunks={self.window_chunks},sel_tile={self.sel_tile},"
+            f"sel_splits={self.sel_splits},score_chunk={self.score_chunk},"
+            f"score_chunks={self.score_chunks},warps={self.warps},stages={self.stages}"
+        )
+
+
+def _check_geometry(cfg: NSAConfig) -> None:
+    if max(cfg.head_dim_qk, cfg.head_dim_v) > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dims dk={cfg.head_dim_qk}, dv={cfg.head_dim_v} exceed {MAX_HEAD_DIM}"
+        )
+    ranges = cfg.sel_block // cfg.cmp_stride
+    if ranges & (ranges - 1):
+        raise ValueError(
+            f"decode scores need sel_block / cmp_stride a power of two, got "
+            f"{cfg.sel_block} / {cfg.cmp_stride} = {ranges}"
+        )
+
+
+# ------------------------------------------------------------------------------------ step
+
+
+def decode_step(
+    state: DecodeState,
+    inputs: StepInputs,
+    *,
+    phi_k: BlockPhi | None = None,
+    phi_v: BlockPhi | None = None,
+    plan: DecodePlan | None = None,
+) -> StepOutputs:
+    """Append each sequence's token at its own position and attend from it; advances ``state``.
+
+    Args:
+        state: the caches; ``cache_seqlens[b]`` is the position of sequence b's token.
+        inputs: the token's q, per-branch K/V and gates (see :class:`StepInputs`).
+        phi_k, phi_v: for ``config.phi == "mlp"``, blocks [B, H, l, D] -> [B, H, D] (see
+            ``state.block_phi``), run on the device every step, written where a block completes.
+        plan: tiles and workspace from ``DecodePlan(state)``; built here when None (the
+            workspace is then allocated per call).
+
+    Returns:
+        :class:`StepOutputs`: o [B, HQ, dv], indices [B, H, n], reads [3, B, H].
+    """
+    cfg = state.config
+    _check_phi(cfg, phi_k, phi_v)
+    inputs.check(state)
+    if plan is None:
+        plan = DecodePlan(state)
+    elif not plan.matches(state):
+        raise ValueError("plan was built for another state geometry (config, batch, capacity)")
+    batch, h, hq = state.batch, cfg.num_kv_heads, cfg.num_q_heads
+    dk, dv, n = cfg.head_dim_qk, cfg.head_dim_v, cfg.num_selected
+    x = {f.name: getattr(inputs, f.name).contiguous() for f in fields(inputs)}
+    append_token(
+        state,
+        {"cmp": x["k_cmp"], "slc": x["k_slc"], "win": x["k_win"]},
+        {"cmp": x["v_cmp"], "slc": x["v_slc"], "win": x["v_win"]},
+        phi_k=phi_k,
+        phi_v=phi_v,
+    )
+    q = x["q"]
+    o = torch.empty(batch, hq, dv, device=state.device, dtype=state.dtype)
+    indices = torch.empty(batch, h, n, device=state.device, dtype=torch.int32)
+    reads = torch.empty(3, batch, h, device=state.device, dtype=torch.int32)
+    qk_scale = cfg.softmax_scale * LOG2E
+    p = plan
+    common = {
+        "H": h, "G": p.group, "BG": p.block_g, "P": p.slots,
+    }  # fmt: skip
+    cmp_window_kernel[(batch * h, p.cmp_chunks + p.window_chunks)](
+        q, state.k_cmp, state.v_cmp, state.k_win, state.v_win,
+        state.cache_seqlens, state.num_cmp,
+        p.tile_m, p.band, p.part_m, p.part_l, p.part_acc, p.part_n,
+        state.k_cmp.shape[1], qk_scale,
+        HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, NC=p.cmp_chunks,
+        BN=p.cmp_tile, CT=p.cmp_chunk_tiles, NT=p.tiles, NR=p.ranges,
+        R=p.ranges_per_sel, EXTRA=p.extra, LCMP=cfg.cmp_block, DSTRIDE=cfg.cmp_stride,
+        SEL=cfg.sel_block, WINDOW=cfg.window, WC=p.window_chunk, BW=p.window_tile,
+        DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common,
+    )  # fmt: skip
+    score_topn_kernel[(batch * h, p.score_chunks)](
+        p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
+        NCP=_pow2(max(p.cmp_chunks, 1)), CMP_CHUNK=p.cmp_chunk, NT=p.tiles, NR=p.ranges,
+        BN=p.cmp_tile, R=p.ranges_per_sel, EXTRA=p.extra, SEL=cfg.sel_block,
+        JS=p.score_chunk, NSC=p.score_chunks, N=n, NP=p.n_pad, num_warps=4, **common,
+    )  # fmt: skip
+    selected_kernel[(batch * h, p.sel_splits)](
+        q, state.k_slc, state.v_slc, p.cand, state.cache_seqlens, indices,
+        p.part_m, p.part_l, p.part_acc, p.part_n,
+        state.capacity, qk_scale,
+        HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
+        SLOT0=p.cmp_chunks + p.window_chunks, SEL=cfg.sel_block, BL=p.sel_tile,
+        NSUB=p.sel_sub, BPS=p.blocks_per_split, JS=p.score_chunk, NSC=p.score_chunks,
+        NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad, DOT_PREC=p.dot_precision,
+        num_warps=p.warps, num_stages=p.stages, **common,
+    )  # fmt: skip
+    combine_kernel[(batch * h, _cdiv(p.group, p.combine_heads))](
+        p.part_m, p.part_l, p.part_acc, p.part_n, x["gates"], o, state.num_cmp, reads,
+        batch, HQ=hq, HPC=p.combine_heads, HB=_pow2(p.combine_heads),
+        NC=p.cmp_chunks, NW=p.window_chunks, NSP=p.sel_splits,
+        CMP_CHUNK=p.cmp_chunk, DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=2,
+        H=h, G=p.group, P=p.slots,
+    )  # fmt: skip
+    return StepOutputs(o=o, indices=indices, reads=reads)

@@ -1,0 +1,153 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""Block scoring and top-n of a decode step (docs/spec.md, "Selection scores", "Choosing blocks").
+
+The compressed-attention programs leave, per tile of compressed keys, the running max ``m`` of
+each head (base 2) and the band sums ``u[e, g, r] = sum_i c[i, r + e] * exp2(s[g, i] - m)`` over
+the compressed blocks i of "range" r (the l'/d blocks that start inside selection block r),
+split by how many selection blocks e past its own range block i reaches. With the head's
+log-sum-exp ``lse`` over all chunks, selection block j scores
+
+    S[j] = sum_g sum_e u[e, g, j - e] * exp2(m[tile(j - e), g] - lse[g])
+
+which is Eq. 9-10: the group-summed compressed probabilities through the overlap weights.
+
+Top-n works on int64 keys ``(float bits of S) << 32 | (2^31 - 1 - j)``: scores are >= 0, so
+their bits order like the floats, and among equal scores the lower j has the larger key (the
+tie rule). Forced blocks carry the bits of +inf, invalid blocks the key -1. ``score_topn_kernel``
+keeps the n best keys of each chunk of selection blocks; :func:`merge_topn` takes the n best
+of all chunks' candidates, exactly the n best overall.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# The kernels spell these out: 2^31 - 1 (the largest block key), 0x7F800000 (+inf's bits),
+# 0xFFFFFFFF (the block half of a key). A constexpr on the left of a tensor operator stays a
+# constexpr under the interpreter, so plain literals keep both backends equal.
+MAX_BLOCK = 2147483647
+
+
+@triton.jit
+def topn_keys(keys, N: tl.constexpr, NP: tl.constexpr):
+    """The N largest of keys [M] (int64, distinct where >= 0): [NP] descending, then -1."""
+    offs = tl.arange(0, NP)
+    best_n = tl.full([NP], -1, tl.int64)
+    for r in range(N):
+        best = tl.max(keys, axis=0)
+        best_n = tl.where(offs == r, best, best_n)
+        keys = tl.where(keys == best, -1, keys)
+    return best_n
+
+
+@triton.jit
+def merge_topn(
+    cand_ptr,
+    bh,
+    n_chunks,
+    NSC: tl.constexpr,
+    NSCP: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """The chosen blocks of (sequence, kv head) ``bh``: [NP] int32 ascending, -1 padded.
+
+    ``cand [B*H, NSC, NP]`` holds each chunk's best keys; chunks past ``n_chunks`` hold no
+    valid block and are not read.
+    """
+    c = tl.arange(0, NSCP)[:, None]
+    r = tl.arange(0, NP)[None, :]
+    keys = tl.load(
+        cand_ptr + (bh * NSC + c) * NP + r,
+        mask=(c < n_chunks) & (c < NSC) & (r < N),
+        other=-1,
+    )
+    top = topn_keys(tl.reshape(keys, (NSCP * NP,)), N, NP)
+    block = tl.where(top >= 0, 2147483647 - (top & 0xFFFFFFFF), 2147483647).to(tl.int32)
+    # Ascending order by rank: entry i goes to slot #{blocks below it}; the missing ones
+    # (2^31 - 1, all equal) rank after every chosen block and are written as -1.
+    below = tl.sum((block[None, :] < block[:, None]).to(tl.int32), axis=1)  # [NP]
+    slot = tl.arange(0, NP)
+    placed = tl.sum(tl.where(below[None, :] == slot[:, None], block[None, :], 0), axis=1)
+    count = tl.sum((block < 2147483647).to(tl.int32), axis=0)
+    return tl.where(slot < count, placed, -1)
+
+
+@triton.jit
+def score_topn_kernel(
+    u_ptr,
+    tile_m_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    seqlens_ptr,
+    num_cmp_ptr,
+    cand_ptr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    P: tl.constexpr,
+    NCP: tl.constexpr,
+    CMP_CHUNK: tl.constexpr,
+    NT: tl.constexpr,
+    NR: tl.constexpr,
+    BN: tl.constexpr,
+    R: tl.constexpr,
+    EXTRA: tl.constexpr,
+    SEL: tl.constexpr,
+    JS: tl.constexpr,
+    NSC: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+):
+    """Scores of selection blocks ``[c*JS, (c+1)*JS)`` of one (sequence, kv head) and their n best.
+
+    Grid: (B*H, NSC). Writes ``cand[bh, c, :NP]`` (keys, module docstring). The head's lse comes
+    from the compressed partials ``part_m/part_l [B*H, P, G]`` (the first ceil(N_cmp /
+    CMP_CHUNK) slots), combined in slot order.
+    """
+    bh = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    b = bh // H
+    length = tl.load(seqlens_ptr + b)
+    n_cmp = tl.load(num_cmp_ptr + b)
+    t = length - 1
+    jt = t // SEL
+
+    g = tl.arange(0, BG)
+    g_in = g < G
+    k = tl.arange(0, NCP)
+    stat = (bh * P + k[:, None]) * G + g[None, :]
+    have = (k < tl.cdiv(n_cmp, CMP_CHUNK))[:, None] & g_in[None, :]
+    m_k = tl.load(part_m_ptr + stat, mask=have, other=-1.0e30)
+    l_k = tl.load(part_l_ptr + stat, mask=have, other=0.0)
+    m_all = tl.max(m_k, axis=0)
+    l_all = tl.sum(l_k * tl.exp2(m_k - m_all[None, :]), axis=0)
+    seen = l_all > 0.0
+    lse = tl.where(seen, m_all + tl.log2(tl.where(seen, l_all, 1.0)), 0.0)  # [BG], base 2
+
+    j = c * JS + tl.arange(0, JS)
+    score = tl.zeros([JS], dtype=tl.float32)
+    for e in tl.static_range(EXTRA + 1):
+        rng = j - e
+        live = g_in[:, None] & ((rng >= 0) & (rng * R < n_cmp))[None, :]
+        u = tl.load(
+            u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * NR + rng[None, :],
+            mask=live,
+            other=0.0,
+        )
+        tile = (rng * R) // BN
+        m_t = tl.load(tile_m_ptr + (bh * NT + tile[None, :]) * G + g[:, None], mask=live, other=0.0)
+        score += tl.sum(tl.where(live, u * tl.exp2(m_t - lse[:, None]), 0.0), axis=0)
+
+    valid = j <= jt
+    forced = valid & ((j == 0) | (j == jt) | (j == jt - 1))
+    # Scores are sums of non-negative terms; a -0.0 would carry the sign bit, so zero it.
+    bits = tl.where(score > 0.0, score.to(tl.int32, bitcast=True), 0)
+    bits = tl.where(forced, 0x7F800000, bits)
+    key = (bits.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
+    key = tl.where(valid, key, -1)
+    best = topn_keys(key, N, NP)
+    tl.store(cand_ptr + (bh * NSC + c) * NP + tl.arange(0, NP), best)
