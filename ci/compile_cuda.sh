@@ -10,7 +10,7 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-CSRC="$ROOT/packages/nsa-kernels/src/nsa_kernels/cuda_sel/csrc"
+CSRC="$ROOT/packages/nsa-kernels/src/nsa_kernels/selected/cuda/csrc"
 ARCHS="${ARCHS:-80 90}"
 PYTHON="${PYTHON:-python3}"
 NVCC="${NVCC:-$(command -v nvcc || echo "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc")}"

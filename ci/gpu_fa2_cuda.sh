@@ -87,7 +87,7 @@ PY
 }
 
 phase_cuda() {
-  run_pytest cuda cuda_sel_tests.log packages/nsa-kernels/tests/cuda_sel -m cuda
+  run_pytest cuda cuda_sel_tests.log packages/nsa-kernels/tests/selected/cuda -m cuda
   grep -h '^cuda_sel ' "$LOGS/cuda_sel_tests.log" >"$LOGS/cuda_sel_mae.txt" || true
 }
 

@@ -81,7 +81,7 @@ case "$SEL_TESTS" in
 esac
 if [[ "$SEL_TESTS" != none ]]; then
   start=$SECONDS
-  timeout 330 "$PYTHON" -m pytest packages/nsa-kernels/tests/selection -m gpu -q -x -p no:cacheprovider \
+  timeout 330 "$PYTHON" -m pytest packages/nsa-kernels/tests/selected -m gpu -q -x -p no:cacheprovider \
     -n 4 "${select[@]}" >"$OUT/tests.log" 2>&1
   tests_rc=$?
   echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s; $(tail -n 1 "$OUT/tests.log")"

@@ -105,14 +105,10 @@ class Case:
 
 
 def _methods() -> dict[str, dict[str, Callable[..., torch.Tensor]]]:
-    from nsa_kernels.fa2 import (
-        compressed_attention_fa2,
-        compressed_attention_flex,
-        compressed_attention_sdpa,
-        sliding_attention_fa2,
-        sliding_attention_flex,
-        sliding_attention_sdpa,
-    )
+    from nsa_kernels.common.flex import compressed_attention_flex, sliding_attention_flex
+    from nsa_kernels.common.sdpa import compressed_attention_sdpa, sliding_attention_sdpa
+    from nsa_kernels.compressed.fa2 import compressed_attention_fa2
+    from nsa_kernels.sliding.fa2 import sliding_attention_fa2
 
     return {
         "sliding": {
@@ -133,11 +129,11 @@ def _methods() -> dict[str, dict[str, Callable[..., torch.Tensor]]]:
 def unavailable_reason(method: str, case: Case, device: torch.device) -> str | None:
     """Why ``method`` cannot run ``case`` here (reported in the CSV), or None."""
     if method == "fa2":
-        from nsa_kernels.fa2._flash import unsupported_reason
+        from nsa_kernels.common.flash import unsupported_reason
 
         return unsupported_reason(device, case.dtype, case.head_dim, case.head_dim)
     if method == "flex":
-        from nsa_kernels.fa2.flex import flex_missing_reason
+        from nsa_kernels.common.flex import flex_missing_reason
 
         if device.type != "cuda":
             return "FlexAttention is timed compiled, on CUDA only"

@@ -58,13 +58,13 @@ TIERS = (
     Tier("Bench CPU", ("packages/nsa-bench/tests",)),
     Tier(
         "Triton FWD parity",
-        ("packages/nsa-kernels/tests/selection", "-m", "gpu", "-k", "not backward"),
+        ("packages/nsa-kernels/tests/selected", "-m", "gpu", "-k", "not backward"),
         needs_cuda=True,
         env=(("NSA_USE_TRITON_SEL", "1"), ("NSA_TRITON_SEL_FORCE", "1")),
     ),
     Tier(
         "Triton BWD parity",
-        ("packages/nsa-kernels/tests/selection", "-m", "gpu", "-k", "backward"),
+        ("packages/nsa-kernels/tests/selected", "-m", "gpu", "-k", "backward"),
         needs_cuda=True,
         env=(
             ("NSA_USE_TRITON_SEL", "1"),

@@ -8,7 +8,7 @@ sequence of L keys, H query heads sharing one kv head (``--kv-heads``), each row
 row's own block; many: scattered distinct blocks; mixed: half of each). Methods: ``triton``
 (this package), ``sdpa`` (the seeds' packed path: gather each row's selected keys, one SDPA
 call), ``reference`` (nsa_core's op, the registered fallback), and on request ``cuda`` (the
-experimental CUDA C++ kernel of nsa_kernels.cuda_sel, forward only). Per L it reports the speedup of
+experimental CUDA C++ kernel of nsa_kernels.selected.cuda, forward only). Per L it reports the speedup of
 Triton over the faster fallback, and recommends ``NSA_SEL_TRITON_MIN_L``: the smallest L from
 which Triton is at least ``--min-speedup`` (1.2x) faster at that L and every larger one, rounded
 up to a power of two.
@@ -18,7 +18,7 @@ bf16 (all configurable), forward and forward+backward, ``triton.testing.do_bench
 fla-core's selection kernel (``ParallelNSAFunction``, i.e. ``parallel_nsa`` without compression
 or window) given the same block indices as a peer when importable. ``--groups 1,2,4,8`` repeats
 the largest T with HQ = G * H; ``--configs "a=1,b=2;..."`` times each tile config
-(:class:`nsa_kernels.selection.function.SelConfig` fields) at the largest T.
+(:class:`nsa_kernels.selected.function.SelConfig` fields) at the largest T.
 
 Indices for prefill (:func:`nsa_block_indices`): forced {0, jt-1, jt} (the valid ones) plus
 random distinct valid blocks up to n, ascending, -1 padded at the end: what NSA's top-n emits.
@@ -269,7 +269,7 @@ def _call(
     v: torch.Tensor,
 ) -> torch.Tensor:
     if method == "triton":
-        from nsa_kernels.selection.function import selected_attention_triton
+        from nsa_kernels.selected.function import selected_attention_triton
 
         return selected_attention_triton(
             q, k, v, p.idx, p.sel_block, q_start=p.q_start, config=config
@@ -281,7 +281,7 @@ def _call(
 
         return selected_attention(q, k, v, p.idx, p.sel_block, q_start=p.q_start)
     if method == "cuda":
-        from nsa_kernels.cuda_sel.selected import selected_attention_cuda
+        from nsa_kernels.selected.cuda.selected import selected_attention_cuda
 
         return selected_attention_cuda(q, k, v, p.idx, p.sel_block, q_start=p.q_start)
     if method == "fla":
@@ -382,7 +382,7 @@ def run_probe(
     """(variant, ms, K/V GB/s) of the gather probe for (num_warps, num_stages, BL, DOT, TMA)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from nsa_kernels.selection.kernels import gather_probe_kernel as kernel
+    from nsa_kernels.selected.kernels import gather_probe_kernel as kernel
 
     batch, t, h, dk = p.k.shape
     dv = p.v.shape[-1]
@@ -605,7 +605,7 @@ def _seeds(args: argparse.Namespace, device: torch.device) -> list[Row]:
 
 
 def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
-    from nsa_kernels.selection.function import parse_config
+    from nsa_kernels.selected.function import parse_config
 
     dtype = DTYPES[args.dtype or "bf16"]
     methods = (args.methods or "triton,fla").split(",")

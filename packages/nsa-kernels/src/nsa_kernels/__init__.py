@@ -11,9 +11,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "sel_attn_fwd_dense": "nsa_kernels.selection.quick",
-    "sel_attn_fwd_varlen": "nsa_kernels.selection.quick",
-    "selected_attention_triton": "nsa_kernels.selection.function",
+    "sel_attn_fwd_dense": "nsa_kernels.selected.quick",
+    "sel_attn_fwd_varlen": "nsa_kernels.selected.quick",
+    "selected_attention_triton": "nsa_kernels.selected.function",
 }
 
 __all__ = sorted(_LAZY)

@@ -1,5 +1,14 @@
 """Entry point ``nsa.backends``: registers this package's kernels with nsa-core's registry.
 
+One folder per NSA step, each with one table of its backends and their priorities:
+
+| step | op | table |
+|---|---|---|
+| block scoring and top-n | ``select_blocks`` | :mod:`nsa_kernels.scoring.backends` |
+| compressed branch | ``compressed_attention`` | :mod:`nsa_kernels.compressed.backends` |
+| selected branch | ``selected_attention`` | :mod:`nsa_kernels.selected.backends` |
+| sliding branch | ``sliding_attention`` | :mod:`nsa_kernels.sliding.backends` |
+
 Each backend decides per call whether it applies (device, dtype, shapes, toggles) and says why
 not; registering is cheap and imports no kernel compiler: Triton kernels compile on first use,
 the CUDA experiment builds on first use.
@@ -7,16 +16,27 @@ the CUDA experiment builds on first use.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 from nsa_core.registry import Backend
 
+STEP_TABLES = (
+    "nsa_kernels.compressed.backends",
+    "nsa_kernels.selected.backends",
+    "nsa_kernels.sliding.backends",
+)
+
+
+def all_backends() -> list[Backend]:
+    """Every backend nsa-kernels provides, step by step."""
+    rows: list[Backend] = []
+    for name in STEP_TABLES:
+        rows.extend(importlib.import_module(name).backends())
+    return rows
+
 
 def register(register_backend: Callable[[Backend], None]) -> None:
     """Register every backend nsa-kernels provides."""
-    from nsa_kernels import cuda_sel, fa2
-    from nsa_kernels.selection import backend as selection
-
-    for module_backends in (selection.backends(), fa2.backends(), cuda_sel.backends()):
-        for backend in module_backends:
-            register_backend(backend)
+    for backend in all_backends():
+        register_backend(backend)

@@ -14,7 +14,9 @@ from fa2_testing import FLOAT32_BOUND, cu_seqlens_of, randn, rel_err, toggles
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.reference import compressed_attention, sliding_attention
-from nsa_kernels.fa2 import _flash, compressed_attention_fa2, sliding_attention_fa2
+from nsa_kernels.common import flash as _flash
+from nsa_kernels.compressed.fa2 import compressed_attention_fa2
+from nsa_kernels.sliding.fa2 import sliding_attention_fa2
 
 PATHS = ["auto", "force_varlen", "force_dense"]
 

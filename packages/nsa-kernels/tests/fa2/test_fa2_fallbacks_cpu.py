@@ -17,15 +17,14 @@ from fa2_testing import FLOAT32_BOUND, cu_seqlens_of, randn, rel_err
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.reference import compressed_attention, sliding_attention
-from nsa_kernels.fa2 import (
-    compressed_attention_flex,
+from nsa_kernels.common import flex
+from nsa_kernels.common.flex import compressed_attention_flex, sliding_attention_flex
+from nsa_kernels.common.intervals import compressed_intervals
+from nsa_kernels.common.sdpa import (
     compressed_attention_sdpa,
-    flex,
-    sliding_attention_flex,
+    interval_attention_sdpa,
     sliding_attention_sdpa,
 )
-from nsa_kernels.fa2.intervals import compressed_intervals
-from nsa_kernels.fa2.sdpa import interval_attention_sdpa
 
 SLIDING = {"sdpa": sliding_attention_sdpa, "flex": sliding_attention_flex}
 COMPRESSED = {"sdpa": compressed_attention_sdpa, "flex": compressed_attention_flex}
@@ -206,7 +205,7 @@ def test_flex_compiled_on_cpu_honours_block_tables(monkeypatch: pytest.MonkeyPat
     this is the CPU check that the tables hold every visible key (about a minute of compiling)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from nsa_kernels.fa2 import flex
+    from nsa_kernels.common import flex
 
     compiled = torch.compile(flex_attention)
     monkeypatch.setattr(flex, "_flex", lambda device: compiled)

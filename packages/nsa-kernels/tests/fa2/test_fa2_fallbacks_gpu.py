@@ -14,12 +14,8 @@ from fa2_testing import GRAD_FACTOR, KERNEL_BOUND, cu_seqlens_of, rel_err
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.reference import compressed_attention, sliding_attention
-from nsa_kernels.fa2 import (
-    compressed_attention_flex,
-    compressed_attention_sdpa,
-    sliding_attention_flex,
-    sliding_attention_sdpa,
-)
+from nsa_kernels.common.flex import compressed_attention_flex, sliding_attention_flex
+from nsa_kernels.common.sdpa import compressed_attention_sdpa, sliding_attention_sdpa
 
 pytestmark = [
     pytest.mark.gpu,

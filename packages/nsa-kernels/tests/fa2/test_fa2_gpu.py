@@ -29,12 +29,11 @@ pytest.importorskip(
     "flash_attn", reason="flash_attn is not installed (build it: ci/build_flash_attn.sh)"
 )
 
-from nsa_kernels.fa2 import (  # noqa: E402
-    _flash,
-    backends,
-    compressed_attention_fa2,
-    sliding_attention_fa2,
-)
+from nsa_kernels.common import flash as _flash  # noqa: E402
+from nsa_kernels.compressed.backends import backends as compressed_backends  # noqa: E402
+from nsa_kernels.compressed.fa2 import compressed_attention_fa2  # noqa: E402
+from nsa_kernels.sliding.backends import backends as sliding_backends  # noqa: E402
+from nsa_kernels.sliding.fa2 import sliding_attention_fa2  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16]
 L_CMP, D_CMP, WINDOW = 32, 16, 128
@@ -183,7 +182,7 @@ def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(
         registry, "_backends", {op: list(b) for op, b in registry._backends.items()}
     )
-    for backend in backends():
+    for backend in [*compressed_backends(), *sliding_backends()]:
         registry.register_backend(backend)
 
 

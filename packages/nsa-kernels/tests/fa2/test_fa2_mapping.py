@@ -13,16 +13,16 @@ import torch
 from fa2_testing import cu_seqlens_of
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
-from nsa_kernels.fa2.cmp_fold import dense_fold, fold_heads, unfold_heads, varlen_fold
-from nsa_kernels.fa2.flex import interval_block_tables
-from nsa_kernels.fa2.intervals import (
+from nsa_kernels.common.flex import interval_block_tables
+from nsa_kernels.common.intervals import (
     compressed_intervals,
     compressed_intervals_varlen,
     num_visible_cmp,
     sliding_intervals,
     sliding_intervals_varlen,
 )
-from nsa_kernels.fa2.sdpa import _chunks
+from nsa_kernels.common.sdpa import _chunks
+from nsa_kernels.compressed.cmp_fold import dense_fold, fold_heads, unfold_heads, varlen_fold
 
 BLOCK_CONFIGS = [(1, 1), (2, 1), (4, 2), (8, 4), (32, 16), (12, 4), (16, 16)]  # (l, d) as (cl, d)
 

@@ -9,16 +9,23 @@ import torch
 
 from nsa_core import registry
 from nsa_core.debug_log import reset_log_state
-from nsa_core.registry import OpContext, resolve
+from nsa_core.registry import Backend, OpContext, resolve
 from nsa_core.toggles import Toggles
-from nsa_kernels.fa2 import _flash, backends
-from nsa_kernels.fa2.routing import (
+from nsa_kernels.common import flash as _flash
+from nsa_kernels.common.fa2_routing import (
     FLEX_MIN_LEN,
     fa2_compressed_supports,
     fa2_sliding_supports,
     flex_supports,
     sdpa_supports,
 )
+from nsa_kernels.compressed.backends import backends as compressed_backends
+from nsa_kernels.sliding.backends import backends as sliding_backends
+
+
+def backends() -> list[Backend]:
+    """The FA-2 family's rows of both branches' tables."""
+    return [*compressed_backends(), *sliding_backends()]
 
 
 def ctx(

@@ -15,7 +15,7 @@ from nsa_core import registry
 from nsa_core.debug_log import reset_log_state
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles, reload_toggles
-from nsa_kernels.selection.backend import (
+from nsa_kernels.selected.backend import (
     DEVICE_POLICY,
     alignment_reason,
     backends,
@@ -143,7 +143,7 @@ def test_debug_hooks_log_shapes_and_parity(
     debug_env: None, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
 ) -> None:
     assert DEVICE is not None
-    from nsa_kernels.selection.backend import selected_attention_backend
+    from nsa_kernels.selected.backend import selected_attention_backend
 
     case = Case("debug", tq=20, h=1, group=2)
     gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))

@@ -1,6 +1,6 @@
 """FlexAttention fallback of the sliding and compressed branches (CUDA, compiled).
 
-Each query sees one interval of keys ``[lo[i], hi[i]]`` (:mod:`nsa_kernels.fa2.intervals`); the
+Each query sees one interval of keys ``[lo[i], hi[i]]`` (:mod:`nsa_kernels.common.intervals`); the
 mask_mod reads lo/hi and the block mask is built straight from them: a 128-query tile needs the key
 tiles between its first query's lo and its last query's hi (both non-decreasing). Nothing O(T^2)
 is materialised, and FlexAttention skips every key tile outside the band, so the sliding branch
@@ -25,10 +25,10 @@ from typing import Any
 
 import torch
 
-from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
+from nsa_core.blocks import cmp_cu_seqlens
+from nsa_core.checks import check_compressed_attention, check_sliding_attention
 from nsa_core.toggles import Toggles
-from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
-from nsa_kernels.fa2.intervals import (
+from nsa_kernels.common.intervals import (
     compressed_intervals,
     compressed_intervals_varlen,
     sliding_intervals,
@@ -193,21 +193,13 @@ def sliding_attention_flex(
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]. Varlen: B == 1,
     int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
     """
-    batch, tq, _, _, dk, _ = check_qkv(q, k, v)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    tq, dk = q.shape[1], q.shape[3]
     scale = dk**-0.5 if scale is None else scale
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, batch, tq)
-        if q_start != 0 or k.shape[1] != tq:
-            raise ValueError("varlen sliding attention needs q_start == 0 and k with q's tokens")
         lo, hi = sliding_intervals_varlen(cu_seqlens, window)
         return interval_attention_flex(q, k, v, lo, hi, scale)
     else:
-        if q_start < 0 or q_start + tq > k.shape[1]:
-            raise ValueError(
-                f"queries [{q_start}, {q_start + tq}) need keys k holds ({k.shape[1]})"
-            )
         k, v = k[:, : q_start + tq], v[:, : q_start + tq]
         key = ("sliding", tq, q_start, window, q.device)
         return _attend(
@@ -232,24 +224,15 @@ def compressed_attention_flex(
     q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv]; rows that see
     no block are 0. Varlen: B == 1, q_start == 0, k_cmp packed per ``cmp_cu_seqlens``.
     """
-    batch, tq, _, _, dk, _ = check_qkv(q, k_cmp, v_cmp, ("k_cmp", "v_cmp"))
+    check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    tq, dk = q.shape[1], q.shape[3]
     scale = dk**-0.5 if scale is None else scale
-    if cmp_stride < 1 or cmp_block % cmp_stride != 0:
-        raise ValueError(f"cmp_stride ({cmp_stride}) must divide cmp_block ({cmp_block})")
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, batch, tq)
-        if q_start != 0:
-            raise ValueError("varlen compressed attention needs q_start == 0")
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
-        if int(cmp_cu[-1]) != k_cmp.shape[1]:
-            raise ValueError(
-                f"k_cmp holds {k_cmp.shape[1]} blocks, cu_seqlens implies {int(cmp_cu[-1])}"
-            )
         lo, hi = compressed_intervals_varlen(cu_seqlens, cmp_cu, cmp_block, cmp_stride)
         return interval_attention_flex(q, k_cmp, v_cmp, lo, hi, scale)
-    seen = num_cmp_blocks(q_start + tq, cmp_block, cmp_stride) if tq else 0
-    if seen > k_cmp.shape[1]:
-        raise ValueError(f"queries see {seen} blocks, k_cmp holds {k_cmp.shape[1]}")
     key = ("compressed", tq, q_start, cmp_block, cmp_stride, k_cmp.shape[1], q.device)
     return _attend(
         q,

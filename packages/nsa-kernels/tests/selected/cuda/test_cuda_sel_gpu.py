@@ -13,7 +13,11 @@ from cuda_sel_testing import messy_indices, nsa_like_indices
 
 from nsa_core.blocks import num_sel_blocks
 from nsa_core.reference import selected_attention
-from nsa_kernels.cuda_sel import build_unavailable_reason, load_extension, selected_attention_cuda
+from nsa_kernels.selected.cuda import (
+    build_unavailable_reason,
+    load_extension,
+    selected_attention_cuda,
+)
 
 pytestmark = [
     pytest.mark.cuda,

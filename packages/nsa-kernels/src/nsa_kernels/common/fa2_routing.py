@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels.fa2._flash import unsupported_reason
-from nsa_kernels.fa2.flex import flex_missing_reason
+from nsa_kernels.common.flash import unsupported_reason
+from nsa_kernels.common.flex import flex_missing_reason
 
 # Where the compiled FlexAttention takes over from the chunked SDPA, for both branches. Measured
 # with `nsa-bench fa2` (docs/fa2.md; H100, torch 2.11, HQ=64, H=4, bf16, masks cached): ahead from

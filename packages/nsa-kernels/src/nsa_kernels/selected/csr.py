@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nsa_kernels.selection.kernels import RED_FIELDS, SEG_FIELDS
+from nsa_kernels.selected.kernels import RED_FIELDS, SEG_FIELDS
 
 
 @dataclass(frozen=True)

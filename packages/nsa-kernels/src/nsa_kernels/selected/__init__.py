@@ -12,14 +12,14 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "SelConfig": "nsa_kernels.selection.function",
-    "selected_attention_triton": "nsa_kernels.selection.function",
-    "selected_attention_fwd": "nsa_kernels.selection.function",
-    "selected_attention_bwd": "nsa_kernels.selection.function",
-    "build_block_csr": "nsa_kernels.selection.csr",
-    "sel_attn_fwd_dense": "nsa_kernels.selection.quick",
-    "sel_attn_fwd_varlen": "nsa_kernels.selection.quick",
-    "backends": "nsa_kernels.selection.backend",
+    "SelConfig": "nsa_kernels.selected.function",
+    "selected_attention_triton": "nsa_kernels.selected.function",
+    "selected_attention_fwd": "nsa_kernels.selected.function",
+    "selected_attention_bwd": "nsa_kernels.selected.function",
+    "build_block_csr": "nsa_kernels.selected.csr",
+    "sel_attn_fwd_dense": "nsa_kernels.selected.quick",
+    "sel_attn_fwd_varlen": "nsa_kernels.selected.quick",
+    "backends": "nsa_kernels.selected.backend",
 }
 
 __all__ = sorted(_EXPORTS)

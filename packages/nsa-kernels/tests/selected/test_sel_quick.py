@@ -11,7 +11,7 @@ from sel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
 
-from nsa_kernels.selection.quick import sel_attn_fwd_dense, sel_attn_fwd_varlen  # noqa: E402
+from nsa_kernels.selected.quick import sel_attn_fwd_dense, sel_attn_fwd_varlen  # noqa: E402
 
 
 def _gen(request: pytest.FixtureRequest) -> torch.Generator:

@@ -25,13 +25,13 @@ from nsa_core.checks import (
     check_q_start,
 )
 from nsa_core.toggles import get_toggles
-from nsa_kernels.selection.csr import (
+from nsa_kernels.selected.csr import (
     BlockCSR,
     build_block_csr,
     build_dkv_work,
     default_segment_tokens,
 )
-from nsa_kernels.selection.kernels import (
+from nsa_kernels.selected.kernels import (
     LOG2E,
     RED_FIELDS,
     SEG_FIELDS,

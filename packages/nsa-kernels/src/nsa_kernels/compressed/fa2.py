@@ -1,10 +1,11 @@
 """Compressed branch on FlashAttention-2: one causal call over the folded queries.
 
-:mod:`nsa_kernels.fa2.cmp_fold` explains the mapping: queries shifted by one and folded d to a row
-(the d slots of a row go into the head dimension) see a causal prefix of the compressed keys, which
-is FA-2's bottom-right causal mask. Queries that see no block land on rows FA-2 masks completely;
-FA-2 writes zeros for such rows (its softmax keeps a zero row sum at scale 1, and the log-sum-exp
-it stores for them, +inf, makes their backward contribution zero), so no NaN can appear.
+:mod:`nsa_kernels.compressed.cmp_fold` explains the mapping: queries shifted by one and folded
+d to a row (the d slots of a row go into the head dimension) see a causal prefix of the
+compressed keys, which is FA-2's bottom-right causal mask. Queries that see no block land on
+rows FA-2 masks completely; FA-2 writes zeros for such rows (its softmax keeps a zero row sum
+at scale 1, and the log-sum-exp it stores for them, +inf, makes their backward contribution
+zero), so no NaN can appear.
 
 NSA_FA2_FORCE_VARLEN sends dense inputs through ``flash_attn_varlen_func``; NSA_FA2_FORCE_DENSE
 sends packed inputs through ``flash_attn_func`` on a zero-padded [S, rows] batch.
@@ -15,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from nsa_core.checks import check_compressed_attention
 from nsa_core.toggles import Toggles, get_toggles
-from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
-from nsa_kernels.fa2._flash import fa2_dense, fa2_varlen
-from nsa_kernels.fa2.cmp_fold import dense_fold, fold_heads, unfold_heads, varlen_fold
+from nsa_kernels.common.flash import fa2_dense, fa2_varlen
+from nsa_kernels.compressed.cmp_fold import dense_fold, fold_heads, unfold_heads, varlen_fold
 
 
 def _batch_offsets(batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -43,16 +44,17 @@ def compressed_attention_fa2(
     zero for rows that see no block. Varlen: B == 1, int32 cu_seqlens [S+1] over tokens,
     q_start == 0, k_cmp packed per sequence as ``nsa_core.blocks.cmp_cu_seqlens`` says.
     """
-    batch, tq, hq, h, dk, dv = check_qkv(q, k_cmp, v_cmp, ("k_cmp", "v_cmp"))
+    check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    batch, tq, hq, dk = q.shape
+    h, dv = k_cmp.shape[2], v_cmp.shape[3]
     scale = dk**-0.5 if scale is None else scale
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
     toggles = get_toggles() if toggles is None else toggles
     d = cmp_stride
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, batch, tq)
-        if q_start != 0:
-            raise ValueError("varlen compressed attention needs q_start == 0")
         return _varlen(q, k_cmp, v_cmp, cu_seqlens, cmp_block, d, scale, toggles.fa2_force_dense)
 
     fold = dense_fold(tq, q_start, cmp_block, d)

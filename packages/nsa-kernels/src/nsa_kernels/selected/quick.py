@@ -11,7 +11,7 @@ import itertools
 
 import torch
 
-from nsa_kernels.selection.kernels import LOG2E, quick_fwd_kernel
+from nsa_kernels.selected.kernels import LOG2E, quick_fwd_kernel
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -8,7 +8,7 @@ from sel_testlib import DEVICE, SKIP_REASON
 
 pytest.importorskip("triton")
 
-from nsa_kernels.selection.function import (
+from nsa_kernels.selected.function import (
     SelConfig,
     parse_config,
     unique_block_rows,

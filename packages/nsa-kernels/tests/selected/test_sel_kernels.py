@@ -27,7 +27,7 @@ from sel_testlib import (
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
 
-from nsa_kernels.selection.function import (  # noqa: E402
+from nsa_kernels.selected.function import (  # noqa: E402
     SelConfig,
     selected_attention_fwd,
     selected_attention_triton,

@@ -8,10 +8,10 @@ from cuda_sel_testing import nsa_like_indices
 
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels import cuda_sel
-from nsa_kernels.cuda_sel import backends, cuda_sel_supports, selected_attention_cuda
-from nsa_kernels.cuda_sel.build import CSRC, SOURCES
-from nsa_kernels.cuda_sel.selected import sequence_starts
+from nsa_kernels.selected import cuda as cuda_sel
+from nsa_kernels.selected.cuda import backends, cuda_sel_supports, selected_attention_cuda
+from nsa_kernels.selected.cuda.build import CSRC, SOURCES
+from nsa_kernels.selected.cuda.selected import sequence_starts
 
 
 def ctx(

@@ -184,7 +184,7 @@ def selected_attention_backend(
     toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """The registered ``fn``: :func:`selected_attention_triton` plus the debug hooks."""
-    from nsa_kernels.selection.function import kv_bytes_read, selected_attention_triton
+    from nsa_kernels.selected.function import kv_bytes_read, selected_attention_triton
 
     toggles = get_toggles() if toggles is None else toggles
     _log_device(q.device)

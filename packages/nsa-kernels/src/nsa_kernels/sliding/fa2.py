@@ -16,9 +16,9 @@ import itertools
 
 import torch
 
+from nsa_core.checks import check_sliding_attention
 from nsa_core.toggles import Toggles, get_toggles
-from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
-from nsa_kernels.fa2._flash import fa2_dense, fa2_varlen
+from nsa_kernels.common.flash import fa2_dense, fa2_varlen
 
 
 def _batch_offsets(batch: int, length: int, device: torch.device) -> torch.Tensor:
@@ -41,17 +41,15 @@ def sliding_attention_fa2(
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv] (q's dtype).
     Varlen: B == 1, int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
     """
-    batch, tq, hq, h, dk, dv = check_qkv(q, k, v)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    batch, tq, hq, dk = q.shape
+    h, dv = k.shape[2], v.shape[3]
     scale = dk**-0.5 if scale is None else scale
     toggles = get_toggles() if toggles is None else toggles
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
     if cu_seqlens is not None:
-        lengths = check_cu_seqlens(cu_seqlens, batch, tq)
-        if q_start != 0 or k.shape[1] != tq:
-            raise ValueError("varlen sliding attention needs q_start == 0 and k with q's tokens")
+        lengths = [int(x) for x in cu_seqlens.tolist()]
         max_len = max(b - a for a, b in itertools.pairwise(lengths))
         if toggles.fa2_force_dense:
             return _varlen_as_dense(q, k, v, cu_seqlens, max_len, window, scale)
@@ -60,8 +58,6 @@ def sliding_attention_fa2(
         ).unsqueeze(0)
 
     tk = q_start + tq
-    if q_start < 0 or tk > k.shape[1]:
-        raise ValueError(f"queries [{q_start}, {tk}) need keys k holds ({k.shape[1]})")
     k, v = k[:, :tk], v[:, :tk]
     if toggles.fa2_force_varlen:
         out = fa2_varlen(

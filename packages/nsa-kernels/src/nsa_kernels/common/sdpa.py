@@ -1,6 +1,6 @@
 """Torch SDPA fallback of the sliding and compressed branches: one masked SDPA call per query chunk.
 
-Each query sees one interval of keys (:mod:`nsa_kernels.fa2.intervals`), and the intervals move
+Each query sees one interval of keys (:mod:`nsa_kernels.common.intervals`), and the intervals move
 forward with the queries, so a chunk of C queries needs only the keys between its first query's lo
 and its last query's hi. The mask of a chunk is [C, span]: memory stays O(T * w) for the sliding
 branch and O(C * N) per chunk for the compressed one, never O(T^2).
@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from nsa_core.blocks import cmp_cu_seqlens
+from nsa_core.checks import check_compressed_attention, check_sliding_attention
 from nsa_core.toggles import Toggles
-from nsa_kernels.fa2._checks import check_cu_seqlens, check_qkv
-from nsa_kernels.fa2.intervals import (
+from nsa_kernels.common.intervals import (
     compressed_intervals,
     compressed_intervals_varlen,
     sliding_intervals,
@@ -119,20 +119,12 @@ def sliding_attention_sdpa(
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]. Varlen: B == 1,
     int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
     """
-    batch, tq, _, _, dk, _ = check_qkv(q, k, v)
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
+    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    tq, dk = q.shape[1], q.shape[3]
     scale = dk**-0.5 if scale is None else scale
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, batch, tq)
-        if q_start != 0 or k.shape[1] != tq:
-            raise ValueError("varlen sliding attention needs q_start == 0 and k with q's tokens")
         lo, hi = sliding_intervals_varlen(cu_seqlens, window)
     else:
-        if q_start < 0 or q_start + tq > k.shape[1]:
-            raise ValueError(
-                f"queries [{q_start}, {q_start + tq}) need keys k holds ({k.shape[1]})"
-            )
         lo, hi = sliding_intervals(tq, q_start, window, q.device)
     return interval_attention_sdpa(q, k, v, lo, hi, scale)
 
@@ -154,22 +146,14 @@ def compressed_attention_sdpa(
     q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv]; rows that see
     no block are 0. Varlen: B == 1, q_start == 0, k_cmp packed per ``cmp_cu_seqlens``.
     """
-    batch, tq, _, _, dk, _ = check_qkv(q, k_cmp, v_cmp, ("k_cmp", "v_cmp"))
+    check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    tq, dk = q.shape[1], q.shape[3]
     scale = dk**-0.5 if scale is None else scale
-    if cmp_stride < 1 or cmp_block % cmp_stride != 0:
-        raise ValueError(f"cmp_stride ({cmp_stride}) must divide cmp_block ({cmp_block})")
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, batch, tq)
-        if q_start != 0:
-            raise ValueError("varlen compressed attention needs q_start == 0")
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
-        if int(cmp_cu[-1]) != k_cmp.shape[1]:
-            raise ValueError(
-                f"k_cmp holds {k_cmp.shape[1]} blocks, cu_seqlens implies {int(cmp_cu[-1])}"
-            )
         lo, hi = compressed_intervals_varlen(cu_seqlens, cmp_cu, cmp_block, cmp_stride)
     else:
         lo, hi = compressed_intervals(tq, q_start, cmp_block, cmp_stride, q.device)
-        if tq and int(hi[-1]) >= k_cmp.shape[1]:
-            raise ValueError(f"queries see {int(hi[-1]) + 1} blocks, k_cmp holds {k_cmp.shape[1]}")
     return interval_attention_sdpa(q, k_cmp, v_cmp, lo, hi, scale)

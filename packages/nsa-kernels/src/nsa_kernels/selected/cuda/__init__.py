@@ -1,7 +1,7 @@
 """Experimental CUDA C++ kernel for the selected branch (forward only), behind NSA_USE_CUDA_SEL.
 
 :func:`selected_attention_cuda` has the signature of nsa-core's ``selected_attention``; the kernel
-is compiled on first use (:mod:`nsa_kernels.cuda_sel.build`). :func:`backends` lists it for the
+is compiled on first use (:mod:`nsa_kernels.selected.cuda.build`). :func:`backends` lists it for the
 registry as backend ``cuda_sel`` of op ``selected_attention``.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels.cuda_sel.build import build_unavailable_reason, load_extension
-from nsa_kernels.cuda_sel.selected import (
+from nsa_kernels.selected.cuda.build import build_unavailable_reason, load_extension
+from nsa_kernels.selected.cuda.selected import (
     CUDA_SEL_DTYPES,
     CUDA_SEL_MAX_HEAD_DIM,
     selected_attention_cuda,

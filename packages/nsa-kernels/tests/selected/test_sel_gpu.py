@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")
 
 from nsa_core.reference.selected_attention import selected_attention  # noqa: E402
-from nsa_kernels.selection.function import selected_attention_triton  # noqa: E402
-from nsa_kernels.selection.quick import sel_attn_fwd_dense, sel_attn_fwd_varlen  # noqa: E402
+from nsa_kernels.selected.function import selected_attention_triton  # noqa: E402
+from nsa_kernels.selected.quick import sel_attn_fwd_dense, sel_attn_fwd_varlen  # noqa: E402
 
 SEL = 64
 
@@ -200,7 +200,7 @@ def test_forward_load_paths_match_reference(
     variant: str, group: int, q_start: int, request: pytest.FixtureRequest
 ) -> None:
     """TMA and pointer K/V loads vs the reference, and the two paths' lse against each other."""
-    from nsa_kernels.selection.function import parse_config, selected_attention_fwd
+    from nsa_kernels.selected.function import parse_config, selected_attention_fwd
 
     gen = _gen(request)
     batch, tq, h, d, n = 2, 1536, 2, 128, 16

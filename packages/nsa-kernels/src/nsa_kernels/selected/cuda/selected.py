@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nsa_core.toggles import Toggles
-from nsa_kernels.cuda_sel.build import load_extension
+from nsa_kernels.selected.cuda.build import load_extension
 
 CUDA_SEL_DTYPES = (torch.float16, torch.bfloat16)
 CUDA_SEL_MAX_HEAD_DIM = 256

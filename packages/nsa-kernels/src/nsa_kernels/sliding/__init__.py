@@ -1,0 +1,1 @@
+"""The sliding branch (docs/spec.md, "Sliding branch"): its GPU backends."""
