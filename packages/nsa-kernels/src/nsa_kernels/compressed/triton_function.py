@@ -334,8 +334,11 @@ def _num_sms(device: torch.device) -> int:
     return 4
 
 
-def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, device: torch.device) -> int:
+def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, num_sms: int) -> int:
     """Query rows per dk/dv program: cfg.dkv_segment, or from the work and the SM count.
+
+    Without a setting: the (query row, key tile) pairs over DKV_PROGRAMS_PER_SM * num_sms
+    programs, a multiple of ``tokens`` (rows per step), at least MIN_SEGMENT_ROWS.
 
     The work is the number of (query row, key tile) pairs of one sequence of ``tq`` rows (for
     packed sequences an overestimate: it treats them as one sequence, which splits less).
@@ -349,7 +352,7 @@ def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, device: torch.devic
         first = tile * bn * info.cmp_stride + info.cmp_block - 1 - info.q_start
         pairs += max(0, rows - max(0, first))
     work = pairs * info.batch * info.h
-    seg = max(MIN_SEGMENT_ROWS, -(-work // (DKV_PROGRAMS_PER_SM * _num_sms(device))))
+    seg = max(MIN_SEGMENT_ROWS, -(-work // (DKV_PROGRAMS_PER_SM * num_sms)))
     seg = -(-seg // tokens) * tokens
     return min(seg, max(rows, 1))
 
@@ -396,7 +399,7 @@ def _bwd(
     bn = cfg.dkv_block_n
     layout = row_tiles(info.group, cfg.dkv_block_m)
     tiles, num_tiles = _key_tiles(info, bn, q.device)
-    seg = segment_rows(info, cfg, layout.tokens, q.device)
+    seg = segment_rows(info, cfg, layout.tokens, _num_sms(q.device))
     num_segs = max(1, -(-info.tq // seg))
     parts = num_tiles * info.h * num_segs if num_segs > 1 else 1
     dk_part = torch.empty(parts, bn, info.bk, dtype=torch.float32, device=q.device)
