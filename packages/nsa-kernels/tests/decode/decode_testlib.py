@@ -57,7 +57,7 @@ def small_config(
     window: int = 24,
     num_selected: int = 4,
 ) -> NSAConfig:
-    """l=8, d=4, l'=16: selection block j takes compressed blocks 4j-1 .. 4j+3, weights 1,2,2,2,1."""
+    """l=8, d=4, l'=16: selection block j takes compressed blocks 4j-1 .. 4j+3 (1,2,2,2,1)."""
     return NSAConfig(
         num_q_heads=heads * group,
         num_kv_heads=heads,

@@ -1,0 +1,101 @@
+"""DecodeState construction and argument checks (no kernel launches: plain torch on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_testlib import ReferenceDecoder, Stream, assert_same_cache, small_config
+
+pytest.importorskip("triton")
+
+from nsa_core import NSAAttention, NSAConfig  # noqa: E402
+from nsa_kernels.decode import (  # noqa: E402
+    DecodeKernelConfig,
+    DecodePlan,
+    DecodeState,
+    StepInputs,
+    decode_step,
+)
+
+F32 = torch.float32
+
+
+def test_from_prefixes_holds_what_the_reference_cache_holds() -> None:
+    """Ragged prefixes (0, 1, block and window edges) land where decode expects them."""
+    cfg = small_config(2)
+    lengths = [0, 1, 7, 8, 24, 25, 61]
+    gen = torch.Generator().manual_seed(1)
+    stream = Stream.random(cfg, len(lengths), 64, gen, dtype=F32, device="cpu")
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, capacity=70)
+    ref = ReferenceDecoder(cfg, stream, lengths)
+    assert state.lengths() == lengths
+    for b, cache in enumerate(ref.caches):
+        assert_same_cache(state.to_cache(b), cache, 1e-6, f"seq {b}")
+        assert int(state.num_cmp[b]) == cache.num_cmp
+
+
+def test_from_cache_round_trip() -> None:
+    """A prefill's NSACache -> DecodeState -> NSACache is the identity."""
+    cfg = small_config(2)
+    torch.manual_seed(0)
+    layer = NSAAttention(cfg, hidden_size=16)
+    with torch.no_grad():
+        _, cache = layer.prefill(torch.randn(3, 37, 16))
+    state = DecodeState.from_cache(cache, capacity=50)
+    assert state.lengths() == [37, 37, 37]
+    for b in range(3):
+        one = state.to_cache(b)
+        want = cache.state()
+        for name, x in one.state().items():
+            assert torch.equal(x, want[name][b : b + 1]), name
+
+
+def test_snapshot_restore_and_clone() -> None:
+    cfg = small_config(1)
+    state = DecodeState.empty(cfg, 2, 10, device="cpu", dtype=F32)
+    saved = state.snapshot_counters()
+    copy = state.clone()
+    state.cache_seqlens += 3
+    state.num_cmp += 1
+    copy.k_slc += 1
+    assert torch.equal(copy.cache_seqlens, torch.zeros(2, dtype=torch.int32))
+    assert not torch.equal(copy.k_slc, state.k_slc)
+    state.restore_counters(saved)
+    assert state.lengths() == [0, 0]
+    assert state.num_cmp.tolist() == [0, 0]
+
+
+def test_bad_arguments() -> None:
+    cfg = small_config(2)
+    gen = torch.Generator().manual_seed(2)
+    stream = Stream.random(cfg, 2, 10, gen, dtype=F32, device="cpu")
+    with pytest.raises(ValueError, match="lengths"):
+        DecodeState.from_prefixes(cfg, stream.k, stream.v, [3, 11], capacity=20)
+    with pytest.raises(ValueError, match="lengths for a batch"):
+        DecodeState.from_prefixes(cfg, stream.k, stream.v, [3], capacity=20)
+    with pytest.raises(ValueError, match="needs phi_k"):
+        DecodeState.from_prefixes(
+            small_config(2, phi="mlp"), stream.k, stream.v, [3, 4], capacity=20
+        )
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, [3, 4], capacity=20)
+    good = stream.inputs_at([3, 4])
+    bad_shape = StepInputs(**{**good.__dict__, "q": good.q[:, :1]})
+    with pytest.raises(ValueError, match="q .* must be"):
+        decode_step(state, bad_shape)
+    bad_dtype = StepInputs(**{**good.__dict__, "gates": good.gates.double()})
+    with pytest.raises(TypeError, match="gates dtype"):
+        decode_step(state, bad_dtype)
+    with pytest.raises(ValueError, match="pass no phi_k"):
+        decode_step(state, good, phi_k=lambda x: x[..., 0, :], phi_v=lambda x: x[..., 0, :])
+    other = DecodeState.empty(cfg, 2, 30, device="cpu", dtype=F32)
+    with pytest.raises(ValueError, match="another state geometry"):
+        decode_step(state, good, plan=DecodePlan(other))
+    with pytest.raises(ValueError, match="power of two"):
+        DecodePlan(state, DecodeKernelConfig(cmp_tile=24))
+    odd = NSAConfig(
+        num_q_heads=2, num_kv_heads=1, head_dim_qk=16, head_dim_v=16, cmp_block=8,
+        cmp_stride=4, sel_block=12, num_selected=3, window=8,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="sel_block / cmp_stride a power of two"):
+        DecodePlan(DecodeState.empty(odd, 1, 16, device="cpu", dtype=F32))
+    assert state.lengths() == [3, 4], "a refused step must leave the state alone"

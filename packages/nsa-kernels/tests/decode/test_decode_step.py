@@ -1,0 +1,247 @@
+"""The fused decode step against nsa_core's reference, on small shapes.
+
+Runs on CPU under TRITON_INTERPRET=1 (CI) or on a CUDA GPU, in float32: outputs are held to the
+float32 bound of docs/spec.md against the float64 reference (prefill path: the ops over the
+prefix at q_start = t; decode path: an NSACache advanced token by token), indices to the top-n
+contract of step.py, reads to the formula. l=8, d=4, l'=16, n=4, w=24 (decode_testlib).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from decode_testlib import (
+    BOUND,
+    DEVICE,
+    SKIP_REASON,
+    ReferenceDecoder,
+    Stream,
+    assert_same_cache,
+    check_reads,
+    check_step,
+    rel_err,
+    small_config,
+)
+
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
+pytest.importorskip("triton")
+
+from nsa_core import NSAAttention, NSAConfig  # noqa: E402
+from nsa_core.reference import CompressMLP  # noqa: E402
+from nsa_kernels.decode import (  # noqa: E402
+    DecodeKernelConfig,
+    DecodePlan,
+    DecodeState,
+    StepInputs,
+    block_phi,
+    decode_step,
+)
+
+F32 = torch.float32
+DEV = DEVICE or "cpu"
+# Splits as thin as the tiles allow (every split-K path with several partials) ...
+THIN = DecodeKernelConfig(
+    cmp_tile=16,
+    cmp_chunk_tiles=1,
+    window_tile=16,
+    window_chunk=16,
+    sel_tile=16,
+    sel_splits=4,
+    score_chunk=16,
+    combine_tile=2,
+    combine_heads=1,
+)
+# ... and as fat (one program per branch and (sequence, kv head)): fewer interpreted programs.
+FAT = DecodeKernelConfig(
+    cmp_tile=64,
+    cmp_chunk_tiles=4,
+    window_tile=32,
+    window_chunk=32,
+    sel_tile=16,
+    sel_splits=1,
+    score_chunk=32,
+    combine_heads=16,
+)
+
+
+def _gen(request: pytest.FixtureRequest) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _run_steps(
+    cfg: NSAConfig,
+    lengths: list[int],
+    steps: int,
+    kernel_cfg: DecodeKernelConfig,
+    gen: torch.Generator,
+    *,
+    phi: tuple[torch.nn.Module, torch.nn.Module] | None = None,
+    capacity: int = 160,
+) -> tuple[int, int]:
+    """``steps`` steps of a ragged batch, each checked against both reference paths."""
+    stream = Stream.random(cfg, len(lengths), max(lengths) + steps, gen, dtype=F32, device=DEV)
+    phi_k = phi_v = None
+    ref_phi_k = ref_phi_v = None
+    if phi is not None:
+        ref_phi_k, ref_phi_v = phi
+        phi_k, phi_v = block_phi(ref_phi_k), block_phi(ref_phi_v)
+    state = DecodeState.from_prefixes(
+        cfg, stream.k, stream.v, lengths, capacity, phi_k=phi_k, phi_v=phi_v
+    )
+    plan = DecodePlan(state, kernel_cfg)
+    ref = ReferenceDecoder(cfg, stream, lengths, ref_phi_k, ref_phi_v)
+    exact = ties = 0
+    for s in range(steps):
+        positions = [n + s for n in lengths]
+        out = decode_step(state, stream.inputs_at(positions), phi_k=phi_k, phi_v=phi_v, plan=plan)
+        assert state.lengths() == [t + 1 for t in positions]
+        e, t = check_step(cfg, stream, positions, out, BOUND[F32], phi_k=ref_phi_k, phi_v=ref_phi_v)
+        exact, ties = exact + e, ties + t
+        for b in range(len(lengths)):
+            o_ref = ref.step(b, out.indices[b])
+            err = rel_err(out.o[b], o_ref)
+            assert err <= BOUND[F32], f"seq {b} step {s}: decode-path rel err {err:.3g}"
+    for b in range(len(lengths)):
+        assert_same_cache(state.to_cache(b), ref.caches[b], 1e-6, f"seq {b}")
+    return exact, ties
+
+
+@pytest.mark.parametrize(
+    ("group", "kernel_cfg"),
+    [(1, THIN), (3, THIN), (16, FAT)],
+    ids=["g1_thin", "g3_thin", "g16_fat"],
+)
+def test_ragged_steps_match_reference(
+    group: int, kernel_cfg: DecodeKernelConfig, request: pytest.FixtureRequest
+) -> None:
+    """Lengths 0, 1, 45 and 117 in one batch, 5 steps each.
+
+    Every sequence completes a compressed block within 4 steps (d=4); 45 -> 49 crosses a
+    selection block boundary (48); 117 has 8 valid blocks for n=4 slots, so top-n chooses.
+    """
+    cfg = small_config(group)
+    exact, ties = _run_steps(cfg, [0, 1, 45, 117], 5, kernel_cfg, _gen(request))
+    assert exact >= 0.9 * (exact + ties), f"only {exact} of {exact + ties} rows checked exactly"
+
+
+def test_long_selection_many_candidates(request: pytest.FixtureRequest) -> None:
+    """Several scoring chunks and candidates merged across them (16 selection blocks per chunk).
+
+    n=6 of up to 16 valid blocks, with score chunks of 16 and compressed chunks of one tile.
+    """
+    cfg = small_config(2, num_selected=6)
+    kernel_cfg = DecodeKernelConfig(
+        cmp_tile=16, cmp_chunk_tiles=2, score_chunk=16, sel_splits=2, combine_heads=2
+    )
+    exact, ties = _run_steps(cfg, [200, 255], 3, kernel_cfg, _gen(request), capacity=300)
+    assert exact >= 0.9 * (exact + ties)
+
+
+def test_head_dims_192_128(request: pytest.FixtureRequest) -> None:
+    """dk = 192 (a padded tile of 256) with dv = 128."""
+    cfg = small_config(2, dk=192, dv=128)
+    _run_steps(cfg, [30, 61], 2, FAT, _gen(request), capacity=80)
+
+
+def test_learned_phi(request: pytest.FixtureRequest) -> None:
+    """phi = an MLP, run every step on the device and written where a block completes."""
+    gen = _gen(request)
+    cfg = small_config(2, phi="mlp")
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    phi_k = CompressMLP(cfg.head_dim_qk, cfg.cmp_block).to(DEV)
+    phi_v = CompressMLP(cfg.head_dim_v, cfg.cmp_block).to(DEV)
+    _run_steps(cfg, [7, 22], 5, FAT, gen, phi=(phi_k, phi_v), capacity=40)
+
+
+def test_ties_go_to_the_lower_block(request: pytest.FixtureRequest) -> None:
+    """Equal compressed keys give equal scores to every block with a full band: the kernel
+    must pick the lowest such blocks, as the reference's stable sort does."""
+    gen = _gen(request)
+    cfg = small_config(2, num_selected=5)
+    lengths = [150, 97]
+    stream = Stream.random(cfg, 2, 160, gen, dtype=F32, device=DEV)
+    # One key for every token, and q and that key on a grid of 1/4: every sum of products is
+    # exact in float32, so the logits are bit-equal in any summation order.
+    stream.k["cmp"][:] = torch.round(stream.k["cmp"][:, :1] * 4) / 4
+    stream.q.copy_(torch.round(stream.q * 4) / 4)
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 160)
+    out = decode_step(state, stream.inputs_at(lengths), plan=DecodePlan(state, THIN))
+    for b, t in enumerate(lengths):
+        jt = t // cfg.sel_block
+        # Forced {0, jt-1, jt}; blocks 1, 2 have full bands and the lowest j among the ties.
+        want = [0, 1, 2, jt - 1, jt]
+        for h in range(cfg.num_kv_heads):
+            assert out.indices[b, h].tolist() == want, (b, h, out.indices[b, h].tolist())
+    check_step(cfg, stream, lengths, out, BOUND[F32])
+
+
+def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:
+    """Thin and fat splits give the same indices and outputs within float32 rounding, and the
+    same split run twice from the same state gives the same bits (fixed combine order)."""
+    gen = _gen(request)
+    cfg = small_config(3)
+    lengths = [90, 33, 130]
+    stream = Stream.random(cfg, 3, 140, gen, dtype=F32, device=DEV)
+    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 140)
+    inputs = stream.inputs_at(lengths)
+    outs = []
+    for kernel_cfg in (THIN, FAT, THIN):
+        state = base.clone()
+        outs.append(decode_step(state, inputs, plan=DecodePlan(state, kernel_cfg)))
+    thin, fat, thin_again = outs
+    assert torch.equal(thin.indices, fat.indices)
+    assert torch.equal(thin.reads, fat.reads)
+    assert rel_err(thin.o, fat.o) <= 1e-6
+    assert torch.equal(thin.o, thin_again.o) and torch.equal(thin.indices, thin_again.indices)
+
+
+def test_matches_layer_prefill_and_decode(request: pytest.FixtureRequest) -> None:
+    """From NSAAttention.prefill's cache (equal lengths): each step's projected output equals
+    NSAAttention.decode's and the reads equal its DecodeStats."""
+    gen = _gen(request)
+    cfg = small_config(2)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = NSAAttention(cfg, hidden_size=32).to(DEV)
+    x = torch.randn(2, 44, 32, generator=gen).to(DEV)
+    with torch.no_grad():
+        _, cache = layer.prefill(x[:, :40], capacity=44)
+        state = DecodeState.from_cache(cache, capacity=44)
+        plan = DecodePlan(state, FAT)
+        for t in range(40, 44):
+            x_t = x[:, t : t + 1]
+            inp = layer.branch_inputs(x_t, torch.tensor([t], device=DEV))
+            step_in = StepInputs(
+                q=inp.q[:, 0],
+                k_cmp=inp.k["cmp"][:, 0],
+                v_cmp=inp.v["cmp"][:, 0],
+                k_slc=inp.k["slc"][:, 0],
+                v_slc=inp.v["slc"][:, 0],
+                k_win=inp.k["win"][:, 0],
+                v_win=inp.v["win"][:, 0],
+                gates=inp.gates[:, 0],
+            )
+            out = decode_step(state, step_in, plan=plan)
+            y = layer.o_proj(out.o.flatten(1))
+            y_ref, stats = layer.decode(x_t, cache)
+            err = rel_err(y, y_ref[:, 0])
+            assert err <= BOUND[F32], f"t={t}: rel err {err:.3g}"
+            assert torch.equal(out.reads_cmp.cpu(), stats.reads_cmp.cpu().int())
+            assert torch.equal(out.reads_slc.cpu(), stats.reads_slc.cpu().int())
+            assert torch.equal(out.reads_win.cpu(), stats.reads_win.cpu().int())
+            for b in range(2):
+                check_reads(cfg, out, b, t)
+
+
+def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None:
+    """A sequence at capacity is not advanced and is flagged; the others go on."""
+    gen = _gen(request)
+    cfg = small_config(1)
+    stream = Stream.random(cfg, 2, 20, gen, dtype=F32, device=DEV)
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, [20, 5], capacity=20)
+    decode_step(state, stream.inputs_at([19, 5]), plan=DecodePlan(state, FAT))
+    assert state.lengths() == [20, 6]
+    assert state.overflow.tolist() == [1, 0]
+    with pytest.raises(RuntimeError, match=r"sequences \[0\] reached the capacity"):
+        state.check_capacity()
