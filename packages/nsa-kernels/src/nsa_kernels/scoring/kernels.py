@@ -1,0 +1,322 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""The block-scoring kernel: compressed probabilities -> selection scores -> top-n, on chip.
+
+Notation (docs/spec.md, "Selection scores", "Choosing blocks"): compressed block i covers tokens
+``[i*d, i*d + l)``, selection block j covers ``[j*l', (j+1)*l')``; a query at position t sees
+block i iff ``i*d + l - 1 <= t``. With r = l'/d and L = l/d, block i = j*r + m (phase m < r) is
+*owned* by selection block j and overlaps blocks j, j+1, ..., j+Q; its weight for block j + q
+depends on (q, m) only: ``w[q, m]`` (function.phase_weights), Q = (L + r - 2) // r. So
+
+    S[t, j] = sum_q sum_m w[q, m] * P[t, (j - q)*r + m],   P[t, i] = sum_g p[t, g, i].
+
+One program serves BT query tokens x GP heads of one kv head (BM = BT * GP rows, row
+``tok * GP + g``, GP = G padded to a power of two) and walks the selection blocks in tiles of BS:
+a tile loads the compressed keys its blocks own, ``(j0 + s) * r + m`` for s < BS, m < RP (r
+padded to a power of two, masked), as the BS * RP columns of one ``tl.dot``. Then, all in
+registers: p = exp2(logit - lse), a reshape to [BT, GP, BS, RP] sums the heads and weighs the
+phases, the q > 0 terms come from the same sums shifted by q selection blocks (the first ones
+from the previous tile, carried), and the tile's scores merge into a running top-n per token.
+Nothing of size T x N_cmp or T x Nsel is written; the output is the n indices and the count.
+
+Softmax runs in base 2 (``qk_scale = scale * log2 e``); the normaliser is the lse argument
+(natural log, converted) or, without it, a first pass over the visible blocks (online max/sum).
+
+Ties: equal keys give bit-equal logits (every column of a ``tl.dot`` is the same dot product
+of its operands), every later step treats all columns and all blocks alike (the same reductions
+in the same order; the shifts only move values, exactly), so equal inputs give bit-equal scores
+wherever they sit. A score and its block pack into one int64 key ``bits(S) << 32 | (2^31-1-j)``
+(S >= 0, so its bits order like its value): sorting keys descending orders by score, ties to
+the lower j.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)
+# The low half of a key holds j ^ _LOW = 2^31 - 1 - j (j < 2^31): larger for lower j.
+_LOW = tl.constexpr(0x7FFFFFFF)
+
+
+@triton.jit
+def _bitonic(
+    x,
+    LOG_ROWS: tl.constexpr,
+    LOG_N: tl.constexpr,
+    DESCENDING: tl.constexpr,
+    MERGE_ONLY: tl.constexpr,
+):
+    """x [2^LOG_ROWS, 2^LOG_N] integers, each row sorted (MERGE_ONLY: each row bitonic, merged).
+
+    The bitonic network of ``tl.sort`` on the [2] * n hypercube view, written out here with
+    integer sums for the partner exchange: (a + b) - a == b holds exactly in wrapping integer
+    arithmetic, and sums and min/max are plain reductions (the Triton interpreter runs them
+    natively, unlike the custom-combine reduction ``tl.sort`` uses).
+    """
+    N_DIMS: tl.constexpr = LOG_ROWS + LOG_N
+    h = tl.reshape(x, [2] * N_DIMS)
+    for stage in tl.static_range(LOG_N if MERGE_ONLY else 1, LOG_N + 1):
+        for i in tl.static_range(stage):
+            # Compare-and-swap along the (stage - 1 - i)-th innermost axis.
+            axis: tl.constexpr = N_DIMS - stage + i
+            partner = tl.sum(h, axis=axis, keep_dims=True) - h
+            right = tl.reshape(tl.arange(0, 2), [1] * axis + [2] + [1] * (N_DIMS - 1 - axis))
+            if stage < LOG_N:
+                # Runs of 2^stage alternate ascending / descending, making bitonic runs of 2x.
+                flip = tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - 1 - stage) + [2] + [1] * stage)
+            else:
+                flip = DESCENDING
+            h = tl.where((right ^ flip) != 0, tl.maximum(h, partner), tl.minimum(h, partner))
+    return tl.reshape(h, x.shape)
+
+
+@triton.jit
+def _shift_blocks(cur, prev, q, BS: tl.constexpr, USE_GATHER: tl.constexpr):
+    """out [BT, BS]: ``out[:, s] = cur[:, s - q]`` for s >= q, else ``prev[:, s - q + BS]``.
+
+    Pure data movement (no rounding): ``tl.gather`` where Triton has it, else a one-hot
+    contraction whose every sum holds one nonzero term.
+    """
+    s = tl.arange(0, BS)
+    src = s - q
+    if USE_GATHER:
+        bt: tl.constexpr = cur.shape[0]
+        from_cur = tl.gather(cur, tl.broadcast_to(tl.maximum(src, 0)[None, :], (bt, BS)), axis=1)
+        from_prev = tl.gather(
+            prev, tl.broadcast_to(tl.where(src < 0, src + BS, 0)[None, :], (bt, BS)), axis=1
+        )
+        out = tl.where((src >= 0)[None, :], from_cur, from_prev)
+    else:
+        pick_cur = (s[:, None] == src[None, :]).to(tl.float32)
+        pick_prev = (s[:, None] == (src + BS)[None, :]).to(tl.float32)
+        out = tl.sum(
+            cur[:, :, None] * pick_cur[None, :, :] + prev[:, :, None] * pick_prev[None, :, :],
+            axis=1,
+        )
+    return out
+
+
+@triton.jit
+def score_topn_kernel(
+    q_ptr,
+    k_ptr,
+    lse_ptr,
+    w_ptr,
+    idx_ptr,
+    cnt_ptr,
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    stride_qb,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_lb,
+    stride_lt,
+    stride_lh,
+    stride_ib,
+    stride_it,
+    stride_ih,
+    stride_cb,
+    stride_ct,
+    batch,
+    tq,
+    q_start,
+    num_cmp,
+    qk_scale,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BT: tl.constexpr,
+    DK: tl.constexpr,
+    BK1: tl.constexpr,
+    BK2: tl.constexpr,
+    CMP_BLOCK: tl.constexpr,
+    CMP_STRIDE: tl.constexpr,
+    SEL: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    REACH: tl.constexpr,
+    BS: tl.constexpr,
+    BL: tl.constexpr,
+    NUM_SEL: tl.constexpr,
+    NP: tl.constexpr,
+    LOG_BT: tl.constexpr,
+    LOG_BS: tl.constexpr,
+    LOG_NP: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+    VARLEN: tl.constexpr,
+    USE_GATHER: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """indices [BT, n] and counts [BT] of BT query tokens for one kv head.
+
+    Grid: (query tiles, H), query tiles ordered longest first (dense: the last tile of each
+    batch row first; varlen: ``tiles_ptr`` rows (sequence, first token), sequence -1 = none).
+    q [B, Tq, HQ, dk] and k_cmp [B, N, H, dk] have unit stride in dk; lse [B, Tq, HQ] float32
+    (natural log) when HAS_LSE; w [REACH + 1, RP] float32 phase weights. dk is split into two
+    power-of-two chunks BK1 + BK2 >= DK (BK2 = 0: one chunk), so dk = 192 runs as 128 + 64.
+    """
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    if VARLEN:
+        seq = tl.load(tiles_ptr + 2 * i)
+        seq_c = tl.maximum(seq, 0)
+        first = tl.load(cu_ptr + seq_c).to(tl.int64)
+        t0 = tl.load(tiles_ptr + 2 * i + 1).to(tl.int64)
+        row0 = first + t0
+        seq_len = tl.load(cu_ptr + seq_c + 1).to(tl.int64) - first
+        n_rows = tl.where(seq >= 0, tl.minimum(seq_len - t0, BT), 0)
+        kbase = tl.load(cmp_cu_ptr + seq_c).to(tl.int64)
+        n_cmp = tl.load(cmp_cu_ptr + seq_c + 1).to(tl.int64) - kbase
+        b = row0 * 0
+    else:
+        # Later tiles walk more blocks: program 0 takes the last tile of each batch row.
+        per_b = tl.cdiv(tq, BT)
+        b = (i % batch).to(tl.int64)
+        row0 = ((per_b - 1 - i // batch) * BT).to(tl.int64)
+        t0 = row0 + q_start
+        n_rows = tl.minimum(tq - row0, BT)
+        kbase = row0 * 0
+        n_cmp = kbase + num_cmp
+    t_last = t0 + n_rows - 1
+    # Blocks the tile's last token sees: N_cmp(t_last + 1), clamped at 0 below l - 1.
+    n_vis = tl.minimum(tl.maximum((t_last + 1 - CMP_BLOCK + CMP_STRIDE) // CMP_STRIDE, 0), n_cmp)
+
+    # Rows of the dots: token tok, head g of the group.
+    BM: tl.constexpr = BT * GP
+    rows = tl.arange(0, BM)
+    tok = rows // GP
+    g = rows % GP
+    row_ok = (tok < n_rows) & (g < G)
+    t_row = t0 + tok
+    head = h * G + g
+    q_rows = q_ptr + b * stride_qb + (row0 + tok) * stride_qt + head * stride_qh
+    d1 = tl.arange(0, BK1)
+    q1 = tl.load(
+        q_rows[:, None] + d1[None, :], mask=row_ok[:, None] & (d1 < DK)[None, :], other=0.0
+    )
+    if BK2 > 0:
+        d2 = BK1 + tl.arange(0, BK2)
+        q2 = tl.load(
+            q_rows[:, None] + d2[None, :], mask=row_ok[:, None] & (d2 < DK)[None, :], other=0.0
+        )
+    k_head = k_ptr + b * stride_kb + kbase * stride_kt + h * stride_kh
+
+    if HAS_LSE:
+        lse_rows = lse_ptr + b * stride_lb + (row0 + tok) * stride_lt + head * stride_lh
+        lse2 = tl.load(lse_rows, mask=row_ok, other=float("-inf")) * _LOG2E
+    else:
+        m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BM], dtype=tl.float32)
+        for c0 in range(0, n_vis, BL):
+            blk = c0 + tl.arange(0, BL)
+            blk_ok = blk < n_vis
+            k_rows = k_head + blk.to(tl.int64)[:, None] * stride_kt
+            k1 = tl.load(k_rows + d1[None, :], mask=blk_ok[:, None] & (d1 < DK)[None, :], other=0.0)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+            if BK2 > 0:
+                k2 = tl.load(
+                    k_rows + d2[None, :], mask=blk_ok[:, None] & (d2 < DK)[None, :], other=0.0
+                )
+                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+            vis = (
+                row_ok[:, None]
+                & blk_ok[None, :]
+                & ((blk * CMP_STRIDE + CMP_BLOCK - 1)[None, :] <= t_row[:, None])
+            )
+            s = tl.where(vis, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+            m_i = m_new
+        # Rows that see no block keep l == 0: lse = -inf, and every p below is 0.
+        lse2 = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+    row_live = row_ok & (lse2 > float("-inf"))
+    lse2 = tl.where(row_live, lse2, 0.0)
+
+    # Columns of the dots: owned block (j0 + s) * r + m as column s * RP + m.
+    BC: tl.constexpr = BS * RP
+    cols = tl.arange(0, BC)
+    col_s = cols // RP
+    col_m = cols % RP
+    phases = tl.arange(0, RP)
+    w_own = tl.load(w_ptr + phases)
+
+    toks = tl.arange(0, BT)
+    tok_ok = toks < n_rows
+    jt = (t0 + toks) // SEL
+    sel = tl.arange(0, BS)
+    run = tl.full([BT, NP], -1, dtype=tl.int64)
+    p_prev = tl.zeros([BT, BS, RP], dtype=tl.float32)
+    # Selection blocks the tile walks: up to its last token's own block jt.
+    sel_end = tl.where(n_rows > 0, t_last // SEL + 1, 0)
+    for j0 in range(0, sel_end, BS):
+        blk = (j0 + col_s) * R + col_m
+        blk_ok = (col_m < R) & (blk < n_vis)
+        k_rows = k_head + blk.to(tl.int64)[:, None] * stride_kt
+        k1 = tl.load(k_rows + d1[None, :], mask=blk_ok[:, None] & (d1 < DK)[None, :], other=0.0)
+        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+        if BK2 > 0:
+            k2 = tl.load(k_rows + d2[None, :], mask=blk_ok[:, None] & (d2 < DK)[None, :], other=0.0)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+        vis = (
+            row_live[:, None]
+            & blk_ok[None, :]
+            & ((blk * CMP_STRIDE + CMP_BLOCK - 1)[None, :] <= t_row[:, None])
+        )
+        p = tl.where(vis, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        # [BT, BS, RP]: per token, the group's probability of each owned block.
+        p_grp = tl.sum(tl.reshape(p, (BT, GP, BS, RP)), axis=1)
+        score = tl.sum(p_grp * w_own[None, None, :], axis=2)
+        if REACH > 0:
+            for q in tl.static_range(1, REACH + 1):
+                w_q = tl.load(w_ptr + q * RP + phases)[None, None, :]
+                spill_cur = tl.sum(p_grp * w_q, axis=2)
+                spill_prev = tl.sum(p_prev * w_q, axis=2)
+                score += _shift_blocks(spill_cur, spill_prev, q, BS, USE_GATHER)
+            p_prev = p_grp
+
+        # Candidates: valid (j <= jt), not forced (0, jt - 1, jt): 1 <= j <= jt - 2.
+        j = j0 + sel
+        cand = tok_ok[:, None] & (j >= 1)[None, :] & (j[None, :] <= jt[:, None] - 2)
+        bits = score.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(cand, (bits << 32) | (j.to(tl.int64) ^ _LOW)[None, :], -1)
+        # Merge only when some key beats the weakest kept one of its token.
+        beats = tl.max(key, axis=1) > tl.min(run, axis=1)
+        if tl.max(beats.to(tl.int32), axis=0) > 0:
+            # The NP largest keys of the tile, ascending: the last NP of the sorted tile are
+            # elementwise the largest of its NP-wide chunks.
+            ordered = _bitonic(key, LOG_BT, LOG_BS, 0, False)
+            top = tl.max(tl.reshape(ordered, (BT, BS // NP, NP)), axis=1)
+            # run is descending, top ascending: their elementwise max holds the NP largest of
+            # both and is bitonic, so one merge sorts it.
+            run = _bitonic(tl.maximum(run, top), LOG_BT, LOG_NP, 1, True)
+
+    # Forced blocks {0, jt - 1, jt} as a set (jt = 0: {0}; jt = 1: {0, 1}); the first
+    # min(n, |F|) of them, then the n - |F| best candidates.
+    num_forced = tl.minimum(jt, 2) + 1
+    take_forced = tl.minimum(num_forced, NUM_SEL)
+    free = tl.maximum(NUM_SEL - num_forced, 0)
+    rank = tl.arange(0, NP)[None, :]
+    from_run = (rank < free[:, None]) & (run >= 0)
+    run_j = ((run & _LOW) ^ _LOW).to(tl.int32)
+    nth = rank - free[:, None]
+    second = tl.where(jt >= 2, jt - 1, jt)[:, None]
+    forced_j = tl.where(nth == 0, 0, tl.where(nth == 1, second, jt[:, None]))
+    from_forced = (nth >= 0) & (nth < take_forced[:, None])
+    out = tl.where(from_run, run_j, tl.where(from_forced, forced_j, _LOW))
+    out = _bitonic(out, LOG_BT, LOG_NP, 0, False)
+    count = tl.sum(from_run.to(tl.int32) + from_forced.to(tl.int32), axis=1)
+    out_rows = b * stride_ib + (row0 + toks) * stride_it + h * stride_ih
+    tl.store(
+        idx_ptr + out_rows[:, None] + rank,
+        tl.where(out == _LOW, -1, out),
+        mask=tok_ok[:, None] & (rank < NUM_SEL),
+    )
+    tl.store(cnt_ptr + b * stride_cb + (row0 + toks) * stride_ct + h, count, mask=tok_ok)
