@@ -194,7 +194,8 @@ def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:
     assert torch.equal(thin.indices, fat.indices)
     assert torch.equal(thin.reads, fat.reads)
     assert rel_err(thin.o, fat.o) <= 1e-6
-    assert torch.equal(thin.o, thin_again.o) and torch.equal(thin.indices, thin_again.indices)
+    assert torch.equal(thin.o, thin_again.o)
+    assert torch.equal(thin.indices, thin_again.indices)
 
 
 def test_matches_layer_prefill_and_decode(request: pytest.FixtureRequest) -> None:
