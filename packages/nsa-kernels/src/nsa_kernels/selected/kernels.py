@@ -19,8 +19,8 @@ Kernels:
   fixed order, so gradients are bitwise reproducible (no atomics anywhere).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
 import triton
 import triton.language as tl
 
@@ -35,6 +35,15 @@ SEG_B, SEG_H, SEG_KROW0, SEG_KEND, SEG_POS0, SEG_START, SEG_END, SEG_PART, SEG_T
 SEG_FIELDS = 9
 # Fields of one multi-segment block for the reduction: b, h, key row 0, key end, first part, parts.
 RED_FIELDS = 6
+
+# tl.gather arrived in triton 3.3; before it, block_set_kernel finds left neighbours with a scan.
+_HAS_GATHER = tl.constexpr(hasattr(tl, "gather"))
+
+
+@triton.jit
+def _last_two(prev_a, last_a, prev_b, last_b):
+    """Combine of a scan over (entry before the last, last entry); -1 stands for none."""
+    return tl.where(prev_b < 0, last_a, prev_b), last_b
 
 
 @triton.jit
@@ -62,8 +71,14 @@ def block_set_kernel(
     key = tl.sort(tl.where((x >= 0) & (x < num_blocks), x, pad).to(tl.int32), dim=1)
     # A sorted row holds a repeat where an entry equals its left neighbour; a second sort moves
     # the repeats behind the distinct entries.
-    left = tl.gather(key, tl.maximum(cols - 1, 0)[None, :].broadcast_to(ROWS, NP), axis=1)
-    repeat = (cols > 0)[None, :] & (key == left)
+    if _HAS_GATHER:
+        left = tl.gather(key, tl.maximum(cols - 1, 0)[None, :].broadcast_to(ROWS, NP), axis=1)
+        repeat = (cols > 0)[None, :] & (key == left)
+    else:
+        # Keys are >= 0, so the -1 that the first entry of each row keeps never matches.
+        none = tl.full([ROWS, NP], -1, dtype=tl.int32)
+        left, _ = tl.associative_scan((none, key), axis=1, combine_fn=_last_two)
+        repeat = key == left
     key = tl.sort(tl.where(repeat, pad, key), dim=1)
     tl.store(out_ptr + offs, tl.where(key == pad, -1, key), mask=inside)
 
@@ -179,7 +194,9 @@ def sel_fwd_kernel(
             blk = tl.load(idx_row + i).to(tl.int32)
             in_blk = j * BL + offs_l
             pos = tl.maximum(blk, 0) * SEL + in_blk
-            live = (blk >= 0) & (in_blk < SEL) & (pos <= t)
+            # tl.where broadcasts the scalar test: `scalar_bool & block_bool` comes out int32
+            # under the triton >= 3.9 interpreter, which then refuses it as a load mask.
+            live = tl.where(blk >= 0, (in_blk < SEL) & (pos <= t), False)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
             if TMA:
                 kv_row = (b * tk + tok0 + tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
@@ -354,7 +371,7 @@ def sel_bwd_dq_kernel(
             blk = tl.load(idx_row + i).to(tl.int32)
             in_blk = j * BL + offs_l
             pos = tl.maximum(blk, 0) * SEL + in_blk
-            live = (blk >= 0) & (in_blk < SEL) & (pos <= t)
+            live = tl.where(blk >= 0, (in_blk < SEL) & (pos <= t), False)
             pos64 = pos.to(tl.int64)
             kt = tl.load(
                 k_head + pos64[:, None] * stride_kt + offs_k[None, :],
@@ -702,7 +719,7 @@ def gather_probe_kernel(
         j = it - i * NSUB
         blk = tl.load(idx_ptr + row * stride_it + h * nsel + i)
         pos = tl.maximum(blk, 0) * SEL + j * BL + offs_l
-        live = (blk >= 0) & (pos <= row)
+        live = tl.where(blk >= 0, pos <= row, False)
         if TMA:
             kv_row = (tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
             kt = k_desc.load([kv_row, h * DK])
