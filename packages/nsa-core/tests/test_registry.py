@@ -323,3 +323,21 @@ def test_module_routes_through_registry() -> None:
     layer = NSAAttention(cfg, 8)
     layer(torch.randn(1, 10, 8))
     assert sorted(called) == sorted(OPS)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_backend_toggle_pins_the_backend_over_priority() -> None:
+    op = "selected_attention"
+    register_backend(Backend(op, "fast", dummy, accept, priority=50))
+    assert resolve(op, context(), Toggles()).backend.name == "fast"
+    assert resolve(op, context(), Toggles(sel_backend="reference")).backend.name == "reference"
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_backend_toggle_never_falls_back_silently() -> None:
+    op = "compressed_attention"
+    register_backend(Backend(op, "f64-only", dummy, only_float64, priority=20))
+    with pytest.raises(RuntimeError, match="NSA_CMP_BACKEND='f64-only'"):
+        resolve(op, context(dtype=torch.float32), Toggles(cmp_backend="f64-only"))
+    with pytest.raises(ValueError, match=r"NSA_SCORE_BACKEND='nope'.*no such backend"):
+        resolve("select_blocks", context(), Toggles(score_backend="nope"))

@@ -11,7 +11,11 @@ from nsa_core import toggles as toggles_module
 from nsa_core.toggles import Toggles, get_toggles, reload_toggles
 
 # The documented table of toggles (module docstring of nsa_core.toggles): name -> default.
-DOCUMENTED_DEFAULTS: dict[str, bool | int] = {
+DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
+    "NSA_SCORE_BACKEND": "auto",
+    "NSA_CMP_BACKEND": "auto",
+    "NSA_SEL_BACKEND": "auto",
+    "NSA_WIN_BACKEND": "auto",
     "NSA_USE_TRITON_SEL": True,
     "NSA_TRITON_SEL_FORCE": False,
     "NSA_SEL_TRITON_ALLOW_GRAD": True,
@@ -21,7 +25,7 @@ DOCUMENTED_DEFAULTS: dict[str, bool | int] = {
     "NSA_SEL_TRITON_BLOCK_L": 0,
     "NSA_SEL_TRITON_BLOCK_DV": 0,
     "NSA_SEL_TRITON_CHECK_INDICES": False,
-    "NSA_USE_FA2": False,
+    "NSA_USE_FA2": True,
     "NSA_FA2_MIN_LEN_WIN": 16,
     "NSA_FA2_MIN_LEN_CMP": 16,
     "NSA_FA2_FORCE_VARLEN": False,
@@ -35,7 +39,8 @@ DOCUMENTED_DEFAULTS: dict[str, bool | int] = {
 }
 
 BOOL_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if isinstance(value, bool)]
-INT_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if not isinstance(value, bool)]
+INT_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if type(value) is int]
+NAME_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if isinstance(value, str)]
 BLOCK_TOGGLES = ["NSA_SEL_TRITON_BLOCK_D", "NSA_SEL_TRITON_BLOCK_L", "NSA_SEL_TRITON_BLOCK_DV"]
 
 
@@ -157,3 +162,15 @@ def test_get_toggles_reads_os_environ_once_and_reload_rereads(
     finally:
         monkeypatch.undo()
         toggles_module._cached = saved
+
+
+@pytest.mark.parametrize("name", NAME_TOGGLES)
+def test_backend_toggle_parses_a_name(name: str) -> None:
+    assert getattr(Toggles.from_env({name: " Reference "}), field_of(name)) == "reference"
+
+
+@pytest.mark.parametrize("name", NAME_TOGGLES)
+@pytest.mark.parametrize("raw", ["", "fa2;rm", "a b"])
+def test_bad_backend_name_names_the_toggle(name: str, raw: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(name)):
+        Toggles.from_env({name: raw})

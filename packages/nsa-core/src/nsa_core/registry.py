@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from nsa_core.debug_log import debug_log, log_once
-from nsa_core.toggles import Toggles, get_toggles
+from nsa_core.toggles import BACKEND_TOGGLE, Toggles, get_toggles, pinned_backend
 
 OPS = (
     "select_blocks",
@@ -133,6 +133,9 @@ def resolve(op: str, ctx: OpContext, toggles: Toggles | None = None) -> Resoluti
     """Pick the highest-priority backend of ``op`` that accepts ``ctx``."""
     toggles = get_toggles() if toggles is None else toggles
     rejected: list[tuple[str, str]] = []
+    pinned = pinned_backend(toggles, op)
+    if pinned is not None:
+        return _resolve_pinned(op, pinned, ctx, toggles)
     for backend in backends(op):
         reason = backend.supports(ctx, toggles)
         if reason is None:
@@ -148,6 +151,19 @@ def resolve(op: str, ctx: OpContext, toggles: Toggles | None = None) -> Resoluti
                 reason=repr(reason),
             )
     raise RuntimeError(f"no backend accepts op {op!r} for {ctx}; rejections: {rejected}")
+
+
+def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Resolution:
+    """The backend NSA_<STEP>_BACKEND names: it serves, or the call fails with its reason."""
+    toggle = "NSA_" + BACKEND_TOGGLE[op].upper()
+    rows = {b.name: b for b in backends(op)}
+    if name not in rows:
+        raise ValueError(f"{toggle}={name!r}: op {op!r} has no such backend; known: {sorted(rows)}")
+    backend = rows[name]
+    reason = backend.supports(ctx, toggles)
+    if reason is not None:
+        raise RuntimeError(f"{toggle}={name!r} pins a backend that declines this call: {reason}")
+    return Resolution(op=op, backend=backend, rejected=())
 
 
 def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:

@@ -5,6 +5,10 @@ naming the toggle. Other modules call :func:`get_toggles` and never read ``os.en
 
 | toggle | type | default | meaning |
 |---|---|---|---|
+| NSA_SCORE_BACKEND | str | auto | block scoring and top-n: ``auto`` or a backend name |
+| NSA_CMP_BACKEND | str | auto | compressed branch: ``auto`` or a backend name |
+| NSA_SEL_BACKEND | str | auto | selected branch: ``auto`` or a backend name |
+| NSA_WIN_BACKEND | str | auto | sliding branch: ``auto`` or a backend name |
 | NSA_USE_TRITON_SEL | bool | 1 | Triton selected attention where the device policy allows it |
 | NSA_TRITON_SEL_FORCE | bool | 0 | Triton selection even where the device policy falls back |
 | NSA_SEL_TRITON_ALLOW_GRAD | bool | 1 | allow the Triton backend when gradients are required |
@@ -14,7 +18,7 @@ naming the toggle. Other modules call :func:`get_toggles` and never read ``os.en
 | NSA_SEL_TRITON_BLOCK_L | int | 0 | Triton tile over keys; 0 = the kernel's own choice |
 | NSA_SEL_TRITON_BLOCK_DV | int | 0 | Triton tile over dv; 0 = the kernel's own choice |
 | NSA_SEL_TRITON_CHECK_INDICES | bool | 0 | raise on indices outside [-1, blocks) (a sync) |
-| NSA_USE_FA2 | bool | 0 | allow FlashAttention-2 for the sliding and compressed branches |
+| NSA_USE_FA2 | bool | 1 | FlashAttention-2 for the sliding and compressed branches, if installed |
 | NSA_FA2_MIN_LEN_WIN | int | 16 | shortest sequence routed to FA-2 for the sliding branch |
 | NSA_FA2_MIN_LEN_CMP | int | 16 | shortest sequence routed to FA-2 for the compressed branch |
 | NSA_FA2_FORCE_VARLEN | bool | 0 | always use FA-2's varlen entry point (debugging) |
@@ -46,6 +50,13 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
 
 
+def _parse_name(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if not value or not value.replace("_", "").isalnum():
+        raise ValueError(f"{name}={raw!r} must be 'auto' or a backend name such as 'reference'")
+    return value
+
+
 def _parse_int(name: str, raw: str, minimum: int) -> int:
     try:
         value = int(raw.strip())
@@ -60,6 +71,10 @@ def _parse_int(name: str, raw: str, minimum: int) -> int:
 class Toggles:
     """Parsed ``NSA_*`` toggles; field ``foo_bar`` is read from ``NSA_FOO_BAR``."""
 
+    score_backend: str = "auto"
+    cmp_backend: str = "auto"
+    sel_backend: str = "auto"
+    win_backend: str = "auto"
     use_triton_sel: bool = True
     triton_sel_force: bool = False
     sel_triton_allow_grad: bool = True
@@ -69,7 +84,7 @@ class Toggles:
     sel_triton_block_l: int = 0
     sel_triton_block_dv: int = 0
     sel_triton_check_indices: bool = False
-    use_fa2: bool = False
+    use_fa2: bool = True
     fa2_min_len_win: int = 16
     fa2_min_len_cmp: int = 16
     fa2_force_varlen: bool = False
@@ -85,7 +100,7 @@ class Toggles:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Toggles:
         """Parse the toggles from ``environ`` (default ``os.environ``); unset ones keep defaults."""
         env = os.environ if environ is None else environ
-        values: dict[str, bool | int] = {}
+        values: dict[str, bool | int | str] = {}
         for f in fields(cls):
             name = "NSA_" + f.name.upper()
             raw = env.get(name)
@@ -93,6 +108,8 @@ class Toggles:
                 continue
             if f.type == "bool":
                 values[f.name] = _parse_bool(name, raw)
+            elif f.type == "str":
+                values[f.name] = _parse_name(name, raw)
             else:
                 values[f.name] = _parse_int(name, raw, minimum=0)
         toggles = cls(**values)  # type: ignore[arg-type]
@@ -125,3 +142,21 @@ def reload_toggles() -> Toggles:
     global _cached
     _cached = Toggles.from_env()
     return _cached
+
+
+# The toggle that pins each op's backend (docs: NSA_<STEP>_BACKEND).
+BACKEND_TOGGLE = {
+    "select_blocks": "score_backend",
+    "compressed_attention": "cmp_backend",
+    "selected_attention": "sel_backend",
+    "sliding_attention": "win_backend",
+}
+
+
+def pinned_backend(toggles: Toggles, op: str) -> str | None:
+    """The backend name ``NSA_<STEP>_BACKEND`` pins for ``op``, or None for ``auto``."""
+    field_name = BACKEND_TOGGLE.get(op)
+    if field_name is None:
+        return None
+    value: str = getattr(toggles, field_name)
+    return None if value == "auto" else value

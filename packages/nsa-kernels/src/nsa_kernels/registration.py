@@ -22,6 +22,7 @@ from collections.abc import Callable
 from nsa_core.registry import Backend
 
 STEP_TABLES = (
+    "nsa_kernels.scoring.backends",
     "nsa_kernels.compressed.backends",
     "nsa_kernels.selected.backends",
     "nsa_kernels.sliding.backends",

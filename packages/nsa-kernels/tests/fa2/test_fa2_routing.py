@@ -67,22 +67,29 @@ def test_backend_table() -> None:
     assert table == {
         ("sliding_attention", "fa2"): 30,
         ("compressed_attention", "fa2"): 30,
+        ("compressed_attention", "triton_cmp"): 25,
         ("sliding_attention", "flex"): 20,
         ("compressed_attention", "flex"): 20,
         ("sliding_attention", "sdpa"): 10,
         ("compressed_attention", "sdpa"): 10,
     }
-    requested = {(b.op, b.name) for b in backends() if b.requested_by(Toggles(use_fa2=True))}
+    # FA-2 is on by default: where it is installed and declines, the refusal is logged.
+    requested = {(b.op, b.name) for b in backends() if b.requested_by(Toggles())}
     assert requested == {("sliding_attention", "fa2"), ("compressed_attention", "fa2")}
-    assert not any(b.requested_by(Toggles()) for b in backends())
+    assert not any(b.requested_by(Toggles(use_fa2=False)) for b in backends())
 
 
-def test_everything_refuses_without_use_fa2() -> None:
-    off = Toggles()
-    for supports in (fa2_sliding_supports, fa2_compressed_supports, flex_supports, sdpa_supports):
-        reason = supports(ctx(), off)
-        assert reason is not None
-        assert "NSA_USE_FA2 is off" in reason
+def test_fa2_off_only_turns_off_fa2() -> None:
+    off = Toggles(use_fa2=False)
+    for supports in (fa2_sliding_supports, fa2_compressed_supports):
+        assert "NSA_USE_FA2 is off" in str(supports(ctx(device="cuda"), off))
+    assert sdpa_supports(ctx(device="cuda"), off) is None
+
+
+def test_sdpa_serves_cuda_and_cpu_only_when_pinned() -> None:
+    assert sdpa_supports(ctx(device="cuda"), Toggles()) is None
+    assert "the reference serves cpu" in str(sdpa_supports(ctx(device="cpu"), Toggles()))
+    assert sdpa_supports(ctx(device="cpu"), Toggles(win_backend="sdpa")) is None
 
 
 def test_fa2_reasons_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,20 +129,22 @@ def test_flex_reasons() -> None:
 
 @pytest.mark.usefixtures("isolated_registry")
 def test_registry_falls_back_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
-    on = Toggles(use_fa2=True)
+    on = Toggles()
     for op in ("sliding_attention", "compressed_attention"):
-        assert resolve(op, ctx(device="cpu"), Toggles()).backend.name == "reference"
+        assert resolve(op, ctx(device="cpu"), Toggles(use_fa2=False)).backend.name == "reference"
         with caplog.at_level(logging.WARNING, logger="nsa"):
             caplog.clear()
             first = resolve(op, ctx(device="cpu"), on)
             again = resolve(op, ctx(device="cpu"), on)
-        assert first.backend.name == again.backend.name == "sdpa"
+        assert first.backend.name == again.backend.name == "reference"
         rejected = dict(first.rejected)
         assert "CUDA device" in rejected["fa2"]
         assert "on CUDA" in rejected["flex"]
+        assert "the reference serves cpu" in rejected["sdpa"]
         fallback_logs = [r for r in caplog.records if "registry.fallback" in r.getMessage()]
         assert len(fallback_logs) == 1
         assert "backend=fa2" in fallback_logs[0].getMessage()
-    report = registry.routing_report(ctx(device="cpu"), on)
+    pinned = Toggles(win_backend="sdpa", cmp_backend="sdpa")
+    report = registry.routing_report(ctx(device="cpu"), pinned)
     assert "sliding_attention      -> sdpa" in report
     assert "compressed_attention   -> sdpa" in report

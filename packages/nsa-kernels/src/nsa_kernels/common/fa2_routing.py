@@ -4,16 +4,15 @@ The registry asks the backends from the highest priority down; the first that ac
 
 | priority | backend | serves when |
 |---|---|---|
-| 30 | ``fa2`` | NSA_USE_FA2=1, CUDA sm80+, flash_attn imports, fp16/bf16, head dims <= 256, |
-| | | and at least NSA_FA2_MIN_LEN_WIN / NSA_FA2_MIN_LEN_CMP tokens |
-| 20 | ``flex`` | NSA_USE_FA2=1, FA-2 refused; CUDA, FlexAttention present, G a power of two, |
-| | | and at least ``FLEX_MIN_LEN`` tokens |
-| 10 | ``sdpa`` | NSA_USE_FA2=1 and neither of the above accepted |
-| 0 | ``reference`` | everything else (nsa-core) |
+| 30 | ``fa2`` | NSA_USE_FA2 (default on), CUDA sm80+, flash_attn imports, fp16/bf16, head |
+| | | dims <= 256, and at least NSA_FA2_MIN_LEN_WIN / NSA_FA2_MIN_LEN_CMP tokens |
+| 20 | ``flex`` | CUDA, FlexAttention present, G a power of two, at least ``FLEX_MIN_LEN`` tokens |
+| 10 | ``sdpa`` | CUDA (any device when NSA_WIN_BACKEND / NSA_CMP_BACKEND pins ``sdpa``) |
+| 0 | ``reference`` | everything else (nsa-core): CPU, float64, and NSA_<STEP>_BACKEND=reference |
 
-The fallbacks only stand in for FA-2 when it was asked for: without NSA_USE_FA2 the reference
-keeps serving, as before. FA-2 is the backend the user requested, so each of its refusals is logged
-once by the registry with the reason returned here.
+Defaults serve users: on a GPU with no toggle set the fastest installed backend serves (the
+compressed branch's table adds its Triton kernel between FA-2 and Flex). NSA_USE_FA2=0 turns FA-2
+off; each refusal of FA-2 while it is on is logged once by the registry with its reason.
 """
 
 from __future__ import annotations
@@ -33,8 +32,6 @@ FLEX_MIN_LEN = 256
 FA2_PRIORITY = 30
 FLEX_PRIORITY = 20
 SDPA_PRIORITY = 10
-
-_NOT_REQUESTED = "NSA_USE_FA2 is off (this backend only stands in for FA-2)"
 
 
 def fa2_requested(toggles: Toggles) -> bool:
@@ -61,8 +58,6 @@ def fa2_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
 
 
 def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
-    if not toggles.use_fa2:
-        return _NOT_REQUESTED
     if ctx.device.type != "cuda":
         return f"FlexAttention is only used compiled, on CUDA (device is {ctx.device.type})"
     missing = flex_missing_reason()
@@ -77,4 +72,6 @@ def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
 
 
 def sdpa_supports(ctx: OpContext, toggles: Toggles) -> str | None:
-    return None if toggles.use_fa2 else _NOT_REQUESTED
+    if ctx.device.type == "cuda" or "sdpa" in (toggles.win_backend, toggles.cmp_backend):
+        return None
+    return f"the reference serves {ctx.device.type} (pin NSA_WIN_BACKEND=sdpa to use SDPA there)"

@@ -5,16 +5,22 @@ The registry asks them from the highest priority down; the first whose ``support
 
 | priority | backend | serves when |
 |---|---|---|
-| 30 | ``fa2`` | NSA_USE_FA2=1, flash_attn on CUDA sm80+, fp16/bf16, |
+| 30 | ``fa2`` | NSA_USE_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_FA2_MIN_LEN_CMP tokens |
-| 20 | ``flex`` | NSA_USE_FA2=1 and FA-2 declined; CUDA, G a power |
+| 25 | ``triton_cmp`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 (forward and backward) |
+| 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
-| 10 | ``sdpa`` | NSA_USE_FA2=1 and neither of the above accepted |
+| 10 | ``sdpa`` | CUDA, when none of the above accepted |
 """
 
 from __future__ import annotations
 
-from nsa_core.registry import Backend
+from typing import Any
+
+import torch
+
+from nsa_core.registry import Backend, OpContext
+from nsa_core.toggles import Toggles
 from nsa_kernels.common.fa2_routing import (
     FA2_PRIORITY,
     FLEX_PRIORITY,
@@ -26,9 +32,25 @@ from nsa_kernels.common.fa2_routing import (
 )
 from nsa_kernels.common.flex import compressed_attention_flex
 from nsa_kernels.common.sdpa import compressed_attention_sdpa
+from nsa_kernels.common.triton_routing import triton_decline_reason
 from nsa_kernels.compressed.fa2 import compressed_attention_fa2
 
 OP = "compressed_attention"
+TRITON_PRIORITY = 25
+
+
+def triton_cmp_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    return triton_decline_reason(ctx)
+
+
+def compressed_attention_triton_backend(
+    *args: Any, toggles: Toggles, **kwargs: Any
+) -> torch.Tensor:
+    """The registered ``fn``: ``compressed_attention_triton`` (compressed/triton_function.py)."""
+    from nsa_kernels.compressed.triton_function import compressed_attention_triton
+
+    out: torch.Tensor = compressed_attention_triton(*args, **kwargs)
+    return out
 
 
 def backends() -> list[Backend]:
@@ -41,6 +63,13 @@ def backends() -> list[Backend]:
             supports=fa2_compressed_supports,
             priority=FA2_PRIORITY,
             requested_by=fa2_requested,
+        ),
+        Backend(
+            op=OP,
+            name="triton_cmp",
+            fn=compressed_attention_triton_backend,
+            supports=triton_cmp_supports,
+            priority=TRITON_PRIORITY,
         ),
         Backend(
             op=OP,

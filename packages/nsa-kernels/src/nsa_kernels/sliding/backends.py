@@ -5,11 +5,11 @@ The registry asks them from the highest priority down; the first whose ``support
 
 | priority | backend | serves when |
 |---|---|---|
-| 30 | ``fa2`` | NSA_USE_FA2=1, flash_attn on CUDA sm80+, fp16/bf16, |
+| 30 | ``fa2`` | NSA_USE_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_FA2_MIN_LEN_WIN tokens |
-| 20 | ``flex`` | NSA_USE_FA2=1 and FA-2 declined; CUDA, G a power |
+| 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
-| 10 | ``sdpa`` | NSA_USE_FA2=1 and neither of the above accepted |
+| 10 | ``sdpa`` | CUDA, when none of the above accepted |
 """
 
 from __future__ import annotations

@@ -1,0 +1,29 @@
+"""What every Triton backend needs before it can serve a call: a CUDA device and triton."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from nsa_core.registry import OpContext
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_HEAD_DIM = 256
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_decline_reason(ctx: OpContext) -> str | None:
+    """Why a Triton kernel cannot serve ``ctx`` (device, triton, dtype, head dims), or None."""
+    if ctx.device.type != "cuda":
+        return f"Triton kernels run on CUDA (device is {ctx.device.type})"
+    if not triton_available():
+        return "triton is not installed"
+    if ctx.dtype not in TRITON_DTYPES:
+        return f"needs float16, bfloat16 or float32, got {ctx.dtype} (float64 runs the reference)"
+    if max(ctx.head_dim_qk, ctx.head_dim_v) > TRITON_MAX_HEAD_DIM:
+        return f"head dims dk={ctx.head_dim_qk}, dv={ctx.head_dim_v} exceed {TRITON_MAX_HEAD_DIM}"
+    return None
