@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# GPU host: the whole NSA layer's GPU routes checked and timed in one call.
+#
+#   bash ci/gpu_layer.sh [SEQLENS] [HEAD_DIMS]     (defaults: 8k,16k,32k,64k and 128/128)
+#
+# Runs from the checkout with PYTHONPATH (no index needed); wheels under .carry/wheels (fla-core
+# for the peer rows) are installed into a private folder first. Logs and the bench's CSV/JSON/
+# Markdown go to $OUT (or artifacts/gpu_layer); the last lines printed are the test counts and the
+# layer table.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT="${OUT:-artifacts/gpu_layer}"
+mkdir -p "$OUT"
+SEQLENS="${1:-8k,16k,32k,64k}"
+HEAD_DIMS="${2:-128/128}"
+SITE=/tmp/nsa_site
+if compgen -G ".carry/wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/wheels/*.whl
+fi
+export PYTHONPATH="$PWD/packages/nsa-core/src:$PWD/packages/nsa-kernels/src:$PWD/packages/nsa-bench/src:$SITE"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+
+run_tests() {
+  local name="$1"; shift
+  echo "== tests: $name" >&2
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/tests_$name.log" 2>&1
+  echo "tests $name: exit $? | $(tail -1 "$OUT/tests_$name.log")" | tee -a "$OUT/summary.txt"
+}
+
+run_tests routes packages/nsa-kernels/tests/test_default_routes_gpu.py
+run_tests scoring packages/nsa-kernels/tests/scoring -m "gpu or triton"
+run_tests compressed packages/nsa-kernels/tests/compressed -m "gpu or triton"
+run_tests decode packages/nsa-kernels/tests/decode -m gpu -x
+
+echo "== bench: nsa-bench layer $SEQLENS $HEAD_DIMS" >&2
+timeout "${BENCH_TIMEOUT:-330}" python3 -m nsa_bench.cli layer --seqlens "$SEQLENS" \
+  --head-dims "$HEAD_DIMS" --out "$OUT/layer" 2>"$OUT/layer.log"
+echo "bench layer: exit $?" | tee -a "$OUT/summary.txt"
+tail -3 "$OUT/layer.log"
+cat "$OUT/summary.txt"
+[[ -f "$OUT/layer/layer.md" ]] && cat "$OUT/layer/layer.md"
+exit 0
