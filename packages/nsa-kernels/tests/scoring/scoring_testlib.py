@@ -117,27 +117,28 @@ def reference_selection(
 def reference_lse(
     case: Case, q: torch.Tensor, k: torch.Tensor, cu: torch.Tensor | None
 ) -> torch.Tensor:
-    """float32 [B, Tq, HQ]: log sum_i exp(scale q.k_cmp[i]) over visible blocks (float64 sums).
+    """float32 [B, Tq, HQ]: log sum_i exp(scale q.k_cmp[i]) over visible blocks, in float64.
 
-    -inf on rows that see no block.
+    -inf on rows that see no block. Computed on q's device, 256 rows at a time.
     """
-    q64, k64 = q.double().cpu(), k.double().cpu()
     scale = case.dk**-0.5
-    pos = positions(case, cu)
-    out = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64)
+    pos = positions(case, cu).to(q.device)
+    out = torch.full(q.shape[:3], float("-inf"), dtype=torch.float64, device=q.device)
     if cu is None:
         seqs, cmp_seqs = [(0, case.tq)], [(0, k.shape[1])]
     else:
         seqs = spans(cu.cpu())
         cmp_seqs = spans(cmp_cu_seqlens(cu.cpu(), case.cmp_block, case.cmp_stride))
     for (s, e), (cs, ce) in zip(seqs, cmp_seqs, strict=True):
-        blocks = torch.arange(ce - cs)
-        visible = blocks[None, :] * case.cmp_stride + case.cmp_block - 1 <= pos[s:e, None]
-        keys = k64[:, cs:ce].repeat_interleave(case.group, dim=2)  # [B, N, HQ, dk]
-        logits = torch.einsum("bthd,bnhd->bthn", q64[:, s:e], keys) * scale
-        logits = logits.masked_fill(~visible[None, :, None, :], float("-inf"))
-        out[:, s:e] = torch.logsumexp(logits, dim=-1)
-    return out.float().to(q.device)
+        keys = k[:, cs:ce].double().repeat_interleave(case.group, dim=2)  # [B, N, HQ, dk]
+        blocks = torch.arange(ce - cs, device=q.device)
+        for r0 in range(s, e, 256):
+            r1 = min(e, r0 + 256)
+            visible = blocks[None, :] * case.cmp_stride + case.cmp_block - 1 <= pos[r0:r1, None]
+            logits = torch.einsum("bthd,bnhd->bthn", q[:, r0:r1].double(), keys) * scale
+            logits = logits.masked_fill(~visible[None, :, None, :], float("-inf"))
+            out[:, r0:r1] = torch.logsumexp(logits, dim=-1)
+    return out.float()
 
 
 def check(

@@ -1,1 +1,29 @@
-"""Block scoring and top-n selection on the GPU (docs/spec.md, "Selection scores")."""
+"""Block scoring and top-n selection on the GPU (docs/spec.md, "Selection scores").
+
+- :func:`~nsa_kernels.scoring.function.select_blocks_triton`: the reference ``select_blocks``
+  in one Triton kernel (``function``, ``kernels``).
+- :mod:`~nsa_kernels.scoring.contract`: the index contract of docs/spec.md ("Block scoring on
+  a GPU") as a checker; pure torch.
+- :func:`~nsa_kernels.scoring.bench.bench_select_blocks`: a micro-bench for nsa-bench.
+
+The Triton modules load on first use, so importing this package needs no Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "ScoreConfig": "nsa_kernels.scoring.function",
+    "select_blocks_triton": "nsa_kernels.scoring.function",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nsa_kernels.scoring' has no attribute {name!r}")

@@ -126,14 +126,20 @@ def _check_block(name: str, value: int) -> None:
 
 
 def resolve_config(
-    config: ScoreConfig | None, group: int, num_selected: int, reach: int
+    config: ScoreConfig | None,
+    group: int,
+    num_selected: int,
+    weights: PhaseWeights,
+    tq: int,
 ) -> ScoreConfig:
     """Fill the zeros of ``config`` with the defaults, raised to what the kernel needs.
 
-    Defaults: 128 rows per dot (8 tokens x 16 heads at G = 16), 32 selection blocks per tile
-    (at l' = 4d a 128-column dot), 64 blocks per tile of the normaliser pass, 8 warps at
-    128 rows and more (4 below), 2 stages. block_sel is at least pow2(n) (the running top-n
-    merges NP-wide chunks of a tile) and pow2(Q) (a shift reaches one tile back at most).
+    Defaults: 128 rows per dot (8 tokens x 16 heads at G = 16; fewer when Tq holds fewer
+    tokens, down to one token per tile for a decode row), selection tiles of 128 owned
+    compressed blocks (32 selection blocks at l' = 4d), 64 blocks per tile of the normaliser
+    pass, 8 warps at 128 rows and more (4 below), 2 stages. Whatever the request, block_rows
+    holds the padded group, and block_sel is at least pow2(n) (the running top-n merges
+    NP-wide chunks of a tile) and pow2(Q) (a spill reaches one tile back at most).
     """
     cfg = config or ScoreConfig()
     for name in ("block_rows", "block_sel", "block_lse"):
@@ -142,10 +148,13 @@ def resolve_config(
         raise ValueError(f"shift must be 0 (choose), 1 (tl.gather) or 2 (one-hot), got {cfg.shift}")
     if cfg.shift == 1 and not HAS_GATHER:
         raise ValueError("shift=1 needs tl.gather (Triton >= 3.2); use shift=2")
-    rows = max(cfg.block_rows or 128, _pow2(group))
+    heads = _pow2(group)
+    rows = max(cfg.block_rows or min(128, heads * _pow2(max(tq, 1))), heads, 16)
+    phases = _pow2(weights.ratio)
+    sel = cfg.block_sel or max(16, 128 // phases)
     return ScoreConfig(
         block_rows=rows,
-        block_sel=max(cfg.block_sel or 32, _pow2(num_selected), _pow2(reach), 16),
+        block_sel=max(sel, _pow2(num_selected), _pow2(weights.reach)),
         block_lse=cfg.block_lse or 64,
         warps=cfg.warps or (8 if rows >= 128 else 4),
         stages=cfg.stages or 2,
@@ -246,7 +255,7 @@ def select_blocks_triton(
 
     geometry = phase_weights(cmp_block, cmp_stride, sel_block)
     group = hq // h
-    cfg = resolve_config(config, group, num_selected, geometry.reach)
+    cfg = resolve_config(config, group, num_selected, geometry, tq)
     heads = _pow2(group)
     tokens = cfg.block_rows // heads
     bk1, bk2 = _head_dim_chunks(dk)
