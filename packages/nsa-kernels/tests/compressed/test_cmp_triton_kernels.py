@@ -309,14 +309,14 @@ def test_segment_rows_splits_long_problems_only() -> None:
             cmp_block=32, cmp_stride=16, q_start=0, scale=1.0, cu_seqlens=None, cmp_cu=None,
         )  # fmt: skip
 
-    cfg = resolve_config(None, 128, 128)
-    # 4 rows per step (G = 16 on 64 rows): segments are whole steps, at least 512 rows; an
+    cfg = resolve_config(None, 128, 128, torch.bfloat16)
+    # 2 rows per step (G = 16 on 32 rows): segments are whole steps, at least 512 rows; an
     # H100's 132 SMs cut the 64 key tiles x 4 heads of T = 64k into about 528 programs.
-    long = segment_rows(launch(65536), cfg, 4, 132)
-    assert long % 4 == 0
+    long = segment_rows(launch(65536), cfg, 2, 132)
+    assert long % 2 == 0
     assert 8192 <= long <= 32768
-    assert segment_rows(launch(400), cfg, 4, 132) == 400, "a short problem is not split"
-    assert segment_rows(launch(65536), replace_segment(cfg, 100), 4, 132) == 100
+    assert segment_rows(launch(400), cfg, 2, 132) == 400, "a short problem is not split"
+    assert segment_rows(launch(65536), replace_segment(cfg, 100), 2, 132) == 100
 
 
 def replace_segment(cfg: CmpConfig, rows: int) -> CmpConfig:
