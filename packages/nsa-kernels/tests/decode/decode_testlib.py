@@ -24,7 +24,7 @@ from nsa_core.reference import (
     selected_attention,
     sliding_attention,
 )
-from nsa_kernels.decode.state import BRANCHES
+from nsa_kernels.decode.state import BRANCHES, DecodeState
 from nsa_kernels.decode.step import TOPN_REL_GAP, StepInputs, StepOutputs
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -138,19 +138,26 @@ def reference_at(
     kernel_indices: torch.Tensor,
     phi_k: torch.nn.Module | None = None,
     phi_v: torch.nn.Module | None = None,
+    blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> RefStep:
     """The prefill path: nsa_core ops over sequence b's prefix [0, t] with the query at t.
 
     ``kernel_indices [H, n]`` are the blocks the kernel chose; the output uses them so that the
     comparison of outputs does not depend on near ties of top-n (checked by :func:`check_topn`).
+    ``blocks``: the compressed K~/V~ [N_cmp(t+1), H, D] to use instead of compressing the raw
+    K/V here (low precision: the kernel's own rounded blocks, so that scores see the same keys).
     """
     f64 = torch.float64
     q = stream.q[b : b + 1, t : t + 1].to(f64)
     k = {name: x[b : b + 1, : t + 1].to(f64) for name, x in stream.k.items()}
     v = {name: x[b : b + 1, : t + 1].to(f64) for name, x in stream.v.items()}
     with torch.no_grad():
-        k_cmp = compress(k["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_k, f64))
-        v_cmp = compress(v["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_v, f64))
+        if blocks is None:
+            k_cmp = compress(k["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_k, f64))
+            v_cmp = compress(v["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_v, f64))
+        else:
+            k_cmp = blocks[0].unsqueeze(0).to(f64)
+            v_cmp = blocks[1].unsqueeze(0).to(f64)
         scale = cfg.softmax_scale
         ref_idx, _ = select_blocks(
             q,
@@ -226,16 +233,22 @@ def check_step(
     *,
     phi_k: torch.nn.Module | None = None,
     phi_v: torch.nn.Module | None = None,
+    state: DecodeState | None = None,
 ) -> tuple[int, int]:
     """Check one step of every sequence against the prefill reference; (exact rows, tie rows).
 
     Per sequence b at position t: the index contract per kv head, the output against the
     float64 reference with the kernel's indices (bound), and the reads against the formula.
+    With ``state`` the reference takes the state's compressed blocks (see :func:`reference_at`).
     """
     exact = ties = 0
     for b, t in enumerate(positions):
         idx = out.indices[b].cpu()
-        ref = reference_at(cfg, stream, b, t, idx, phi_k, phi_v)
+        blocks = None
+        if state is not None:
+            n = num_cmp_blocks(t + 1, cfg.cmp_block, cfg.cmp_stride)
+            blocks = (state.k_cmp[b, :n], state.v_cmp[b, :n])
+        ref = reference_at(cfg, stream, b, t, idx, phi_k, phi_v, blocks)
         for h in range(cfg.num_kv_heads):
             where = f"seq {b} t={t} head {h}"
             check_topn(idx[h], t, cfg, where)

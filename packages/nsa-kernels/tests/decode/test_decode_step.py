@@ -246,3 +246,25 @@ def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None
     assert state.overflow.tolist() == [1, 0]
     with pytest.raises(RuntimeError, match=r"sequences \[0\] reached the capacity"):
         state.check_capacity()
+
+
+def test_half_precision(request: pytest.FixtureRequest) -> None:
+    """float16 storage, float32 softmax state (bf16 dots do not run in the interpreter).
+
+    The reference takes the state's compressed blocks, so that scores and outputs compare on
+    the same (rounded) inputs: the fp16 bound of docs/spec.md and the top-n contract.
+    """
+    gen = _gen(request)
+    cfg = small_config(3)
+    lengths = [5, 70, 140]
+    steps = 3
+    stream = Stream.random(cfg, 3, max(lengths) + steps, gen, dtype=torch.float16, device=DEV)
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 150)
+    plan = DecodePlan(state, FAT)
+    exact = ties = 0
+    for s in range(steps):
+        positions = [n + s for n in lengths]
+        out = decode_step(state, stream.inputs_at(positions), plan=plan)
+        e, t = check_step(cfg, stream, positions, out, BOUND[torch.float16], state=state)
+        exact, ties = exact + e, ties + t
+    assert exact >= 0.9 * (exact + ties)

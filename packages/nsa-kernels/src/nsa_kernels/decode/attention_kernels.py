@@ -7,14 +7,14 @@ One query token per sequence; the G query heads of kv head h form the rows of ev
 (padded to BG >= 16). Each program covers a slice of one branch's keys for one (sequence b,
 kv head h), ``bh = b*H + h``, and leaves a partial state in slot ``slot`` of the workspace:
 
-- ``part_m [B*H, P, G]``: running max of the base-2 logits ``s = q.k * scale * log2(e)``;
-- ``part_l [B*H, P, G]``: ``sum exp2(s - m)`` over the slice's keys;
-- ``part_acc [B*H, P, G, dv]``: ``sum exp2(s - m) * v``;
-- ``part_n [B*H, P]``: how many keys entered the softmax (the reads).
+- ``part_m [B*H, slots, G]``: running max of the base-2 logits ``s = q.k * scale * log2(e)``;
+- ``part_l [B*H, slots, G]``: ``sum exp2(s - m)`` over the slice's keys;
+- ``part_acc [B*H, slots, G, dv]``: ``sum exp2(s - m) * v``;
+- ``part_n [B*H, slots]``: how many keys entered the softmax (the reads).
 
-Slots: ``[0, NC)`` compressed chunks, ``[NC, NC+NW)`` window chunks, ``[NC+NW, P)`` selected
-splits. combine_kernels.py merges them in slot order. Buffers are contiguous: q ``[B, HQ, dk]``,
-cache buffers ``[B, rows, H, D]``.
+Slots: ``[0, cmp_chunks)`` compressed chunks, then ``win_chunks`` window chunks, then the
+selected splits up to ``slots``; combine_kernels.py merges them in slot order. Buffers are
+contiguous: q ``[B, HQ, dk]``, cache buffers ``[B, rows, H, D]``.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _store_partial(
     l_i,
     acc,
     count,
-    P: tl.constexpr,
+    slots,
     G: tl.constexpr,
     BG: tl.constexpr,
     DV: tl.constexpr,
@@ -111,7 +111,7 @@ def _store_partial(
 ):
     g = tl.arange(0, BG)
     vcol = tl.arange(0, BV)
-    row = (bh * P + slot) * G + g
+    row = (bh * slots + slot) * G + g
     tl.store(part_m_ptr + row, m_i, mask=g < G)
     tl.store(part_l_ptr + row, l_i, mask=g < G)
     tl.store(
@@ -119,7 +119,7 @@ def _store_partial(
         acc,
         mask=(g < G)[:, None] & (vcol < DV)[None, :],
     )
-    tl.store(part_n_ptr + bh * P + slot, count)
+    tl.store(part_n_ptr + bh * slots + slot, count)
 
 
 @triton.jit
@@ -147,11 +147,11 @@ def _cmp_chunk(
     BK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
-    P: tl.constexpr,
+    slots,
     BN: tl.constexpr,
-    CT: tl.constexpr,
-    NT: tl.constexpr,
-    NR: tl.constexpr,
+    chunk_tiles,
+    tiles,
+    ranges,
     R: tl.constexpr,
     EXTRA: tl.constexpr,
     LCMP: tl.constexpr,
@@ -159,10 +159,12 @@ def _cmp_chunk(
     SEL: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Compressed keys of tiles ``[chunk*CT, (chunk+1)*CT)`` (BN blocks each), visible ones only.
+    """Compressed keys of ``chunk_tiles`` tiles (BN blocks each) from tile ``chunk*chunk_tiles``.
+
+    Only visible blocks (``i < n_cmp``) enter the softmax.
 
     Besides the partial state (written only when the chunk holds a visible block), every tile
-    leaves its running max ``tile_m [B*H, NT, G]`` and band sums ``u [B*H, EXTRA+1, G, NR]``
+    leaves its running max ``tile_m [B*H, tiles, G]`` and band sums ``u [B*H, EXTRA+1, G, ranges]``
     for the scores (topn_kernels.py).
     """
     g = tl.arange(0, BG)
@@ -170,8 +172,8 @@ def _cmp_chunk(
     l_i = tl.zeros([BG], dtype=tl.float32)
     acc = tl.zeros([BG, BV], dtype=tl.float32)
     count = n_cmp * 0
-    tile0 = chunk * CT
-    tile_end = tl.minimum(tile0 + CT, tl.cdiv(n_cmp, BN))
+    tile0 = chunk * chunk_tiles
+    tile_end = tl.minimum(tile0 + chunk_tiles, tl.cdiv(n_cmp, BN))
     RPT: tl.constexpr = BN // R  # ranges per tile
     r = tl.arange(0, R)
     for tile in range(tile0, tile_end):
@@ -182,7 +184,7 @@ def _cmp_chunk(
             H, DK, BK, DV, BV, DOT_PREC,
         )  # fmt: skip
         count += tl.sum(live.to(tl.int32), axis=0)
-        tl.store(tile_m_ptr + (bh * NT + tile) * G + g, m_i, mask=g < G)
+        tl.store(tile_m_ptr + (bh * tiles + tile) * G + g, m_i, mask=g < G)
         # Block i = tile*BN + rr*R + r starts r*d into selection block tile*RPT + rr (its
         # "range"): relative to that block's start it covers [r*d, r*d + l), so it overlaps
         # selection block range + e by w_e[r] (in units of d).
@@ -194,14 +196,14 @@ def _cmp_chunk(
             w = tl.maximum(hi - lo, 0).to(tl.float32) / DSTRIDE
             u = tl.sum(p3 * w[None, None, :], axis=2)
             tl.store(
-                u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * NR + rng[None, :],
+                u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * ranges + rng[None, :],
                 u,
                 mask=(g < G)[:, None],
             )
     if tile0 < tile_end:
         _store_partial(
             part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, chunk, m_i, l_i, acc, count,
-            P, G, BG, DV, BV,
+            slots, G, BG, DV, BV,
         )  # fmt: skip
 
 
@@ -228,7 +230,7 @@ def _window_chunk(
     BK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
-    P: tl.constexpr,
+    slots,
     WINDOW: tl.constexpr,
     WC: tl.constexpr,
     BW: tl.constexpr,
@@ -255,7 +257,7 @@ def _window_chunk(
         count += tl.sum(live.to(tl.int32), axis=0)
     _store_partial(
         part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slot, m_i, l_i, acc, count,
-        P, G, BG, DV, BV,
+        slots, G, BG, DV, BV,
     )  # fmt: skip
 
 
@@ -284,12 +286,12 @@ def cmp_window_kernel(
     BK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
-    P: tl.constexpr,
-    NC: tl.constexpr,
+    slots,
+    cmp_chunks,
     BN: tl.constexpr,
-    CT: tl.constexpr,
-    NT: tl.constexpr,
-    NR: tl.constexpr,
+    chunk_tiles,
+    tiles,
+    ranges,
     R: tl.constexpr,
     EXTRA: tl.constexpr,
     LCMP: tl.constexpr,
@@ -300,9 +302,9 @@ def cmp_window_kernel(
     BW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """The branches that need no selection: grid (B*H, NC + NW).
+    """The branches that need no selection: grid (B*H, cmp_chunks + win_chunks).
 
-    ``program_id(1) < NC``: compressed chunk (with the score sums), else window chunk. Both
+    ``program_id(1) < cmp_chunks``: compressed chunk (with the score sums), else window chunk. Both
     read the lengths after this step's append (``cache_seqlens``, ``num_cmp``).
     """
     bh = tl.program_id(0).to(tl.int64)
@@ -310,19 +312,20 @@ def cmp_window_kernel(
     b = bh // H
     h = bh % H
     q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
-    if slot < NC:
+    if slot < cmp_chunks:
         n_cmp = tl.load(num_cmp_ptr + b)
         _cmp_chunk(
             q, k_cmp, v_cmp, tile_m_ptr, u_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
             b, h, bh, slot, n_cmp, cmp_rows, qk_scale,
-            H, G, BG, DK, BK, DV, BV, P, BN, CT, NT, NR, R, EXTRA, LCMP, DSTRIDE, SEL, DOT_PREC,
+            H, G, BG, DK, BK, DV, BV, slots, BN, chunk_tiles, tiles, ranges, R, EXTRA, LCMP,
+            DSTRIDE, SEL, DOT_PREC,
         )  # fmt: skip
     else:
         length = tl.load(seqlens_ptr + b)
         _window_chunk(
             q, k_win, v_win, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
-            b, h, bh, slot - NC, slot, length, qk_scale,
-            H, G, BG, DK, BK, DV, BV, P, WINDOW, WC, BW, DOT_PREC,
+            b, h, bh, slot - cmp_chunks, slot, length, qk_scale,
+            H, G, BG, DK, BK, DV, BV, slots, WINDOW, WC, BW, DOT_PREC,
         )  # fmt: skip
 
 
@@ -348,20 +351,21 @@ def selected_kernel(
     BK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
-    P: tl.constexpr,
-    SLOT0: tl.constexpr,
+    slots,
+    slc_slot0,
     SEL: tl.constexpr,
     BL: tl.constexpr,
     NSUB: tl.constexpr,
     BPS: tl.constexpr,
     JS: tl.constexpr,
-    NSC: tl.constexpr,
+    score_chunks,
     NSCP: tl.constexpr,
     N: tl.constexpr,
     NP: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Selected branch: grid (B*H, NSP); split s attends to chosen blocks ``[s*BPS, (s+1)*BPS)``.
+    """Selected branch: grid (B*H, splits); split s attends to the chosen blocks of ranks
+    ``[s*BPS, (s+1)*BPS)``.
 
     Every split merges the chunk candidates itself (the same n blocks, ascending), which costs
     less than a launch; split 0 writes them to ``indices [B, H, N]``. A block's tokens past the
@@ -373,7 +377,7 @@ def selected_kernel(
     h = bh % H
     length = tl.load(seqlens_ptr + b)
     t = length - 1
-    chosen = merge_topn(cand_ptr, bh, tl.cdiv(t // SEL + 1, JS), NSC, NSCP, N, NP)
+    chosen = merge_topn(cand_ptr, bh, tl.cdiv(t // SEL + 1, JS), score_chunks, NSCP, N, NP)
     offs = tl.arange(0, NP)
     tl.store(indices_ptr + bh * N + offs, chosen, mask=(offs < N) & (split == 0))
 
@@ -396,6 +400,6 @@ def selected_kernel(
             )  # fmt: skip
             count += tl.sum(live.to(tl.int32), axis=0)
     _store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, SLOT0 + split, m_i, l_i, acc, count,
-        P, G, BG, DV, BV,
+        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slc_slot0 + split,
+        m_i, l_i, acc, count, slots, G, BG, DV, BV,
     )  # fmt: skip

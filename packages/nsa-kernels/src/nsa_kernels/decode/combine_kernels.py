@@ -26,7 +26,7 @@ def _merge_branch(
     head_ok,
     first,
     count,
-    P: tl.constexpr,
+    slots,
     G: tl.constexpr,
     HB: tl.constexpr,
     DV: tl.constexpr,
@@ -38,7 +38,7 @@ def _merge_branch(
     m_run = tl.full([KT, HB], -1.0e30, dtype=tl.float32)
     for k0 in range(0, count, KT):
         k = k0 + tl.arange(0, KT)
-        row = (bh * P + first + k[:, None]) * G + heads[None, :]
+        row = (bh * slots + first + k[:, None]) * G + heads[None, :]
         have = (k < count)[:, None] & head_ok[None, :]
         m_run = tl.maximum(m_run, tl.load(part_m_ptr + row, mask=have, other=-1.0e30))
     m_all = tl.max(m_run, axis=0)  # [HB]
@@ -47,11 +47,11 @@ def _merge_branch(
     acc = tl.zeros([HB, BV], dtype=tl.float32)
     for k0 in range(0, count, KT):
         k = k0 + tl.arange(0, KT)
-        row = (bh * P + first + k[:, None]) * G + heads[None, :]
+        row = (bh * slots + first + k[:, None]) * G + heads[None, :]
         have = (k < count)[:, None] & head_ok[None, :]
         w = tl.exp2(tl.load(part_m_ptr + row, mask=have, other=-1.0e30) - m_all[None, :])
         l_sum += w * tl.load(part_l_ptr + row, mask=have, other=0.0)
-        reads += tl.load(part_n_ptr + bh * P + first + k, mask=k < count, other=0)
+        reads += tl.load(part_n_ptr + bh * slots + first + k, mask=k < count, other=0)
         part = tl.load(
             part_acc_ptr + row[:, :, None] * DV + vcol[None, None, :],
             mask=have[:, :, None] & (vcol < DV)[None, None, :],
@@ -80,11 +80,11 @@ def combine_kernel(
     HQ: tl.constexpr,
     HPC: tl.constexpr,
     HB: tl.constexpr,
-    P: tl.constexpr,
-    NC: tl.constexpr,
-    NW: tl.constexpr,
-    NSP: tl.constexpr,
-    CMP_CHUNK: tl.constexpr,
+    slots,
+    cmp_chunks,
+    win_chunks,
+    sel_splits,
+    cmp_chunk,
     DV: tl.constexpr,
     BV: tl.constexpr,
     KT: tl.constexpr,
@@ -94,7 +94,7 @@ def combine_kernel(
     Grid: (B*H, ceil(G / HPC)); program (bh, c) serves heads ``[c*HPC, (c+1)*HPC)`` of group h
     (HB = HPC rounded up to a power of two). gates ``[B, HQ, 3]`` and o ``[B, HQ, dv]``
     contiguous. Program c == 0 also writes the keys each branch read, ``reads [3, B, H]``
-    (cmp, slc, win), summed from the partials. Compressed slots past ceil(N_cmp / CMP_CHUNK)
+    (cmp, slc, win), summed from the partials. Compressed slots past ceil(N_cmp / cmp_chunk)
     were not written this step and are not read.
     """
     bh = tl.program_id(0).to(tl.int64)
@@ -107,15 +107,15 @@ def combine_kernel(
     n_cmp = tl.load(num_cmp_ptr + b)
     o_cmp, n_cmp_read = _merge_branch(
         part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, heads, head_ok,
-        0, tl.cdiv(n_cmp, CMP_CHUNK), P, G, HB, DV, BV, KT,
+        0, tl.cdiv(n_cmp, cmp_chunk), slots, G, HB, DV, BV, KT,
     )  # fmt: skip
     o_win, n_win_read = _merge_branch(
         part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, heads, head_ok,
-        NC, NW, P, G, HB, DV, BV, KT,
+        cmp_chunks, win_chunks, slots, G, HB, DV, BV, KT,
     )  # fmt: skip
     o_slc, n_slc_read = _merge_branch(
         part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, heads, head_ok,
-        NC + NW, NSP, P, G, HB, DV, BV, KT,
+        cmp_chunks + win_chunks, sel_splits, slots, G, HB, DV, BV, KT,
     )  # fmt: skip
     row = b * HQ + h * G + heads  # [HB] query-head rows
     gate = gates_ptr + row * 3

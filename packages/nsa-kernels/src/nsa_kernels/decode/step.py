@@ -369,41 +369,41 @@ def decode_step(
     reads = torch.empty(3, batch, h, device=state.device, dtype=torch.int32)
     qk_scale = cfg.softmax_scale * LOG2E
     p = plan
-    common = {
-        "H": h, "G": p.group, "BG": p.block_g, "P": p.slots,
-    }  # fmt: skip
+    # Sizes that vary with the capacity go in as runtime integers (one compiled kernel serves
+    # every capacity); only tile shapes are compile-time constants.
+    common = {"H": h, "G": p.group, "BG": p.block_g, "slots": p.slots}
     cmp_window_kernel[(batch * h, p.cmp_chunks + p.window_chunks)](
         q, state.k_cmp, state.v_cmp, state.k_win, state.v_win,
         state.cache_seqlens, state.num_cmp,
         p.tile_m, p.band, p.part_m, p.part_l, p.part_acc, p.part_n,
         state.k_cmp.shape[1], qk_scale,
-        HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, NC=p.cmp_chunks,
-        BN=p.cmp_tile, CT=p.cmp_chunk_tiles, NT=p.tiles, NR=p.ranges,
+        cmp_chunks=p.cmp_chunks, chunk_tiles=p.cmp_chunk_tiles, tiles=p.tiles, ranges=p.ranges,
+        HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, BN=p.cmp_tile,
         R=p.ranges_per_sel, EXTRA=p.extra, LCMP=cfg.cmp_block, DSTRIDE=cfg.cmp_stride,
         SEL=cfg.sel_block, WINDOW=cfg.window, WC=p.window_chunk, BW=p.window_tile,
         DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common,
     )  # fmt: skip
     score_topn_kernel[(batch * h, p.score_chunks)](
         p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
-        NCP=_pow2(max(p.cmp_chunks, 1)), CMP_CHUNK=p.cmp_chunk, NT=p.tiles, NR=p.ranges,
-        BN=p.cmp_tile, R=p.ranges_per_sel, EXTRA=p.extra, SEL=cfg.sel_block,
-        JS=p.score_chunk, NSC=p.score_chunks, N=n, NP=p.n_pad, num_warps=4, **common,
+        cmp_chunk=p.cmp_chunk, tiles=p.tiles, ranges=p.ranges, score_chunks=p.score_chunks,
+        NCP=_pow2(max(p.cmp_chunks, 1)), BN=p.cmp_tile, R=p.ranges_per_sel, EXTRA=p.extra,
+        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common,
     )  # fmt: skip
     selected_kernel[(batch * h, p.sel_splits)](
         q, state.k_slc, state.v_slc, p.cand, state.cache_seqlens, indices,
         p.part_m, p.part_l, p.part_acc, p.part_n,
         state.capacity, qk_scale,
+        slc_slot0=p.cmp_chunks + p.window_chunks, score_chunks=p.score_chunks,
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
-        SLOT0=p.cmp_chunks + p.window_chunks, SEL=cfg.sel_block, BL=p.sel_tile,
-        NSUB=p.sel_sub, BPS=p.blocks_per_split, JS=p.score_chunk, NSC=p.score_chunks,
-        NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad, DOT_PREC=p.dot_precision,
-        num_warps=p.warps, num_stages=p.stages, **common,
+        SEL=cfg.sel_block, BL=p.sel_tile, NSUB=p.sel_sub, BPS=p.blocks_per_split,
+        JS=p.score_chunk, NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,
+        DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common,
     )  # fmt: skip
     combine_kernel[(batch * h, _cdiv(p.group, p.combine_heads))](
         p.part_m, p.part_l, p.part_acc, p.part_n, x["gates"], o, state.num_cmp, reads,
-        batch, HQ=hq, HPC=p.combine_heads, HB=_pow2(p.combine_heads),
-        NC=p.cmp_chunks, NW=p.window_chunks, NSP=p.sel_splits,
-        CMP_CHUNK=p.cmp_chunk, DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=2,
-        H=h, G=p.group, P=p.slots,
+        batch, cmp_chunks=p.cmp_chunks, win_chunks=p.window_chunks, sel_splits=p.sel_splits,
+        cmp_chunk=p.cmp_chunk, HQ=hq, HPC=p.combine_heads, HB=_pow2(p.combine_heads),
+        DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=2,
+        H=h, G=p.group, slots=p.slots,
     )  # fmt: skip
     return StepOutputs(o=o, indices=indices, reads=reads)

@@ -48,21 +48,21 @@ def merge_topn(
     cand_ptr,
     bh,
     n_chunks,
-    NSC: tl.constexpr,
+    score_chunks,
     NSCP: tl.constexpr,
     N: tl.constexpr,
     NP: tl.constexpr,
 ):
     """The chosen blocks of (sequence, kv head) ``bh``: [NP] int32 ascending, -1 padded.
 
-    ``cand [B*H, NSC, NP]`` holds each chunk's best keys; chunks past ``n_chunks`` hold no
+    ``cand [B*H, score_chunks, NP]`` holds each chunk's best keys; chunks past ``n_chunks`` hold no
     valid block and are not read.
     """
     c = tl.arange(0, NSCP)[:, None]
     r = tl.arange(0, NP)[None, :]
     keys = tl.load(
-        cand_ptr + (bh * NSC + c) * NP + r,
-        mask=(c < n_chunks) & (c < NSC) & (r < N),
+        cand_ptr + (bh * score_chunks + c) * NP + r,
+        mask=(c < n_chunks) & (c < score_chunks) & (r < N),
         other=-1,
     )
     top = topn_keys(tl.reshape(keys, (NSCP * NP,)), N, NP)
@@ -88,25 +88,25 @@ def score_topn_kernel(
     H: tl.constexpr,
     G: tl.constexpr,
     BG: tl.constexpr,
-    P: tl.constexpr,
+    slots,
     NCP: tl.constexpr,
-    CMP_CHUNK: tl.constexpr,
-    NT: tl.constexpr,
-    NR: tl.constexpr,
+    cmp_chunk,
+    tiles,
+    ranges,
     BN: tl.constexpr,
     R: tl.constexpr,
     EXTRA: tl.constexpr,
     SEL: tl.constexpr,
     JS: tl.constexpr,
-    NSC: tl.constexpr,
+    score_chunks,
     N: tl.constexpr,
     NP: tl.constexpr,
 ):
     """Scores of selection blocks ``[c*JS, (c+1)*JS)`` of one (sequence, kv head) and their n best.
 
-    Grid: (B*H, NSC). Writes ``cand[bh, c, :NP]`` (keys, module docstring). The head's lse comes
-    from the compressed partials ``part_m/part_l [B*H, P, G]`` (the first ceil(N_cmp /
-    CMP_CHUNK) slots), combined in slot order.
+    Grid: (B*H, score_chunks). Writes ``cand[bh, c, :NP]`` (keys, module docstring). The head's
+    lse comes from the compressed partials ``part_m/part_l [B*H, slots, G]`` (the first
+    ceil(N_cmp / cmp_chunk) slots), combined in slot order.
     """
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -119,8 +119,8 @@ def score_topn_kernel(
     g = tl.arange(0, BG)
     g_in = g < G
     k = tl.arange(0, NCP)
-    stat = (bh * P + k[:, None]) * G + g[None, :]
-    have = (k < tl.cdiv(n_cmp, CMP_CHUNK))[:, None] & g_in[None, :]
+    stat = (bh * slots + k[:, None]) * G + g[None, :]
+    have = (k < tl.cdiv(n_cmp, cmp_chunk))[:, None] & g_in[None, :]
     m_k = tl.load(part_m_ptr + stat, mask=have, other=-1.0e30)
     l_k = tl.load(part_l_ptr + stat, mask=have, other=0.0)
     m_all = tl.max(m_k, axis=0)
@@ -134,12 +134,14 @@ def score_topn_kernel(
         rng = j - e
         live = g_in[:, None] & ((rng >= 0) & (rng * R < n_cmp))[None, :]
         u = tl.load(
-            u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * NR + rng[None, :],
+            u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * ranges + rng[None, :],
             mask=live,
             other=0.0,
         )
         tile = (rng * R) // BN
-        m_t = tl.load(tile_m_ptr + (bh * NT + tile[None, :]) * G + g[:, None], mask=live, other=0.0)
+        m_t = tl.load(
+            tile_m_ptr + (bh * tiles + tile[None, :]) * G + g[:, None], mask=live, other=0.0
+        )
         score += tl.sum(tl.where(live, u * tl.exp2(m_t - lse[:, None]), 0.0), axis=0)
 
     valid = j <= jt
@@ -150,4 +152,4 @@ def score_topn_kernel(
     key = (bits.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
     key = tl.where(valid, key, -1)
     best = topn_keys(key, N, NP)
-    tl.store(cand_ptr + (bh * NSC + c) * NP + tl.arange(0, NP), best)
+    tl.store(cand_ptr + (bh * score_chunks + c) * NP + tl.arange(0, NP), best)
