@@ -270,9 +270,8 @@ def _query_tiles(info: _Launch, tokens: int, device: torch.device) -> tuple[torc
 def _key_tiles(info: _Launch, blocks: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """(varlen tile table or a dummy, number of key tiles) for ``blocks`` blocks per tile."""
     if info.cu_seqlens is None or info.cmp_cu is None:
-        return torch.zeros(2, dtype=torch.int32, device=device), info.batch * -(
-            -info.num_blocks // blocks
-        )
+        dense_tiles = info.batch * -(-info.num_blocks // blocks)
+        return torch.zeros(2, dtype=torch.int32, device=device), dense_tiles
     lengths = (info.cu_seqlens[1:] - info.cu_seqlens[:-1]).to(torch.int64)
     cmp_lengths = (info.cmp_cu[1:] - info.cmp_cu[:-1]).to(torch.int64)
     bound = -(-info.num_blocks // blocks) + lengths.numel()
