@@ -204,7 +204,7 @@ def test_small_shapes_on_gpu(request: pytest.FixtureRequest) -> None:
     lengths = [0, 1, 45, 117]
     stream = Stream.random(cfg, 4, 130, gen, dtype=torch.float32, device="cuda")
     state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 140)
-    plan = DecodePlan(state, DecodeKernelConfig(cmp_tile=16, cmp_chunk_tiles=1, sel_splits=4))
+    plan = DecodePlan(state, DecodeKernelConfig(key_tile=16, cmp_chunk_tiles=1, sel_splits=4))
     for s in range(8):
         positions = [n + s for n in lengths]
         out = decode_step(state, stream.inputs_at(positions), plan=plan)

@@ -91,7 +91,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="another state geometry"):
         decode_step(state, good, plan=DecodePlan(other))
     with pytest.raises(ValueError, match="power of two"):
-        DecodePlan(state, DecodeKernelConfig(cmp_tile=24))
+        DecodePlan(state, DecodeKernelConfig(key_tile=24))
     odd = NSAConfig(
         num_q_heads=2, num_kv_heads=1, head_dim_qk=16, head_dim_v=16, cmp_block=8,
         cmp_stride=4, sel_block=12, num_selected=3, window=8,

@@ -43,9 +43,8 @@ F32 = torch.float32
 DEV = DEVICE or "cpu"
 # Splits as thin as the tiles allow (every split-K path with several partials) ...
 THIN = DecodeKernelConfig(
-    cmp_tile=16,
+    key_tile=16,
     cmp_chunk_tiles=1,
-    window_tile=16,
     window_chunk=16,
     sel_tile=16,
     sel_splits=4,
@@ -55,10 +54,9 @@ THIN = DecodeKernelConfig(
 )
 # ... and as fat (one program per branch and (sequence, kv head)): fewer interpreted programs.
 FAT = DecodeKernelConfig(
-    cmp_tile=64,
+    key_tile=64,
     cmp_chunk_tiles=4,
-    window_tile=32,
-    window_chunk=32,
+    window_chunk=64,
     sel_tile=16,
     sel_splits=1,
     score_chunk=32,
@@ -133,7 +131,7 @@ def test_long_selection_many_candidates(request: pytest.FixtureRequest) -> None:
     """
     cfg = small_config(2, num_selected=6)
     kernel_cfg = DecodeKernelConfig(
-        cmp_tile=16, cmp_chunk_tiles=2, score_chunk=16, sel_splits=2, combine_heads=2
+        key_tile=16, cmp_chunk_tiles=2, score_chunk=16, sel_splits=2, combine_heads=2
     )
     exact, ties = _run_steps(cfg, [200, 255], 3, kernel_cfg, _gen(request), capacity=300)
     assert exact >= 0.9 * (exact + ties)

@@ -123,142 +123,47 @@ def _store_partial(
 
 
 @triton.jit
-def _cmp_chunk(
-    q,
-    k_cmp,
-    v_cmp,
+def _store_band_sums(
+    p,
+    m_i,
     tile_m_ptr,
     u_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    part_n_ptr,
-    b,
-    h,
     bh,
-    chunk,
-    n_cmp,
-    cmp_rows,
-    qk_scale,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    BG: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    slots,
-    BN: tl.constexpr,
-    chunk_tiles,
+    tile,
     tiles,
     ranges,
+    G: tl.constexpr,
+    BG: tl.constexpr,
+    BN: tl.constexpr,
     R: tl.constexpr,
     EXTRA: tl.constexpr,
     LCMP: tl.constexpr,
     DSTRIDE: tl.constexpr,
     SEL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
 ):
-    """Compressed keys of ``chunk_tiles`` tiles (BN blocks each) from tile ``chunk*chunk_tiles``.
+    """The score terms of one tile of compressed blocks (topn_kernels.py).
 
-    Only visible blocks (``i < n_cmp``) enter the softmax.
-
-    Besides the partial state (written only when the chunk holds a visible block), every tile
-    leaves its running max ``tile_m [B*H, tiles, G]`` and band sums ``u [B*H, EXTRA+1, G, ranges]``
-    for the scores (topn_kernels.py).
+    ``tile_m [B*H, tiles, G]`` = m (the max p is relative to); ``u [B*H, EXTRA+1, G, ranges]``:
+    block i = tile*BN + rr*R + r starts r*d into selection block tile*BN/R + rr (its "range"),
+    so relative to that block it covers [r*d, r*d + l) and overlaps selection block range + e
+    by w_e[r] units of d.
     """
     g = tl.arange(0, BG)
-    m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BG], dtype=tl.float32)
-    acc = tl.zeros([BG, BV], dtype=tl.float32)
-    count = n_cmp * 0
-    tile0 = chunk * chunk_tiles
-    tile_end = tl.minimum(tile0 + chunk_tiles, tl.cdiv(n_cmp, BN))
     RPT: tl.constexpr = BN // R  # ranges per tile
+    tl.store(tile_m_ptr + (bh * tiles + tile) * G + g, m_i, mask=g < G)
+    p3 = tl.reshape(p, (BG, RPT, R))
     r = tl.arange(0, R)
-    for tile in range(tile0, tile_end):
-        i = tile * BN + tl.arange(0, BN)
-        live = i < n_cmp
-        p, m_i, l_i, acc = _attend_tile(
-            q, k_cmp, v_cmp, b * cmp_rows + i, live, h, m_i, l_i, acc, qk_scale,
-            H, DK, BK, DV, BV, DOT_PREC,
-        )  # fmt: skip
-        count += tl.sum(live.to(tl.int32), axis=0)
-        tl.store(tile_m_ptr + (bh * tiles + tile) * G + g, m_i, mask=g < G)
-        # Block i = tile*BN + rr*R + r starts r*d into selection block tile*RPT + rr (its
-        # "range"): relative to that block's start it covers [r*d, r*d + l), so it overlaps
-        # selection block range + e by w_e[r] (in units of d).
-        p3 = tl.reshape(p, (BG, RPT, R))
-        rng = tile * RPT + tl.arange(0, RPT)
-        for e in tl.static_range(EXTRA + 1):
-            lo = tl.maximum(r * DSTRIDE, e * SEL)
-            hi = tl.minimum(r * DSTRIDE + LCMP, (e + 1) * SEL)
-            w = tl.maximum(hi - lo, 0).to(tl.float32) / DSTRIDE
-            u = tl.sum(p3 * w[None, None, :], axis=2)
-            tl.store(
-                u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * ranges + rng[None, :],
-                u,
-                mask=(g < G)[:, None],
-            )
-    if tile0 < tile_end:
-        _store_partial(
-            part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, chunk, m_i, l_i, acc, count,
-            slots, G, BG, DV, BV,
-        )  # fmt: skip
-
-
-@triton.jit
-def _window_chunk(
-    q,
-    k_win,
-    v_win,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    part_n_ptr,
-    b,
-    h,
-    bh,
-    chunk,
-    slot,
-    length,
-    qk_scale,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    BG: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    slots,
-    WINDOW: tl.constexpr,
-    WC: tl.constexpr,
-    BW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """Positions ``[start + chunk*WC, start + (chunk+1)*WC)`` of the window ``[start, L)``.
-
-    ``start = max(0, L - w)``; token p sits at ring row ``p % w``. Always writes its slot (an
-    empty slice leaves l = 0).
-    """
-    m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BG], dtype=tl.float32)
-    acc = tl.zeros([BG, BV], dtype=tl.float32)
-    count = length * 0
-    lo = tl.maximum(length - WINDOW, 0) + chunk * WC
-    hi = tl.minimum(lo + WC, length)
-    for p0 in range(lo, hi, BW):
-        pos = p0 + tl.arange(0, BW)
-        live = pos < hi
-        _, m_i, l_i, acc = _attend_tile(
-            q, k_win, v_win, b * WINDOW + pos % WINDOW, live, h, m_i, l_i, acc, qk_scale,
-            H, DK, BK, DV, BV, DOT_PREC,
-        )  # fmt: skip
-        count += tl.sum(live.to(tl.int32), axis=0)
-    _store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slot, m_i, l_i, acc, count,
-        slots, G, BG, DV, BV,
-    )  # fmt: skip
+    rng = tile * RPT + tl.arange(0, RPT)
+    for e in tl.static_range(EXTRA + 1):
+        lo = tl.maximum(r * DSTRIDE, e * SEL)
+        hi = tl.minimum(r * DSTRIDE + LCMP, (e + 1) * SEL)
+        w = tl.maximum(hi - lo, 0).to(tl.float32) / DSTRIDE
+        u = tl.sum(p3 * w[None, None, :], axis=2)
+        tl.store(
+            u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * ranges + rng[None, :],
+            u,
+            mask=(g < G)[:, None],
+        )
 
 
 @triton.jit
@@ -278,6 +183,11 @@ def cmp_window_kernel(
     part_n_ptr,
     cmp_rows,
     qk_scale,
+    slots,
+    cmp_chunks,
+    chunk_tiles,
+    tiles,
+    ranges,
     H: tl.constexpr,
     HQ: tl.constexpr,
     G: tl.constexpr,
@@ -286,12 +196,7 @@ def cmp_window_kernel(
     BK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
-    slots,
-    cmp_chunks,
     BN: tl.constexpr,
-    chunk_tiles,
-    tiles,
-    ranges,
     R: tl.constexpr,
     EXTRA: tl.constexpr,
     LCMP: tl.constexpr,
@@ -299,33 +204,61 @@ def cmp_window_kernel(
     SEL: tl.constexpr,
     WINDOW: tl.constexpr,
     WC: tl.constexpr,
-    BW: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """The branches that need no selection: grid (B*H, cmp_chunks + win_chunks).
+    """The branches that need no selection: grid (B*H, cmp_chunks + window chunks).
 
-    ``program_id(1) < cmp_chunks``: compressed chunk (with the score sums), else window chunk. Both
-    read the lengths after this step's append (``cache_seqlens``, ``num_cmp``).
+    Slot ``s < cmp_chunks``: compressed blocks ``[s*chunk_tiles*BN, (s+1)*chunk_tiles*BN)``
+    that are visible (``i < num_cmp[b]``, after this step's append), leaving the score terms of
+    every tile; it writes its partial only when it saw a block. Slot ``cmp_chunks + c``: window
+    positions ``[start + c*WC, start + (c+1)*WC)`` of ``[start, L)``, ``start = max(0, L - w)``,
+    token p at ring row ``p % w``; it always writes its partial (l = 0 when empty).
+
+    Both kinds share one loop over BN keys ("x": block index or position) so the program holds
+    one copy of the attention tile.
     """
     bh = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     b = bh // H
     h = bh % H
     q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
-    if slot < cmp_chunks:
-        n_cmp = tl.load(num_cmp_ptr + b)
-        _cmp_chunk(
-            q, k_cmp, v_cmp, tile_m_ptr, u_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
-            b, h, bh, slot, n_cmp, cmp_rows, qk_scale,
-            H, G, BG, DK, BK, DV, BV, slots, BN, chunk_tiles, tiles, ranges, R, EXTRA, LCMP,
-            DSTRIDE, SEL, DOT_PREC,
-        )  # fmt: skip
+    is_cmp = slot < cmp_chunks
+    if is_cmp:
+        lo = slot * chunk_tiles * BN
+        hi = tl.minimum(lo + chunk_tiles * BN, tl.load(num_cmp_ptr + b))
+        k_base = k_cmp
+        v_base = v_cmp
+        rows = cmp_rows
+        ring = 2147483647  # x % ring == x: compressed block i sits at row i
     else:
         length = tl.load(seqlens_ptr + b)
-        _window_chunk(
-            q, k_win, v_win, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
-            b, h, bh, slot - cmp_chunks, slot, length, qk_scale,
-            H, G, BG, DK, BK, DV, BV, slots, WINDOW, WC, BW, DOT_PREC,
+        lo = tl.maximum(length - WINDOW, 0) + (slot - cmp_chunks) * WC
+        hi = tl.minimum(lo + WC, length)
+        k_base = k_win
+        v_base = v_win
+        rows = WINDOW
+        ring = WINDOW
+    m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BV], dtype=tl.float32)
+    count = hi * 0
+    for x0 in range(lo, hi, BN):
+        x = x0 + tl.arange(0, BN)
+        live = x < hi
+        p, m_i, l_i, acc = _attend_tile(
+            q, k_base, v_base, b * rows + x % ring, live, h, m_i, l_i, acc, qk_scale,
+            H, DK, BK, DV, BV, DOT_PREC,
+        )  # fmt: skip
+        count += tl.sum(live.to(tl.int32), axis=0)
+        if is_cmp:
+            _store_band_sums(
+                p, m_i, tile_m_ptr, u_ptr, bh, x0 // BN, tiles, ranges,
+                G, BG, BN, R, EXTRA, LCMP, DSTRIDE, SEL,
+            )  # fmt: skip
+    if (not is_cmp) or (lo < hi):
+        _store_partial(
+            part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slot, m_i, l_i, acc, count,
+            slots, G, BG, DV, BV,
         )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ per (B, S) and a summary of the targets: at S = 64k the step is >= 6x faster tha
 < 1.5x from the smallest to the largest S. Both sides are timed as CUDA graph replays (median
 over repeats of ``--iters`` replays, CUDA events); every NSA replay advances the sequences by
 one token, as decoding does. ``--sweep`` tries a small grid of tiles, warps and stages per shape
-and reports the best; ``--config "cmp_tile=32,warps=8"`` fixes one; ``--profile`` adds a
+and reports the best; ``--config "key_tile=32,warps=8"`` fixes one; ``--profile`` adds a
 per-kernel table (eager steps under torch.profiler).
 """
 
@@ -30,7 +30,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_kernel_config(text: str) -> DecodeKernelConfig:
-    """``"cmp_tile=32,warps=8"`` -> DecodeKernelConfig (unnamed fields stay 0 = choose)."""
+    """``"key_tile=32,warps=8"`` -> DecodeKernelConfig (unnamed fields stay 0 = choose)."""
     names = {f.name for f in fields(DecodeKernelConfig)}
     values: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -119,7 +119,7 @@ def nsa_ms(
 
 
 SWEEP = {
-    "cmp_tile": (32, 64),
+    "key_tile": (32, 64),
     "warps": (4, 8),
     "stages": (1, 2, 3),
 }
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--iters", type=int, default=100, help="replays per timing")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--config", default="", help='kernel config, e.g. "cmp_tile=32,warps=8"')
+    parser.add_argument("--config", default="", help='kernel config, e.g. "key_tile=32,warps=8"')
     parser.add_argument("--sweep", action="store_true", help="try a grid of tiles/warps/stages")
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")

@@ -159,10 +159,9 @@ class DecodeKernelConfig:
     """Tiles and splits of the step; 0 means "choose" (see :class:`DecodePlan`).
 
     Attributes:
-        cmp_tile: compressed keys per tile (a power of two >= 16 and >= l'/d).
+        key_tile: compressed or window keys per tile (a power of two >= 16 and >= l'/d).
         cmp_chunk_tiles: tiles per compressed program (the split-K chunk).
-        window_tile: window keys per tile (a power of two >= 16).
-        window_chunk: window keys per window program (a multiple of ``window_tile``).
+        window_chunk: window keys per window program (a multiple of ``key_tile``).
         sel_tile: selected keys per tile (a power of two >= 16).
         sel_splits: selected-branch programs per (sequence, kv head), each taking
             ceil(n / sel_splits) blocks.
@@ -175,9 +174,8 @@ class DecodeKernelConfig:
         stages: pipeline stages of the attention loops.
     """
 
-    cmp_tile: int = 0
+    key_tile: int = 0
     cmp_chunk_tiles: int = 0
-    window_tile: int = 0
     window_chunk: int = 0
     sel_tile: int = 0
     sel_splits: int = 0
@@ -205,8 +203,7 @@ class DecodePlan:
         cfg = state.config
         kc = config or DecodeKernelConfig()
         for name, least in (
-            ("cmp_tile", 16),
-            ("window_tile", 16),
+            ("key_tile", 16),
             ("sel_tile", 16),
             ("score_chunk", 16),
             ("combine_tile", 1),
@@ -232,32 +229,33 @@ class DecodePlan:
         self.block_k = max(16, _pow2(cfg.head_dim_qk))
         self.block_v = max(16, _pow2(cfg.head_dim_v))
 
-        # Compressed branch: tiles of cmp_tile blocks, chunks of cmp_chunk_tiles tiles, enough
-        # chunks that every (sequence, kv head) together fill the device a few times over.
+        wide = 64 if cfg.head_dim_qk <= 128 else 32  # default key tile
+
+        # Compressed branch: tiles of key_tile blocks, chunks of cmp_chunk_tiles tiles, enough
+        # chunks that every (sequence, kv head) together fill the device a few times over. Tiles
+        # of 32 keys above dk = 128 keep a program's registers from spilling (sm_90 builds).
         self.ranges_per_sel = cfg.sel_block // cfg.cmp_stride  # R: blocks starting in one l'
         self.extra = (cfg.sel_block - cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
-        self.cmp_tile = max(kc.cmp_tile or 64, self.ranges_per_sel)
-        tiles = max(1, _cdiv(state.cmp_capacity, self.cmp_tile))
+        self.key_tile = max(kc.key_tile or wide, self.ranges_per_sel)
+        tiles = max(1, _cdiv(state.cmp_capacity, self.key_tile))
         per_seq = max(1, _cdiv(4 * slots, bh))
         self.cmp_chunk_tiles = kc.cmp_chunk_tiles or max(1, _cdiv(tiles, per_seq))
-        self.cmp_chunks = _cdiv(state.cmp_capacity, self.cmp_tile * self.cmp_chunk_tiles)
-        self.cmp_chunk = self.cmp_tile * self.cmp_chunk_tiles
+        self.cmp_chunks = _cdiv(state.cmp_capacity, self.key_tile * self.cmp_chunk_tiles)
+        self.cmp_chunk = self.key_tile * self.cmp_chunk_tiles
         self.tiles = tiles
-        self.ranges = tiles * self.cmp_tile // self.ranges_per_sel
+        self.ranges = tiles * self.key_tile // self.ranges_per_sel
 
-        # Window: chunks of window_chunk keys.
-        self.window_tile = kc.window_tile or min(64, max(16, _pow2(cfg.window)))
-        self.window_chunk = kc.window_chunk or max(self.window_tile, 128)
-        if self.window_chunk % self.window_tile:
+        # Window: chunks of window_chunk keys, walked in tiles of key_tile.
+        self.window_chunk = kc.window_chunk or max(self.key_tile, 128)
+        if self.window_chunk % self.key_tile:
             raise ValueError(
-                f"window_chunk={self.window_chunk} must be a multiple of "
-                f"window_tile={self.window_tile}"
+                f"window_chunk={self.window_chunk} must be a multiple of key_tile={self.key_tile}"
             )
         self.window_chunks = _cdiv(cfg.window, self.window_chunk)
 
         # Selected branch: the n blocks split over sel_splits programs.
         n = cfg.num_selected
-        self.sel_tile = kc.sel_tile or min(64, max(16, _pow2(cfg.sel_block)))
+        self.sel_tile = kc.sel_tile or min(wide, max(16, _pow2(cfg.sel_block)))
         self.sel_sub = _cdiv(cfg.sel_block, self.sel_tile)
         splits = kc.sel_splits or max(1, min(n, _cdiv(2 * slots, bh)))
         self.blocks_per_split = _cdiv(n, min(splits, n))
@@ -301,7 +299,7 @@ class DecodePlan:
     def describe(self) -> str:
         """The resolved tiles and splits, for logs and benches."""
         return (
-            f"cmp_tile={self.cmp_tile},cmp_chunk_tiles={self.cmp_chunk_tiles},"
+            f"key_tile={self.key_tile},cmp_chunk_tiles={self.cmp_chunk_tiles},"
             f"cmp_chunks={self.cmp_chunks},window_chunk={self.window_chunk},"
             f"window_chunks={self.window_chunks},sel_tile={self.sel_tile},"
             f"sel_splits={self.sel_splits},score_chunk={self.score_chunk},"
@@ -378,15 +376,15 @@ def decode_step(
         p.tile_m, p.band, p.part_m, p.part_l, p.part_acc, p.part_n,
         state.k_cmp.shape[1], qk_scale,
         cmp_chunks=p.cmp_chunks, chunk_tiles=p.cmp_chunk_tiles, tiles=p.tiles, ranges=p.ranges,
-        HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, BN=p.cmp_tile,
+        HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, BN=p.key_tile,
         R=p.ranges_per_sel, EXTRA=p.extra, LCMP=cfg.cmp_block, DSTRIDE=cfg.cmp_stride,
-        SEL=cfg.sel_block, WINDOW=cfg.window, WC=p.window_chunk, BW=p.window_tile,
+        SEL=cfg.sel_block, WINDOW=cfg.window, WC=p.window_chunk,
         DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common,
     )  # fmt: skip
     score_topn_kernel[(batch * h, p.score_chunks)](
         p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
         cmp_chunk=p.cmp_chunk, tiles=p.tiles, ranges=p.ranges, score_chunks=p.score_chunks,
-        NCP=_pow2(max(p.cmp_chunks, 1)), BN=p.cmp_tile, R=p.ranges_per_sel, EXTRA=p.extra,
+        NCP=_pow2(max(p.cmp_chunks, 1)), BN=p.key_tile, R=p.ranges_per_sel, EXTRA=p.extra,
         SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common,
     )  # fmt: skip
     selected_kernel[(batch * h, p.sel_splits)](
