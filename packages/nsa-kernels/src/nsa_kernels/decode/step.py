@@ -263,7 +263,7 @@ class DecodePlan:
 
         # Scoring: chunks of selection blocks, few enough that the merge stays small.
         num_sel = _cdiv(state.capacity, cfg.sel_block)
-        self.score_chunk = kc.score_chunk or max(32, _pow2(_cdiv(num_sel, 16)))
+        self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(num_sel, 32)))
         self.score_chunks = _cdiv(num_sel, self.score_chunk)
         self.n_pad = _pow2(n)
 

@@ -44,6 +44,21 @@ def topn_keys(keys, N: tl.constexpr, NP: tl.constexpr):
 
 
 @triton.jit
+def topn_keys_by_rank(keys, N: tl.constexpr, NP: tl.constexpr):
+    """The N largest of keys [M] (int64, distinct where >= 0), by rank: [NP], then -1.
+
+    One all-pairs count instead of N dependent reductions: key i has rank
+    ``#{j: keys[j] > keys[i]}`` and is kept when its rank is below N. Entry r of the result is
+    the key of rank r. For small M only ([M, M] comparisons live in registers).
+    """
+    rank = tl.sum((keys[None, :] > keys[:, None]).to(tl.int32), axis=1)
+    keep = (rank < N) & (keys >= 0)
+    hit = keep[None, :] & (rank[None, :] == tl.arange(0, NP)[:, None])  # [NP, M]
+    found = tl.sum(hit.to(tl.int32), axis=1) > 0
+    return tl.where(found, tl.sum(tl.where(hit, keys[None, :], 0), axis=1), -1)
+
+
+@triton.jit
 def merge_topn(
     cand_ptr,
     bh,
@@ -151,5 +166,5 @@ def score_topn_kernel(
     bits = tl.where(forced, 0x7F800000, bits)
     key = (bits.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
     key = tl.where(valid, key, -1)
-    best = topn_keys(key, N, NP)
+    best = topn_keys_by_rank(key, N, NP)
     tl.store(cand_ptr + (bh * score_chunks + c) * NP + tl.arange(0, NP), best)
