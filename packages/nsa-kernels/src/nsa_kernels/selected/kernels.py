@@ -194,9 +194,9 @@ def sel_fwd_kernel(
             blk = tl.load(idx_row + i).to(tl.int32)
             in_blk = j * BL + offs_l
             pos = tl.maximum(blk, 0) * SEL + in_blk
-            # tl.where broadcasts the scalar test: `scalar_bool & block_bool` comes out int32
-            # under the triton >= 3.9 interpreter, which then refuses it as a load mask.
-            live = tl.where(blk >= 0, (in_blk < SEL) & (pos <= t), False)
+            # blk tested as a block: `scalar_bool & block_bool` comes out int32 under the
+            # triton 3.9 interpreter, which then refuses it as a load mask.
+            live = (blk + tl.zeros_like(in_blk) >= 0) & (in_blk < SEL) & (pos <= t)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
             if TMA:
                 kv_row = (b * tk + tok0 + tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
@@ -371,7 +371,7 @@ def sel_bwd_dq_kernel(
             blk = tl.load(idx_row + i).to(tl.int32)
             in_blk = j * BL + offs_l
             pos = tl.maximum(blk, 0) * SEL + in_blk
-            live = tl.where(blk >= 0, (in_blk < SEL) & (pos <= t), False)
+            live = (blk + tl.zeros_like(in_blk) >= 0) & (in_blk < SEL) & (pos <= t)
             pos64 = pos.to(tl.int64)
             kt = tl.load(
                 k_head + pos64[:, None] * stride_kt + offs_k[None, :],
@@ -719,7 +719,7 @@ def gather_probe_kernel(
         j = it - i * NSUB
         blk = tl.load(idx_ptr + row * stride_it + h * nsel + i)
         pos = tl.maximum(blk, 0) * SEL + j * BL + offs_l
-        live = tl.where(blk >= 0, pos <= row, False)
+        live = (blk + tl.zeros_like(pos) >= 0) & (pos <= row)
         if TMA:
             kv_row = (tl.maximum(blk, 0) * SEL + j * BL).to(tl.int32)
             kt = k_desc.load([kv_row, h * DK])
