@@ -16,6 +16,14 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def kernels_registered() -> None:
+    """As an install's entry point would (a GPU host may run the checkout from PYTHONPATH)."""
+    from nsa_kernels.registration import register
+
+    register(registry.register_backend)
+
+
 def _ctx(dtype: torch.dtype) -> registry.OpContext:
     q = torch.empty(1, 4096, 64, 128, device="cuda", dtype=dtype)
     k = torch.empty(1, 4096, 4, 128, device="cuda", dtype=dtype)
