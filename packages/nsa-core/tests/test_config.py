@@ -12,7 +12,7 @@ from nsa_core import NSAConfig
 
 
 def test_paper_defaults() -> None:
-    """NSA-SPEC.md "Symbols": HQ=64, H=4, dk=192, dv=128, l=32, d=16, l'=64, n=16, w=512."""
+    """docs/spec.md "Symbols": HQ=64, H=4, dk=192, dv=128, l=32, d=16, l'=64, n=16, w=512."""
     cfg = NSAConfig()
     assert (cfg.num_q_heads, cfg.num_kv_heads) == (64, 4)
     assert (cfg.head_dim_qk, cfg.head_dim_v) == (192, 128)

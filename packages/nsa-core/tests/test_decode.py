@@ -1,6 +1,6 @@
 """Decode == prefill at every position, and a prefill leaves the cache that stepping would.
 
-NSA-SPEC.md, "Decode": a step at position t equals the prefill output at t for the same prefix,
+docs/spec.md, "Decode": a step at position t equals the prefill output at t for the same prefix,
 block i is emitted when the token at ``i*d + l - 1`` arrives, and a prefill of P tokens leaves the
 cache exactly as P single steps would.
 """
@@ -19,7 +19,7 @@ from nsa_core.blocks import num_cmp_blocks
 
 # float64 decode vs float64 forward (same math, different grouping of the sums).
 DECODE_TOL = 1e-10
-# NSA-SPEC.md, "Tolerances": a float32 path vs float64.
+# docs/spec.md, "Tolerances": a float32 path vs float64.
 FLOAT32_TOL = 1e-5
 # Two float64 computations of the same projections that differ only in how the matmul is blocked.
 ROUNDING_TOL = 1e-13
@@ -307,7 +307,7 @@ def test_float32_forward_matches_float64(
     t: int,
     hidden: int,
 ) -> None:
-    """The same layer and inputs in float32 and float64 agree to 1e-5 (NSA-SPEC.md)."""
+    """The same layer and inputs in float32 and float64 agree to 1e-5 (docs/spec.md)."""
     cfg = with_phi(cfg, phi)
     layer64 = make_layer(cfg, hidden)
     layer32 = copy.deepcopy(layer64).float()

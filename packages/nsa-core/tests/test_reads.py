@@ -1,4 +1,4 @@
-"""Tokens read per decode step (NSA-SPEC.md): the formula, the paper's Table 4, and the counts a
+"""Tokens read per decode step (docs/spec.md): the formula, the paper's Table 4, and the counts a
 decode run actually reports."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ sequence of L keys, H query heads sharing one kv head (``--kv-heads``), each row
 row's own block; many: scattered distinct blocks; mixed: half of each). Methods: ``triton``
 (this package), ``sdpa`` (the seeds' packed path: gather each row's selected keys, one SDPA
 call), ``reference`` (nsa_core's op, the registered fallback), and on request ``cuda`` (the
-experimental CUDA C++ kernel of nsa_kernels.selected.cuda, forward only). Per L it reports the speedup of
-Triton over the faster fallback, and recommends ``NSA_SEL_TRITON_MIN_L``: the smallest L from
-which Triton is at least ``--min-speedup`` (1.2x) faster at that L and every larger one, rounded
-up to a power of two.
+experimental CUDA C++ kernel of nsa_kernels.selected.cuda, forward only). Per L it reports the
+speedup of Triton over the faster fallback, and recommends ``NSA_SEL_TRITON_MIN_L``: the smallest
+L from which Triton is at least ``--min-speedup`` (1.2x) faster at that L and every larger one,
+rounded up to a power of two.
 
 Prefill mode (``--prefill``): B=1, T in ``--T`` (8k..64k), HQ=64, H=4, dk=dv=128, n=16, l'=64,
 bf16 (all configurable), forward and forward+backward, ``triton.testing.do_bench`` medians, with

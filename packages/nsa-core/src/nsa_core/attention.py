@@ -43,7 +43,7 @@ class DecodeStats:
     """What one decode step at ``position`` read, per sequence and kv head ([B, H] each).
 
     ``reads_*`` count the key/value tokens each branch actually gathered; ``reads_expected`` is
-    NSA-SPEC.md's formula for that position.
+    docs/spec.md's formula for that position.
     """
 
     position: int

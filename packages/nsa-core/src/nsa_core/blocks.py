@@ -1,4 +1,4 @@
-"""Block arithmetic of NSA-SPEC.md: compressed blocks, selection blocks and their overlap."""
+"""Block arithmetic of docs/spec.md: compressed blocks, selection blocks and their overlap."""
 
 from __future__ import annotations
 

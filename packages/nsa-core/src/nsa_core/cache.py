@@ -1,4 +1,4 @@
-"""The decode cache of one NSA layer (NSA-SPEC.md, "Decode")."""
+"""The decode cache of one NSA layer (docs/spec.md, "Decode")."""
 
 from __future__ import annotations
 

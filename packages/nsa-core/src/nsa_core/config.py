@@ -11,7 +11,7 @@ PhiKind = Literal["avg", "mlp"]
 
 @dataclass(frozen=True)
 class NSAConfig:
-    """Shapes and block geometry of one NSA layer (NSA-SPEC.md, "Symbols").
+    """Shapes and block geometry of one NSA layer (docs/spec.md, "Symbols").
 
     Attributes:
         num_q_heads: HQ, query heads.

@@ -1,4 +1,4 @@
-"""Tokens a decode step reads (NSA-SPEC.md, "Tokens read per decode step")."""
+"""Tokens a decode step reads (docs/spec.md, "Tokens read per decode step")."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import torch
 from nsa_core.debug_log import reset_log_state
 from nsa_core.toggles import reload_toggles
 
-# NSA-SPEC.md tolerances: relative error ||out - ref|| / ||ref||.
+# docs/spec.md tolerances: relative error ||out - ref|| / ||ref||.
 FLOAT32_BOUND = 1e-5
 KERNEL_BOUND = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 GRAD_FACTOR = 2.0

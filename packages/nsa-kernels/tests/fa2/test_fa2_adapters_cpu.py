@@ -2,7 +2,7 @@
 
 Everything the adapters do around FA-2 (head-dim padding, the compressed fold, varlen packing, the
 force toggles, q_start) runs for real and is compared with the nsa-core reference: float32 inputs
-within NSA-SPEC's 1e-5 of the float64 reference, float64 gradients equal to the reference's.
+within docs/spec.md's 1e-5 of the float64 reference, float64 gradients equal to the reference's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The torch fallbacks (chunked SDPA, FlexAttention) against the nsa-core reference on CPU.
 
-float32 inputs must land within NSA-SPEC's 1e-5 of the float64 reference. FlexAttention runs
+float32 inputs must land within docs/spec.md's 1e-5 of the float64 reference. FlexAttention runs
 eagerly on CPU (forward only), which checks its mask_mod; the block tables it is compiled with on
 GPU are checked in test_fa2_mapping.py.
 """

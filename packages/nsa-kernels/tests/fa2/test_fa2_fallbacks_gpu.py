@@ -1,6 +1,6 @@
 """The torch fallbacks of FA-2 on a GPU (compiled FlexAttention, chunked SDPA) vs the reference.
 
-Same bounds as the FA-2 parity tests (NSA-SPEC: 1e-2 bf16, 5e-3 fp16, gradients 2x); flash_attn
+Same bounds as the FA-2 parity tests (docs/spec.md: 1e-2 bf16, 5e-3 fp16, gradients 2x); flash_attn
 is not needed. FlexAttention compiles per shape, so its cases are few.
 """
 

@@ -1,6 +1,6 @@
 """FA-2 adapters on a GPU with the real flash_attn, against the nsa-core reference.
 
-The reference runs in float32 on the same (upcast) half-precision inputs. Bounds are NSA-SPEC's:
+The reference runs in float32 on the same (upcast) half-precision inputs. Bounds are docs/spec.md's:
 relative error 1e-2 for bf16 and 5e-3 for fp16, twice that for gradients. The varlen parity tests
 are named ``test_fa2_gpu_varlen_*`` so that ``-k fa2_gpu_varlen`` selects them.
 """

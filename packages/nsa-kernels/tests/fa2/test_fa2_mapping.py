@@ -1,6 +1,6 @@
 """CPU checks of the index mappings behind the FA-2 adapters and the torch fallbacks.
 
-Each mapping is compared with the masks written straight from NSA-SPEC.md:
+Each mapping is compared with the masks written straight from docs/spec.md:
 compressed: query t sees block i iff ``i*d + l - 1 <= t``; sliding: ``max(0, t-w+1) <= p <= t``.
 """
 

@@ -18,7 +18,7 @@ else:
     DEVICE = None
 SKIP_REASON = "needs a CUDA GPU or the Triton interpreter (run with TRITON_INTERPRET=1)"
 
-# NSA-SPEC.md tolerances: relative error ||out - ref|| / ||ref||.
+# docs/spec.md tolerances: relative error ||out - ref|| / ||ref||.
 BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 

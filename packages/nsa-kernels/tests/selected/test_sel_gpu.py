@@ -2,7 +2,7 @@
 
 Block distributions for L selected keys (n = L / l' blocks per query, l' = 64):
 "few" = one contiguous run of n blocks ending at the query's own block, "many" = n scattered
-distinct valid blocks, "mixed" = half a run, half scattered. Bounds from NSA-SPEC.md (relative
+distinct valid blocks, "mixed" = half a run, half scattered. Bounds from docs/spec.md (relative
 error vs the reference in float32 on the same inputs; gradients 2x) and the seeds' MAE < 1e-3.
 """
 

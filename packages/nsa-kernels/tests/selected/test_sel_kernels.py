@@ -1,7 +1,7 @@
 """Triton selected attention vs the nsa_core reference, forward and backward, on small shapes.
 
 Runs on CPU under TRITON_INTERPRET=1 (CI) or on a CUDA GPU. Kernels run in float32 here and are
-held to the float32 bound of NSA-SPEC.md against the float64 reference; the half-precision test
+held to the float32 bound of docs/spec.md against the float64 reference; the half-precision test
 uses the float16/bfloat16 bounds against a float32 reference on the same inputs.
 """
 

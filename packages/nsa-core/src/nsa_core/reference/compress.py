@@ -37,7 +37,7 @@ class CompressMLP(nn.Module):
 
     Adds a learned intra-block position embedding ``pos [l, D]``, flattens a block to ``l*D``
     (token-major: element ``p*D + c`` is token p, channel c) and applies
-    ``fc2(GELU(fc1(.)))`` with hidden width D (NSA-SPEC.md's choice).
+    ``fc2(GELU(fc1(.)))`` with hidden width D (docs/spec.md's choice).
     """
 
     def __init__(self, head_dim: int, cmp_block: int) -> None:

@@ -7,7 +7,7 @@ float16, bfloat16 or float32. Repeated block indices in one row are honoured as 
 reference (the kernels skip a repeat; nsa_core's ``select_blocks`` never emits one).
 
 float32 inputs run every ``tl.dot`` with ``input_precision="ieee"`` (no TF32): slower, but held to
-the float32 bound of NSA-SPEC.md. float16/bfloat16 inputs multiply on tensor cores with float32
+the float32 bound of docs/spec.md. float16/bfloat16 inputs multiply on tensor cores with float32
 accumulation, the softmax statistics and all accumulators in float32.
 """
 
@@ -563,7 +563,7 @@ def selected_attention_triton(
     cu_seqlens: torch.Tensor | None = None,
     config: SelConfig | None = None,
 ) -> torch.Tensor:
-    """Selected attention (NSA-SPEC.md), the Triton kernels; same contract as the reference.
+    """Selected attention (docs/spec.md), the Triton kernels; same contract as the reference.
 
     Query row r sits at position ``t = q_start + r``; its head h (group ``h // G``) attends in one
     softmax to every token p with ``p // sel_block`` in ``block_indices[b, r, h // G]`` and

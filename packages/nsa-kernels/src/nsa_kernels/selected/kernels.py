@@ -3,7 +3,7 @@
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Triton kernels of the selected branch, forward and backward side by side.
 
-Notation (NSA-SPEC.md): a query row at position t of kv head h serves the G query heads of that
+Notation (docs/spec.md): a query row at position t of kv head h serves the G query heads of that
 group; it attends to the tokens p of its selected blocks (block j covers ``[j*l', (j+1)*l')``)
 with ``p <= t``. Softmax runs in base 2: ``qk_scale = scale * log2(e)`` and ``lse`` is stored in
 natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
