@@ -17,7 +17,8 @@ selected splits up to ``slots``; combine_kernels.py merges them in slot order. B
 contiguous: q ``[B, HQ, dk]``, cache buffers ``[B, rows, H, D]``.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `BG: tl.constexpr` would stop being a constant.
 
 import triton
 import triton.language as tl

@@ -9,7 +9,8 @@ order in fixed-size tiles: the same inputs give the same bits on every run. A br
 no key gives 0 (docs/spec.md, "Compressed branch": never NaN).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `BG: tl.constexpr` would stop being a constant.
 
 import triton
 import triton.language as tl

@@ -232,13 +232,13 @@ class DecodePlan:
         wide = 64 if cfg.head_dim_qk <= 128 else 32  # default key tile
 
         # Compressed branch: tiles of key_tile blocks, chunks of cmp_chunk_tiles tiles, enough
-        # chunks that every (sequence, kv head) together fill the device a few times over. Tiles
+        # chunks that every (sequence, kv head) together fill the device about twice over. Tiles
         # of 32 keys above dk = 128 keep a program's registers from spilling (sm_90 builds).
         self.ranges_per_sel = cfg.sel_block // cfg.cmp_stride  # R: blocks starting in one l'
         self.extra = (cfg.sel_block - cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
         self.key_tile = max(kc.key_tile or wide, self.ranges_per_sel)
         tiles = max(1, _cdiv(state.cmp_capacity, self.key_tile))
-        per_seq = max(1, _cdiv(4 * slots, bh))
+        per_seq = max(1, _cdiv(2 * slots, bh))
         self.cmp_chunk_tiles = kc.cmp_chunk_tiles or max(1, _cdiv(tiles, per_seq))
         self.cmp_chunks = _cdiv(state.cmp_capacity, self.key_tile * self.cmp_chunk_tiles)
         self.cmp_chunk = self.key_tile * self.cmp_chunk_tiles

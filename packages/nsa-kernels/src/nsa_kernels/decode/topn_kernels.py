@@ -20,7 +20,8 @@ keeps the n best keys of each chunk of selection blocks; :func:`merge_topn` take
 of all chunks' candidates, exactly the n best overall.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `BG: tl.constexpr` would stop being a constant.
 
 import triton
 import triton.language as tl

@@ -9,7 +9,8 @@ depends on a host-side length. Every buffer is contiguous ``[B, rows, H, D]`` (D
 allocates them so) and every new-token input contiguous ``[B, H, D]``.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `BG: tl.constexpr` would stop being a constant.
 
 import torch
 import triton
@@ -139,11 +140,12 @@ def append_kernel(
         _fold_block(
             v_x, v_raw, v_cmp, b, raw_slot, cmp_row, cmp_rows, emit, H, HP, DV, BV, LCMP, SC
         )
-    tl.store(overflow_ptr + b, 1, mask=~room)
+    full = tl.load(overflow_ptr + b) | (length >= capacity).to(tl.int32)
     # Every thread has read the counters before any thread overwrites them.
     tl.debug_barrier()
     tl.store(seqlens_ptr + b, tl.where(room, new_len, length))
     tl.store(num_cmp_ptr + b, blocks + emit.to(tl.int32))
+    tl.store(overflow_ptr + b, full)
 
 
 def _pow2(x: int) -> int:
