@@ -38,7 +38,7 @@ CASES = [
          sel_block=64, n=5, config={"block_rows": 256, "block_sel": 16}),
     # Paper ratios on small blocks: two selection tiles, G = 3 (padded to 4), dk = 24 (16 + 16).
     Case("ratio4_g3_two_tiles", tq=300, h=2, group=3, dk=24, n=6,
-         config={"block_rows": 64, "block_sel": 16}),
+         config={"block_rows": 64, "block_sel": 16, "block_lse": 16}),
     # l = d = l': s = p_cmp, no spill into later selection blocks.
     Case("equal_blocks_g1", tq=200, h=2, group=1, dk=16, cmp_block=8, cmp_stride=8,
          sel_block=8, n=5, config={"block_rows": 32, "block_sel": 16}),

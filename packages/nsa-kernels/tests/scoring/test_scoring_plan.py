@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 
 from nsa_core.blocks import cmp_block_overlap
 from nsa_kernels.scoring.function import (
+    PhaseWeights,
     ScoreConfig,
     _head_dim_chunks,
     parse_config,
@@ -73,23 +74,36 @@ def test_head_dim_chunks(dk: int, chunks: tuple[int, int]) -> None:
     assert _head_dim_chunks(dk) == chunks
 
 
+def _resolve(
+    config: ScoreConfig | None,
+    group: int,
+    n: int,
+    weights: PhaseWeights,
+    tq: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> ScoreConfig:
+    return resolve_config(config, group=group, num_selected=n, weights=weights, tq=tq, dtype=dtype)
+
+
 def test_resolve_config_defaults_and_floors() -> None:
     paper = phase_weights(32, 16, 64)
-    cfg = resolve_config(None, 16, 16, paper, 65536)
+    cfg = _resolve(None, 16, 16, paper, 65536)
     assert (cfg.block_rows, cfg.block_sel, cfg.block_lse, cfg.warps) == (128, 32, 64, 8)
+    # float32 dots run on CUDA cores: smaller row tiles.
+    assert _resolve(None, 16, 16, paper, 65536, torch.float32).block_rows == 32
+    # G = 1: 128 tokens per tile, so 8 selection blocks would do; 16 is the floor.
+    assert _resolve(None, 1, 4, paper, 65536).block_sel == 16
     # A decode row takes one token per tile; a group wider than the request is kept whole.
-    assert resolve_config(None, 16, 16, paper, 1).block_rows == 16
-    assert resolve_config(ScoreConfig(block_rows=32), 64, 16, paper, 100).block_rows == 64
+    assert _resolve(None, 16, 16, paper, 1).block_rows == 16
+    assert _resolve(ScoreConfig(block_rows=32), 64, 16, paper, 100).block_rows == 64
     # block_sel holds n and the reach of a spill.
-    assert resolve_config(ScoreConfig(block_sel=16), 4, 40, paper, 100).block_sel == 64
-    assert (
-        resolve_config(ScoreConfig(block_sel=16), 1, 3, phase_weights(512, 16, 16), 9).block_sel
-        == 32
-    )
+    assert _resolve(ScoreConfig(block_sel=16), 4, 40, paper, 100).block_sel == 64
+    long_cmp = phase_weights(512, 16, 16)  # reach 31
+    assert _resolve(ScoreConfig(block_sel=16), 1, 3, long_cmp, 9).block_sel == 32
     with pytest.raises(ValueError, match="power of two"):
-        resolve_config(ScoreConfig(block_sel=24), 1, 3, paper, 10)
+        _resolve(ScoreConfig(block_sel=24), 1, 3, paper, 10)
     with pytest.raises(ValueError, match="shift"):
-        resolve_config(ScoreConfig(shift=3), 1, 3, paper, 10)
+        _resolve(ScoreConfig(shift=3), 1, 3, paper, 10)
     assert parse_config("block_rows=64, warps=4") == ScoreConfig(block_rows=64, warps=4)
     with pytest.raises(ValueError, match="unknown"):
         parse_config("rows=64")

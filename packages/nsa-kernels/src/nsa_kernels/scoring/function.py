@@ -127,18 +127,23 @@ def _check_block(name: str, value: int) -> None:
 
 def resolve_config(
     config: ScoreConfig | None,
+    *,
     group: int,
     num_selected: int,
     weights: PhaseWeights,
     tq: int,
+    dtype: torch.dtype,
 ) -> ScoreConfig:
     """Fill the zeros of ``config`` with the defaults, raised to what the kernel needs.
 
-    Defaults: 128 rows per dot (8 tokens x 16 heads at G = 16; fewer when Tq holds fewer
-    tokens, down to one token per tile for a decode row), selection tiles of 128 owned
-    compressed blocks (32 selection blocks at l' = 4d), 64 blocks per tile of the normaliser
-    pass, 8 warps at 128 rows and more (4 below), 2 stages. Whatever the request, block_rows
-    holds the padded group, and block_sel is at least pow2(n) (the running top-n merges
+    Defaults (register use checked by compiling for sm_90: no spills in float16/bfloat16):
+    128 rows per dot for float16/bfloat16 (8 tokens x 16 heads at G = 16; fewer when Tq holds
+    fewer tokens, down to one token per tile for a decode row), 32 for float32 (its IEEE dots
+    run on CUDA cores and hold their operands in registers); selection tiles of 128 owned
+    compressed blocks (32 selection blocks at l' = 4d) with at most 1024 (token, block) scores
+    per tile (the running top-n sorts them in registers); 64 blocks per tile of the normaliser
+    pass; 8 warps at 128 rows and more (4 below); 2 stages. Whatever the request, block_rows
+    holds the padded group, and block_sel is at least 16, pow2(n) (the running top-n merges
     NP-wide chunks of a tile) and pow2(Q) (a spill reaches one tile back at most).
     """
     cfg = config or ScoreConfig()
@@ -149,9 +154,10 @@ def resolve_config(
     if cfg.shift == 1 and not HAS_GATHER:
         raise ValueError("shift=1 needs tl.gather (Triton >= 3.2); use shift=2")
     heads = _pow2(group)
-    rows = max(cfg.block_rows or min(128, heads * _pow2(max(tq, 1))), heads, 16)
-    phases = _pow2(weights.ratio)
-    sel = cfg.block_sel or max(16, 128 // phases)
+    wide = 32 if dtype == torch.float32 else 128
+    rows = max(cfg.block_rows or min(wide, heads * _pow2(max(tq, 1))), heads, 16)
+    tokens = rows // heads
+    sel = cfg.block_sel or min(max(16, 128 // _pow2(weights.ratio)), max(16, 1024 // tokens))
     return ScoreConfig(
         block_rows=rows,
         block_sel=max(sel, _pow2(num_selected), _pow2(weights.reach)),
@@ -255,7 +261,14 @@ def select_blocks_triton(
 
     geometry = phase_weights(cmp_block, cmp_stride, sel_block)
     group = hq // h
-    cfg = resolve_config(config, group, num_selected, geometry, tq)
+    cfg = resolve_config(
+        config,
+        group=group,
+        num_selected=num_selected,
+        weights=geometry,
+        tq=tq,
+        dtype=q.dtype,
+    )
     heads = _pow2(group)
     tokens = cfg.block_rows // heads
     bk1, bk2 = _head_dim_chunks(dk)
@@ -263,7 +276,6 @@ def select_blocks_triton(
     top_width = max(2, _pow2(num_selected))
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_cmp = k_cmp if k_cmp.stride(-1) == 1 else k_cmp.contiguous()
-    weights = geometry.weights.to(q.device)
     if cu_seqlens is None:
         dummy = torch.zeros(2, dtype=torch.int32, device=q.device)
         tiles, cu, cmp_cu = dummy, dummy, dummy
@@ -273,11 +285,11 @@ def select_blocks_triton(
         cu = cu_seqlens
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride).to(torch.int32)
         num_tiles = tiles.shape[0]
-    lse_arg = lse if lse is not None else weights
+    lse_arg = lse if lse is not None else counts
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     score_scale = dk**-0.5 if scale is None else float(scale)
     score_topn_kernel[(num_tiles, h)](
-        q, k_cmp, lse_arg, weights, indices, counts, tiles, cu, cmp_cu,
+        q, k_cmp, lse_arg, indices, counts, tiles, cu, cmp_cu,
         q.stride(0), q.stride(1), q.stride(2),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
         lse_strides[0], lse_strides[1], lse_strides[2],

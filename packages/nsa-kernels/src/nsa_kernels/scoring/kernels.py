@@ -14,11 +14,16 @@ depends on (q, m) only: ``w[q, m]`` (function.phase_weights), Q = (L + r - 2) //
 One program serves BT query tokens x GP heads of one kv head (BM = BT * GP rows, row
 ``tok * GP + g``, GP = G padded to a power of two) and walks the selection blocks in tiles of BS:
 a tile loads the compressed keys its blocks own, ``(j0 + s) * r + m`` for s < BS, m < RP (r
-padded to a power of two, masked), as the BS * RP columns of one ``tl.dot``. Then, all in
-registers: p = exp2(logit - lse), a reshape to [BT, GP, BS, RP] sums the heads and weighs the
-phases, the q > 0 terms come from the same sums shifted by q selection blocks (the first ones
-from the previous tile, carried), and the tile's scores merge into a running top-n per token.
-Nothing of size T x N_cmp or T x Nsel is written; the output is the n indices and the count.
+padded to a power of two, masked), as the RP * BS columns of one ``tl.dot``, phase-major
+(column ``m * BS + s``: in the dot's accumulator the phase index lies in each thread's
+registers, so the phase sums need no shuffles). Then, all in registers: p = exp2(logit - lse),
+a reshape to [BT, GP, RP, BS] sums the heads, the phases are weighed, the q > 0 terms come from
+the same sums shifted by q selection blocks (the first ones from the previous tile, carried),
+and the tile's scores merge into a running top-n per token. Nothing of size T x N_cmp or
+T x Nsel is written; the output is the n indices and the count.
+
+The walk has two parts: tiles whose blocks every row of the program sees (no masks: rows
+without a normaliser get lse = +inf, hence p = 0), then the tiles along the causal edge (masked).
 
 Softmax runs in base 2 (``qk_scale = scale * log2 e``); the normaliser is the lse argument
 (natural log, converted) or, without it, a first pass over the visible blocks (online max/sum).
@@ -61,10 +66,11 @@ def _bitonic(
     h = tl.reshape(x, [2] * N_DIMS)
     for stage in tl.static_range(LOG_N if MERGE_ONLY else 1, LOG_N + 1):
         for i in tl.static_range(stage):
-            # Compare-and-swap along the (stage - 1 - i)-th innermost axis.
-            axis: tl.constexpr = N_DIMS - stage + i
-            partner = tl.sum(h, axis=axis, keep_dims=True) - h
-            right = tl.reshape(tl.arange(0, 2), [1] * axis + [2] + [1] * (N_DIMS - 1 - axis))
+            # Compare-and-swap along axis N_DIMS - stage + i (the (stage-1-i)-th innermost).
+            partner = tl.sum(h, axis=N_DIMS - stage + i, keep_dims=True) - h
+            right = tl.reshape(
+                tl.arange(0, 2), [1] * (N_DIMS - stage + i) + [2] + [1] * (stage - 1 - i)
+            )
             if stage < LOG_N:
                 # Runs of 2^stage alternate ascending / descending, making bitonic runs of 2x.
                 flip = tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - 1 - stage) + [2] + [1] * stage)
@@ -72,6 +78,18 @@ def _bitonic(
                 flip = DESCENDING
             h = tl.where((right ^ flip) != 0, tl.maximum(h, partner), tl.minimum(h, partner))
     return tl.reshape(h, x.shape)
+
+
+@triton.jit
+def _phase_weights(q: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, L: tl.constexpr):
+    """w[q, :] [RP] float32 of function.phase_weights, from the constexpr geometry.
+
+    Compile-time values: in the dot's accumulator the phase index lies in registers, so the
+    products fold (a weight of 0 costs nothing, 1 no multiply).
+    """
+    m = tl.arange(0, RP)
+    w = tl.minimum(R - m, L) if q == 0 else tl.maximum(tl.minimum(m + L - q * R, R), 0)
+    return tl.where(m < R, w, 0).to(tl.float32)
 
 
 @triton.jit
@@ -101,11 +119,172 @@ def _shift_blocks(cur, prev, q, BS: tl.constexpr, USE_GATHER: tl.constexpr):
 
 
 @triton.jit
+def _tile_logits(
+    q1,
+    q2,
+    k_rows,
+    load_ok,
+    DK: tl.constexpr,
+    BK1: tl.constexpr,
+    BK2: tl.constexpr,
+    MASK_ROWS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """s [BM, BC] float32 = q . k for the BC keys at row pointers ``k_rows`` [BC].
+
+    q1 [BM, BK1] (and q2 [BM, BK2] when BK2 > 0) hold q's dk in two chunks; MASK_ROWS: keys
+    with ``load_ok`` false read as 0 (else every row is read).
+    """
+    d1 = tl.arange(0, BK1)
+    rows_ok = load_ok if MASK_ROWS else tl.full(load_ok.shape, True, tl.int1)
+    k1 = tl.load(
+        k_rows[:, None] + d1[None, :], mask=rows_ok[:, None] & (d1 < DK)[None, :], other=0.0
+    )
+    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+    if BK2 > 0:
+        d2 = BK1 + tl.arange(0, BK2)
+        k2 = tl.load(
+            k_rows[:, None] + d2[None, :], mask=rows_ok[:, None] & (d2 < DK)[None, :], other=0.0
+        )
+        s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+    return s
+
+
+@triton.jit
+def _lse_tile(
+    m_i,
+    l_i,
+    c0,
+    q1,
+    q2,
+    k_head,
+    stride_kt,
+    t_row,
+    n_vis,
+    qk_scale,
+    DK: tl.constexpr,
+    BK1: tl.constexpr,
+    BK2: tl.constexpr,
+    BL: tl.constexpr,
+    CMP_BLOCK: tl.constexpr,
+    CMP_STRIDE: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Online max m_i and sum l_i [BM] (base 2) over blocks c0 .. c0 + BL - 1.
+
+    MASKED: the tile holds blocks some row does not see (or past n_vis); else all are seen.
+    """
+    blk = c0 + tl.arange(0, BL)
+    blk_ok = blk < n_vis
+    k_rows = k_head + blk.to(tl.int64) * stride_kt
+    s = _tile_logits(q1, q2, k_rows, blk_ok, DK, BK1, BK2, MASKED, DOT_PREC) * qk_scale
+    if MASKED:
+        last = blk * CMP_STRIDE + CMP_BLOCK - 1
+        s = tl.where(blk_ok[None, :] & (last[None, :] <= t_row[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+    return m_new, l_i
+
+
+@triton.jit
+def _score_tile(
+    j0,
+    run,
+    p_prev,
+    q1,
+    q2,
+    k_head,
+    stride_kt,
+    lse2,
+    t_row,
+    tok_ok,
+    jt,
+    n_vis,
+    qk_scale,
+    DK: tl.constexpr,
+    BK1: tl.constexpr,
+    BK2: tl.constexpr,
+    CMP_BLOCK: tl.constexpr,
+    CMP_STRIDE: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    REACH: tl.constexpr,
+    BT: tl.constexpr,
+    GP: tl.constexpr,
+    BS: tl.constexpr,
+    NP: tl.constexpr,
+    LOG_BT: tl.constexpr,
+    LOG_BS: tl.constexpr,
+    LOG_NP: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_GATHER: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Score selection blocks j0 .. j0 + BS - 1 and merge them into the running top-n.
+
+    run [BT, NP] int64: each token's best keys so far, descending (-1: none). p_prev: what the
+    previous tile carries into this one (its blocks spill into this tile's first ones): for
+    Q <= 1 its spill sums [BT, BS] (the weights w[1] applied), else its group-summed
+    probabilities [BT, RP, BS]. lse2 [BM]: base-2 normalisers, +inf on rows that must give
+    p = 0. MASKED: some row does not see some block of the tile. Returns (run, the carry).
+    """
+    cols = tl.arange(0, RP * BS)
+    col_m = cols // BS
+    blk = (j0 + cols % BS) * R + col_m
+    load_ok = (col_m < R) & (blk < n_vis)
+    k_rows = k_head + blk.to(tl.int64) * stride_kt
+    s = _tile_logits(q1, q2, k_rows, load_ok, DK, BK1, BK2, MASKED or RP > R, DOT_PREC)
+    # Padded phases (m >= r) read zero keys, so their p is finite; their weights are 0.
+    p = tl.exp2(s * qk_scale - lse2[:, None])
+    if MASKED:
+        last = blk * CMP_STRIDE + CMP_BLOCK - 1
+        p = tl.where(load_ok[None, :] & (last[None, :] <= t_row[:, None]), p, 0.0)
+    p4 = tl.reshape(p, (BT, GP, RP, BS))
+    L: tl.constexpr = CMP_BLOCK // CMP_STRIDE
+    w_own = _phase_weights(0, R, RP, L)[None, None, :, None]
+    if REACH <= 1:
+        # Weigh the phases per head first (in registers), then sum the heads of the two
+        # [BT, GP, BS] results; the spill into the next block is carried as is.
+        score = tl.sum(tl.sum(p4 * w_own, axis=2), axis=1)
+        carry = score
+        if REACH == 1:
+            w_next = _phase_weights(1, R, RP, L)[None, None, :, None]
+            carry = tl.sum(tl.sum(p4 * w_next, axis=2), axis=1)
+            score += _shift_blocks(carry, p_prev, 1, BS, USE_GATHER)
+    else:
+        # [BT, RP, BS]: per token, the group's probability of each owned block; carried.
+        carry = tl.sum(p4, axis=1)
+        score = tl.sum(carry * _phase_weights(0, R, RP, L)[None, :, None], axis=1)
+        for q in tl.static_range(1, REACH + 1):
+            w_q = _phase_weights(q, R, RP, L)[None, :, None]
+            spill_cur = tl.sum(carry * w_q, axis=1)
+            spill_prev = tl.sum(p_prev * w_q, axis=1)
+            score += _shift_blocks(spill_cur, spill_prev, q, BS, USE_GATHER)
+
+    # Candidates: valid (j <= jt), not forced (0, jt - 1, jt): 1 <= j <= jt - 2.
+    j = j0 + tl.arange(0, BS)
+    cand = tok_ok[:, None] & (j >= 1)[None, :] & (j[None, :] <= jt[:, None] - 2)
+    bits = score.to(tl.int32, bitcast=True).to(tl.int64)
+    key = tl.where(cand, (bits << 32) | (j.to(tl.int64) ^ _LOW)[None, :], -1)
+    # Merge only when some key beats the weakest kept one of its token.
+    beats = tl.max(key, axis=1) > tl.min(run, axis=1)
+    if tl.max(beats.to(tl.int32), axis=0) > 0:
+        # The NP largest keys of the tile, ascending: the last NP of the sorted tile are
+        # elementwise the largest of its NP-wide chunks.
+        ordered = _bitonic(key, LOG_BT, LOG_BS, 0, False)
+        top = tl.max(tl.reshape(ordered, (BT, BS // NP, NP)), axis=1)
+        # run is descending, top ascending: their elementwise max holds the NP largest of
+        # both and is bitonic, so one merge sorts it.
+        run = _bitonic(tl.maximum(run, top), LOG_BT, LOG_NP, 1, True)
+    return run, carry
+
+
+@triton.jit
 def score_topn_kernel(
     q_ptr,
     k_ptr,
     lse_ptr,
-    w_ptr,
     idx_ptr,
     cnt_ptr,
     tiles_ptr,
@@ -160,33 +339,35 @@ def score_topn_kernel(
     Grid: (query tiles, H), query tiles ordered longest first (dense: the last tile of each
     batch row first; varlen: ``tiles_ptr`` rows (sequence, first token), sequence -1 = none).
     q [B, Tq, HQ, dk] and k_cmp [B, N, H, dk] have unit stride in dk; lse [B, Tq, HQ] float32
-    (natural log) when HAS_LSE; w [REACH + 1, RP] float32 phase weights. dk is split into two
+    (natural log) when HAS_LSE. dk is split into two
     power-of-two chunks BK1 + BK2 >= DK (BK2 = 0: one chunk), so dk = 192 runs as 128 + 64.
+    Positions are int32; memory offsets int64.
     """
     i = tl.program_id(0)
     h = tl.program_id(1)
     if VARLEN:
         seq = tl.load(tiles_ptr + 2 * i)
         seq_c = tl.maximum(seq, 0)
-        first = tl.load(cu_ptr + seq_c).to(tl.int64)
-        t0 = tl.load(tiles_ptr + 2 * i + 1).to(tl.int64)
+        first = tl.load(cu_ptr + seq_c)
+        t0 = tl.load(tiles_ptr + 2 * i + 1)
         row0 = first + t0
-        seq_len = tl.load(cu_ptr + seq_c + 1).to(tl.int64) - first
+        seq_len = tl.load(cu_ptr + seq_c + 1) - first
         n_rows = tl.where(seq >= 0, tl.minimum(seq_len - t0, BT), 0)
-        kbase = tl.load(cmp_cu_ptr + seq_c).to(tl.int64)
-        n_cmp = tl.load(cmp_cu_ptr + seq_c + 1).to(tl.int64) - kbase
-        b = row0 * 0
+        kbase = tl.load(cmp_cu_ptr + seq_c)
+        n_cmp = tl.load(cmp_cu_ptr + seq_c + 1) - kbase
+        b = i * 0
     else:
         # Later tiles walk more blocks: program 0 takes the last tile of each batch row.
         per_b = tl.cdiv(tq, BT)
-        b = (i % batch).to(tl.int64)
-        row0 = ((per_b - 1 - i // batch) * BT).to(tl.int64)
+        b = i % batch
+        row0 = (per_b - 1 - i // batch) * BT
         t0 = row0 + q_start
         n_rows = tl.minimum(tq - row0, BT)
-        kbase = row0 * 0
+        kbase = i * 0
         n_cmp = kbase + num_cmp
     t_last = t0 + n_rows - 1
-    # Blocks the tile's last token sees: N_cmp(t_last + 1), clamped at 0 below l - 1.
+    # N_cmp(t + 1) (clamped at 0 below l - 1): blocks the first and the last token see.
+    n_vis_first = tl.minimum(tl.maximum((t0 + 1 - CMP_BLOCK + CMP_STRIDE) // CMP_STRIDE, 0), n_cmp)
     n_vis = tl.minimum(tl.maximum((t_last + 1 - CMP_BLOCK + CMP_STRIDE) // CMP_STRIDE, 0), n_cmp)
 
     # Rows of the dots: token tok, head g of the group.
@@ -197,106 +378,75 @@ def score_topn_kernel(
     row_ok = (tok < n_rows) & (g < G)
     t_row = t0 + tok
     head = h * G + g
-    q_rows = q_ptr + b * stride_qb + (row0 + tok) * stride_qt + head * stride_qh
+    q_rows = (
+        q_ptr
+        + b.to(tl.int64) * stride_qb
+        + (row0 + tok).to(tl.int64) * stride_qt
+        + head * stride_qh
+    )
     d1 = tl.arange(0, BK1)
     q1 = tl.load(
         q_rows[:, None] + d1[None, :], mask=row_ok[:, None] & (d1 < DK)[None, :], other=0.0
     )
+    q2 = q1
     if BK2 > 0:
         d2 = BK1 + tl.arange(0, BK2)
         q2 = tl.load(
             q_rows[:, None] + d2[None, :], mask=row_ok[:, None] & (d2 < DK)[None, :], other=0.0
         )
-    k_head = k_ptr + b * stride_kb + kbase * stride_kt + h * stride_kh
+    k_head = k_ptr + b.to(tl.int64) * stride_kb + kbase.to(tl.int64) * stride_kt + h * stride_kh
 
     if HAS_LSE:
-        lse_rows = lse_ptr + b * stride_lb + (row0 + tok) * stride_lt + head * stride_lh
+        lse_rows = (
+            lse_ptr
+            + b.to(tl.int64) * stride_lb
+            + (row0 + tok).to(tl.int64) * stride_lt
+            + head * stride_lh
+        )
         lse2 = tl.load(lse_rows, mask=row_ok, other=float("-inf")) * _LOG2E
     else:
         m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
-        for c0 in range(0, n_vis, BL):
-            blk = c0 + tl.arange(0, BL)
-            blk_ok = blk < n_vis
-            k_rows = k_head + blk.to(tl.int64)[:, None] * stride_kt
-            k1 = tl.load(k_rows + d1[None, :], mask=blk_ok[:, None] & (d1 < DK)[None, :], other=0.0)
-            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-            if BK2 > 0:
-                k2 = tl.load(
-                    k_rows + d2[None, :], mask=blk_ok[:, None] & (d2 < DK)[None, :], other=0.0
-                )
-                s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
-            vis = (
-                row_ok[:, None]
-                & blk_ok[None, :]
-                & ((blk * CMP_STRIDE + CMP_BLOCK - 1)[None, :] <= t_row[:, None])
-            )
-            s = tl.where(vis, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
-            m_i = m_new
-        # Rows that see no block keep l == 0: lse = -inf, and every p below is 0.
+        # Blocks every row sees first (no masks), then the causal edge.
+        seen_by_all = n_vis_first // BL * BL
+        for c0 in range(0, seen_by_all, BL):
+            m_i, l_i = _lse_tile(
+                m_i, l_i, c0, q1, q2, k_head, stride_kt, t_row, n_vis, qk_scale,
+                DK, BK1, BK2, BL, CMP_BLOCK, CMP_STRIDE, False, DOT_PREC,
+            )  # fmt: skip
+        for c0 in range(seen_by_all, n_vis, BL):
+            m_i, l_i = _lse_tile(
+                m_i, l_i, c0, q1, q2, k_head, stride_kt, t_row, n_vis, qk_scale,
+                DK, BK1, BK2, BL, CMP_BLOCK, CMP_STRIDE, True, DOT_PREC,
+            )  # fmt: skip
+        # Rows that see no block keep l == 0: lse = -inf.
         lse2 = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
-    row_live = row_ok & (lse2 > float("-inf"))
-    lse2 = tl.where(row_live, lse2, 0.0)
-
-    # Columns of the dots: owned block (j0 + s) * r + m as column s * RP + m.
-    BC: tl.constexpr = BS * RP
-    cols = tl.arange(0, BC)
-    col_s = cols // RP
-    col_m = cols % RP
-    phases = tl.arange(0, RP)
-    w_own = tl.load(w_ptr + phases)
+    # p = exp2(logit - lse2) is then exactly 0 on rows that are padding or see nothing.
+    lse2 = tl.where(row_ok & (lse2 > float("-inf")), lse2, float("inf"))
 
     toks = tl.arange(0, BT)
     tok_ok = toks < n_rows
     jt = (t0 + toks) // SEL
-    sel = tl.arange(0, BS)
     run = tl.full([BT, NP], -1, dtype=tl.int64)
-    p_prev = tl.zeros([BT, BS, RP], dtype=tl.float32)
-    # Selection blocks the tile walks: up to its last token's own block jt.
+    if REACH <= 1:
+        p_prev = tl.zeros([BT, BS], dtype=tl.float32)
+    else:
+        p_prev = tl.zeros([BT, RP, BS], dtype=tl.float32)
+    # Selection tiles whose owned blocks every row sees, then the rest up to the last jt.
+    seen_by_all = n_vis_first // R // BS * BS
     sel_end = tl.where(n_rows > 0, t_last // SEL + 1, 0)
-    for j0 in range(0, sel_end, BS):
-        blk = (j0 + col_s) * R + col_m
-        blk_ok = (col_m < R) & (blk < n_vis)
-        k_rows = k_head + blk.to(tl.int64)[:, None] * stride_kt
-        k1 = tl.load(k_rows + d1[None, :], mask=blk_ok[:, None] & (d1 < DK)[None, :], other=0.0)
-        s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-        if BK2 > 0:
-            k2 = tl.load(k_rows + d2[None, :], mask=blk_ok[:, None] & (d2 < DK)[None, :], other=0.0)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
-        vis = (
-            row_live[:, None]
-            & blk_ok[None, :]
-            & ((blk * CMP_STRIDE + CMP_BLOCK - 1)[None, :] <= t_row[:, None])
-        )
-        p = tl.where(vis, tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        # [BT, BS, RP]: per token, the group's probability of each owned block.
-        p_grp = tl.sum(tl.reshape(p, (BT, GP, BS, RP)), axis=1)
-        score = tl.sum(p_grp * w_own[None, None, :], axis=2)
-        if REACH > 0:
-            for q in tl.static_range(1, REACH + 1):
-                w_q = tl.load(w_ptr + q * RP + phases)[None, None, :]
-                spill_cur = tl.sum(p_grp * w_q, axis=2)
-                spill_prev = tl.sum(p_prev * w_q, axis=2)
-                score += _shift_blocks(spill_cur, spill_prev, q, BS, USE_GATHER)
-            p_prev = p_grp
-
-        # Candidates: valid (j <= jt), not forced (0, jt - 1, jt): 1 <= j <= jt - 2.
-        j = j0 + sel
-        cand = tok_ok[:, None] & (j >= 1)[None, :] & (j[None, :] <= jt[:, None] - 2)
-        bits = score.to(tl.int32, bitcast=True).to(tl.int64)
-        key = tl.where(cand, (bits << 32) | (j.to(tl.int64) ^ _LOW)[None, :], -1)
-        # Merge only when some key beats the weakest kept one of its token.
-        beats = tl.max(key, axis=1) > tl.min(run, axis=1)
-        if tl.max(beats.to(tl.int32), axis=0) > 0:
-            # The NP largest keys of the tile, ascending: the last NP of the sorted tile are
-            # elementwise the largest of its NP-wide chunks.
-            ordered = _bitonic(key, LOG_BT, LOG_BS, 0, False)
-            top = tl.max(tl.reshape(ordered, (BT, BS // NP, NP)), axis=1)
-            # run is descending, top ascending: their elementwise max holds the NP largest of
-            # both and is bitonic, so one merge sorts it.
-            run = _bitonic(tl.maximum(run, top), LOG_BT, LOG_NP, 1, True)
+    for j0 in range(0, seen_by_all, BS):
+        run, p_prev = _score_tile(
+            j0, run, p_prev, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt, n_vis,
+            qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
+            LOG_BT, LOG_BS, LOG_NP, False, USE_GATHER, DOT_PREC,
+        )  # fmt: skip
+    for j0 in range(seen_by_all, sel_end, BS):
+        run, p_prev = _score_tile(
+            j0, run, p_prev, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt, n_vis,
+            qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
+            LOG_BT, LOG_BS, LOG_NP, True, USE_GATHER, DOT_PREC,
+        )  # fmt: skip
 
     # Forced blocks {0, jt - 1, jt} as a set (jt = 0: {0}; jt = 1: {0, 1}); the first
     # min(n, |F|) of them, then the n - |F| best candidates.
@@ -313,10 +463,11 @@ def score_topn_kernel(
     out = tl.where(from_run, run_j, tl.where(from_forced, forced_j, _LOW))
     out = _bitonic(out, LOG_BT, LOG_NP, 0, False)
     count = tl.sum(from_run.to(tl.int32) + from_forced.to(tl.int32), axis=1)
-    out_rows = b * stride_ib + (row0 + toks) * stride_it + h * stride_ih
+    out_rows = b.to(tl.int64) * stride_ib + (row0 + toks).to(tl.int64) * stride_it + h * stride_ih
     tl.store(
         idx_ptr + out_rows[:, None] + rank,
         tl.where(out == _LOW, -1, out),
         mask=tok_ok[:, None] & (rank < NUM_SEL),
     )
-    tl.store(cnt_ptr + b * stride_cb + (row0 + toks) * stride_ct + h, count, mask=tok_ok)
+    cnt_rows = b.to(tl.int64) * stride_cb + (row0 + toks).to(tl.int64) * stride_ct + h
+    tl.store(cnt_ptr + cnt_rows, count, mask=tok_ok)
