@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> None:
                 "ms_sdpa": None if dense is None else round(dense, 5),
                 "speedup": None if dense is None else round(dense / ms, 3),
                 "reads_per_head": reads,
-                "reads_expected": expected_reads(length + args.iters * args.repeats, cfg),
+                # The last replay ran at position S + 3 warm replays + iters * repeats - 1.
+                "reads_expected": expected_reads(length + 2 + args.iters * args.repeats, cfg),
                 "plan": plan_text,
                 "device": torch.cuda.get_device_name(),
             }

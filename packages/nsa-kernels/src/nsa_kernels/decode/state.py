@@ -166,7 +166,7 @@ class DecodeState:
             phi_k, phi_v: compression of a block for ``config.phi == "mlp"`` (see
                 :func:`block_phi`); None means the mean (``phi == "avg"``).
         """
-        _check_phi(config, phi_k, phi_v)
+        check_phi(config, phi_k, phi_v)
         ref = k["slc"]
         batch = ref.shape[0]
         if len(lengths) != batch:
@@ -295,7 +295,8 @@ class DecodeState:
         return cache
 
 
-def _check_phi(config: NSAConfig, phi_k: BlockPhi | None, phi_v: BlockPhi | None) -> None:
+def check_phi(config: NSAConfig, phi_k: BlockPhi | None, phi_v: BlockPhi | None) -> None:
+    """A learned phi exactly when the config asks for one (``phi == "mlp"``)."""
     if config.phi == "mlp" and (phi_k is None or phi_v is None):
         raise ValueError("config.phi == 'mlp' needs phi_k and phi_v (see block_phi)")
     if config.phi == "avg" and (phi_k is not None or phi_v is not None):

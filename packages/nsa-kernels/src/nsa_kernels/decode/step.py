@@ -14,9 +14,10 @@ A step at each sequence's own position ``t = cache_seqlens[b]`` (docs/spec.md, "
 No host synchronisation, no host-side position: the launches and their arguments are the same
 at every step, so one CUDA graph replays for every following token (graph.py).
 
-Top-n contract: the indices equal the reference's (``nsa_core`` ``select_blocks`` at the same
-position) except in rows whose n-th and (n+1)-th best non-forced scores differ by less than
-``TOPN_REL_GAP`` times the n-th score: the kernel sums the same probabilities in another order.
+Top-n contract: the indices equal the reference's (``nsa_core.reference.select_blocks`` at the
+same position, on the same compressed keys) except in rows whose n-th and (n+1)-th best
+non-forced scores differ by at most ``TOPN_REL_GAP`` times the n-th score: the kernel sums the
+same probabilities in another order. Exact ties go to the lower block, as in the reference.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from nsa_core import NSAConfig
 from nsa_kernels.decode.attention_kernels import cmp_window_kernel, selected_kernel
 from nsa_kernels.decode.combine_kernels import combine_kernel
-from nsa_kernels.decode.state import BlockPhi, DecodeState, _check_phi
+from nsa_kernels.decode.state import BlockPhi, DecodeState, check_phi
 from nsa_kernels.decode.topn_kernels import score_topn_kernel
 from nsa_kernels.decode.update import append_token
 
@@ -345,7 +346,7 @@ def decode_step(
         :class:`StepOutputs`: o [B, HQ, dv], indices [B, H, n], reads [3, B, H].
     """
     cfg = state.config
-    _check_phi(cfg, phi_k, phi_v)
+    check_phi(cfg, phi_k, phi_v)
     inputs.check(state)
     if plan is None:
         plan = DecodePlan(state)
