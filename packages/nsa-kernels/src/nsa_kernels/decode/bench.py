@@ -125,11 +125,16 @@ SWEEP = {
 }
 
 
-def sweep_configs(base: DecodeKernelConfig) -> list[DecodeKernelConfig]:
-    keys = list(SWEEP)
+CHUNK_SWEEP = {"cmp_chunk_tiles": (1, 2, 4, 8, 16, 32)}
+
+
+def sweep_configs(
+    base: DecodeKernelConfig, grid: dict[str, tuple[int, ...]]
+) -> list[DecodeKernelConfig]:
+    keys = list(grid)
     return [
         replace(base, **dict(zip(keys, values, strict=True)))
-        for values in itertools.product(*(SWEEP[k] for k in keys))
+        for values in itertools.product(*(grid[k] for k in keys))
     ]
 
 
@@ -164,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--config", default="", help='kernel config, e.g. "key_tile=32,warps=8"')
     parser.add_argument("--sweep", action="store_true", help="try a grid of tiles/warps/stages")
+    parser.add_argument(
+        "--sweep-chunks", action="store_true", help="try compressed chunk sizes (cmp_chunk_tiles)"
+    )
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
     args = parser.parse_args(argv)
@@ -179,7 +187,8 @@ def main(argv: list[str] | None = None) -> None:
         for length in (int(x) for x in args.S.split(",")):
             capacity = length + args.iters * (args.repeats + 1) + 64
             state = filled_state(cfg, batch, length, capacity, dtype)
-            candidates = sweep_configs(base) if args.sweep else [base]
+            grid = {**(SWEEP if args.sweep else {}), **(CHUNK_SWEEP if args.sweep_chunks else {})}
+            candidates = sweep_configs(base, grid) if grid else [base]
             timed = []
             for kernel_cfg in candidates:
                 ms, graph = nsa_ms(state, kernel_cfg, args)
@@ -200,9 +209,9 @@ def main(argv: list[str] | None = None) -> None:
                 "plan": plan_text,
                 "device": torch.cuda.get_device_name(),
             }
-            if args.sweep:
+            if grid:
                 row["sweep"] = [
-                    {"ms": round(t, 5), "config": {k: getattr(c, k) for k in SWEEP}}
+                    {"ms": round(t, 5), "config": {k: getattr(c, k) for k in grid}}
                     for t, c, _ in sorted(timed, key=lambda x: x[0])
                 ]
             print(json.dumps(row), flush=True)

@@ -232,27 +232,28 @@ class DecodePlan:
 
         wide = 64 if cfg.head_dim_qk <= 128 else 32  # default key tile
 
-        # Compressed branch: tiles of key_tile blocks, chunks of cmp_chunk_tiles tiles, enough
-        # chunks that every (sequence, kv head) together fill the device about twice over. Tiles
-        # of 32 keys above dk = 128 keep a program's registers from spilling (sm_90 builds).
-        self.ranges_per_sel = cfg.sel_block // cfg.cmp_stride  # R: blocks starting in one l'
-        self.extra = (cfg.sel_block - cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
-        self.key_tile = max(kc.key_tile or wide, self.ranges_per_sel)
-        tiles = max(1, _cdiv(state.cmp_capacity, self.key_tile))
-        per_seq = max(1, _cdiv(2 * slots, bh))
-        self.cmp_chunk_tiles = kc.cmp_chunk_tiles or max(1, _cdiv(tiles, per_seq))
-        self.cmp_chunks = _cdiv(state.cmp_capacity, self.key_tile * self.cmp_chunk_tiles)
-        self.cmp_chunk = self.key_tile * self.cmp_chunk_tiles
-        self.tiles = tiles
-        self.ranges = tiles * self.key_tile // self.ranges_per_sel
-
         # Window: chunks of window_chunk keys, walked in tiles of key_tile.
+        self.key_tile = max(kc.key_tile or wide, cfg.sel_block // cfg.cmp_stride)
         self.window_chunk = kc.window_chunk or max(self.key_tile, 128)
         if self.window_chunk % self.key_tile:
             raise ValueError(
                 f"window_chunk={self.window_chunk} must be a multiple of key_tile={self.key_tile}"
             )
         self.window_chunks = _cdiv(cfg.window, self.window_chunk)
+
+        # Compressed branch: tiles of key_tile blocks, chunks of cmp_chunk_tiles tiles. With the
+        # window programs, about two programs per SM in one wave (no partial second wave), and
+        # at least two chunks per (sequence, kv head) so that long sequences stream in parallel.
+        # Tiles of 32 keys above dk = 128 keep a program's registers from spilling (sm_90).
+        self.ranges_per_sel = cfg.sel_block // cfg.cmp_stride  # R: blocks starting in one l'
+        self.extra = (cfg.sel_block - cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
+        tiles = max(1, _cdiv(state.cmp_capacity, self.key_tile))
+        per_seq = max(2, (2 * slots) // bh - self.window_chunks)
+        self.cmp_chunk_tiles = kc.cmp_chunk_tiles or max(1, _cdiv(tiles, per_seq))
+        self.cmp_chunks = _cdiv(state.cmp_capacity, self.key_tile * self.cmp_chunk_tiles)
+        self.cmp_chunk = self.key_tile * self.cmp_chunk_tiles
+        self.tiles = tiles
+        self.ranges = tiles * self.key_tile // self.ranges_per_sel
 
         # Selected branch: the n blocks split over sel_splits programs.
         n = cfg.num_selected
