@@ -133,6 +133,7 @@ def resolve_config(
     weights: PhaseWeights,
     tq: int,
     dtype: torch.dtype,
+    head_dim: int,
 ) -> ScoreConfig:
     """Fill the zeros of ``config`` with the defaults, raised to what the kernel needs.
 
@@ -140,8 +141,9 @@ def resolve_config(
     128 rows per dot for float16/bfloat16 (8 tokens x 16 heads at G = 16; fewer when Tq holds
     fewer tokens, down to one token per tile for a decode row), 32 for float32 (its IEEE dots
     run on CUDA cores and hold their operands in registers); selection tiles of 128 owned
-    compressed blocks (32 selection blocks at l' = 4d) with at most 1024 (token, block) scores
-    per tile (the running top-n sorts them in registers); 64 blocks per tile of the normaliser
+    compressed blocks (32 selection blocks at l' = 4d; 64 blocks for dk > 192, so that q and two
+    stages of keys fit in shared memory) with at most 1024 (token, block) scores per tile (the
+    running top-n sorts them in registers); 64 blocks per tile of the normaliser
     pass; 8 warps at 128 rows and more (4 below); 2 stages. Whatever the request, block_rows
     holds the padded group, and block_sel is at least 16, pow2(n) (the running top-n merges
     NP-wide chunks of a tile) and pow2(Q) (a spill reaches one tile back at most).
@@ -157,7 +159,8 @@ def resolve_config(
     wide = 32 if dtype == torch.float32 else 128
     rows = max(cfg.block_rows or min(wide, heads * _pow2(max(tq, 1))), heads, 16)
     tokens = rows // heads
-    sel = cfg.block_sel or min(max(16, 128 // _pow2(weights.ratio)), max(16, 1024 // tokens))
+    columns = 128 if head_dim <= 192 else 64
+    sel = cfg.block_sel or min(max(16, columns // _pow2(weights.ratio)), max(16, 1024 // tokens))
     return ScoreConfig(
         block_rows=rows,
         block_sel=max(sel, _pow2(num_selected), _pow2(weights.reach)),
@@ -268,6 +271,7 @@ def select_blocks_triton(
         weights=geometry,
         tq=tq,
         dtype=q.dtype,
+        head_dim=dk,
     )
     heads = _pow2(group)
     tokens = cfg.block_rows // heads
