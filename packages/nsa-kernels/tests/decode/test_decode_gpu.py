@@ -34,7 +34,6 @@ from nsa_kernels.decode import (  # noqa: E402
     DecodePlan,
     DecodeState,
     StepInputs,
-    StepOutputs,
     block_phi,
     decode_step,
 )
@@ -146,23 +145,35 @@ def _run_pair(
     eager: DecodeState,
     plan: DecodePlan,
     phi: tuple[BlockPhi | None, BlockPhi | None] = (None, None),
+    *,
+    exact: bool = True,
 ) -> None:
+    """Replay ``graph`` and step ``eager`` side by side on the same inputs.
+
+    exact: every output, index and cache byte equal (all-Triton steps are deterministic).
+    Otherwise (a learned phi runs cuBLAS, whose kernel choice may differ under capture):
+    outputs and caches within the bf16 bound and indices equal in at least 99% of rows.
+    """
     phi_k, phi_v = phi
+    same_rows = rows = 0
     for s in range(steps):
         inputs = stream.inputs_at([n + s for n in lengths])
         got = graph.step(inputs)
         want = decode_step(eager, inputs, phi_k=phi_k, phi_v=phi_v, plan=plan)
-        _assert_equal(got, want, s)
+        assert torch.equal(got.reads, want.reads), f"step {s}: reads differ"
+        if exact:
+            assert torch.equal(got.o, want.o), f"step {s}: outputs differ"
+            assert torch.equal(got.indices, want.indices), f"step {s}: indices differ"
+        else:
+            assert rel_err(got.o, want.o) <= BOUND[BF16], f"step {s}"
+            same_rows += int((got.indices == want.indices).all(-1).sum())
+            rows += got.indices.shape[0] * got.indices.shape[1]
+    assert rows == 0 or same_rows >= 0.99 * rows, f"{same_rows} of {rows} rows agree"
     for name in ("k_slc", "v_slc", "k_win", "v_win", "k_raw", "v_raw", "k_cmp", "v_cmp"):
-        assert torch.equal(getattr(state, name), getattr(eager, name)), name
+        a, b = getattr(state, name), getattr(eager, name)
+        assert torch.equal(a, b) if exact else rel_err(a, b) <= BOUND[BF16], name
     assert torch.equal(state.cache_seqlens, eager.cache_seqlens)
     assert torch.equal(state.num_cmp, eager.num_cmp)
-
-
-def _assert_equal(got: StepOutputs, want: StepOutputs, step: int) -> None:
-    assert torch.equal(got.o, want.o), f"step {step}: outputs differ"
-    assert torch.equal(got.indices, want.indices), f"step {step}: indices differ"
-    assert torch.equal(got.reads, want.reads), f"step {step}: reads differ"
 
 
 def test_graph_replay_equals_eager_1000_steps(request: pytest.FixtureRequest) -> None:
@@ -180,7 +191,7 @@ def test_graph_replay_equals_eager_1000_steps(request: pytest.FixtureRequest) ->
 
 
 def test_graph_with_learned_phi(request: pytest.FixtureRequest) -> None:
-    """The learned phi runs inside the graph; 100 replays equal 100 eager steps."""
+    """The learned phi runs inside the graph; 100 replays match 100 eager steps."""
     gen = _gen(request)
     cfg = paper_config(phi="mlp")
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
@@ -194,7 +205,9 @@ def test_graph_with_learned_phi(request: pytest.FixtureRequest) -> None:
     )
     eager = state.clone()
     graph = DecodeGraph(state, phi_k=phi_k, phi_v=phi_v)
-    _run_pair(state, stream, lengths, steps, graph, eager, DecodePlan(eager), (phi_k, phi_v))
+    _run_pair(
+        state, stream, lengths, steps, graph, eager, DecodePlan(eager), (phi_k, phi_v), exact=False
+    )
 
 
 def test_small_shapes_on_gpu(request: pytest.FixtureRequest) -> None:
