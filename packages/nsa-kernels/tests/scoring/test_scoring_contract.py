@@ -111,3 +111,14 @@ def test_malformed_rows_break(row: list[int], count: int) -> None:
     cnt = torch.tensor([count], dtype=torch.int32).view(1, 1, 1)
     report = check_index_contract(idx, cnt, ref_idx, scores, row_positions(1, T), 1)
     assert report.broken_rows == 1
+
+
+def test_exact_ties_beside_a_near_tie() -> None:
+    """Two tied classes (blocks 1, 4 and blocks 2, 5) within tol of each other: the kernel may
+    take either class, but inside a class the lower j first."""
+    scores = [0.0, 0.8, 0.8 * (1 - SCORE_REL_TOL / 2), 0.1, 0.8, 0.8 * (1 - SCORE_REL_TOL / 2)]
+    scores += [0.2, 0.3, 0.0, 0.0]
+    assert _check(_scores(scores), [0, 1, 4, 8, 9], exact_ties=True).broken_rows == 0
+    assert _check(_scores(scores), [0, 2, 5, 8, 9], exact_ties=True).broken_rows == 0
+    assert _check(_scores(scores), [0, 1, 5, 8, 9], exact_ties=True).broken_rows == 1
+    assert _check(_scores(scores), [0, 1, 5, 8, 9]).broken_rows == 0

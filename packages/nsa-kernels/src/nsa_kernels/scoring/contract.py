@@ -4,9 +4,10 @@ index contract"), as a checker that tests and benches share.
 A kernel's selection equals the reference's on every (b, t, kv head) row, except rows whose
 reference scores put the n-th and (n+1)-th best non-forced blocks within ``rel_tol * S_n +
 abs_tol`` of each other ("tolerance rows"). There the kernel may swap blocks across that
-boundary, but only blocks whose reference scores lie within the same tolerance of it. Exact
-ties (a gap of 0) count as tolerance rows unless ``exact_ties`` asks that they follow the
-lower-j rule, as they must when they come from equal compressed keys.
+boundary, but only blocks whose reference scores lie within the same tolerance of it. With
+``exact_ties`` (inputs whose only exact ties come from equal compressed keys) a trade between
+two blocks of exactly equal reference score is a violation: among equal scores the lower j is
+kept first, bit for bit.
 
 Pure torch; no Triton needed.
 """
@@ -108,7 +109,8 @@ def check_index_contract(
         ref_scores: [B, Tq, H, Nsel] reference scores (:func:`reference_scores`).
         positions: [Tq] position of each row (:func:`row_positions`).
         sel_block: l'.
-        exact_ties: hold rows whose boundary gap is exactly 0 to the lower-j rule.
+        exact_ties: blocks of exactly equal reference score must be kept lower j first (for
+            inputs whose exact ties all come from equal keys).
 
     Every row must also be well formed: distinct valid blocks (j <= t // l') in ascending
     order, then -1, the forced blocks present, and ``counts`` equal to its entries.
@@ -142,7 +144,7 @@ def check_index_contract(
     last_kept, first_left = boundary.last_kept, boundary.first_left
     gap = last_kept - first_left
     tol = rel_tol * last_kept.abs() + abs_tol
-    tolerance = boundary.exists & (gap <= tol) & ((gap > 0) | (not exact_ties))
+    tolerance = boundary.exists & (gap <= tol)
 
     # In a tolerance row a swap may only trade blocks that sit within tol of the boundary.
     swapped_in = member & ~ref_member
@@ -150,6 +152,8 @@ def check_index_contract(
     in_ok = (~swapped_in | (scores >= (last_kept - tol).unsqueeze(1))).all(dim=1)
     out_ok = (~swapped_out | (scores <= (first_left + tol).unsqueeze(1))).all(dim=1)
     excused = tolerance & in_ok & out_ok & (member.sum(dim=1) == ref_member.sum(dim=1))
+    if exact_ties:
+        excused &= _lower_j_first(member, scores, ~same)
     broken = ~well_formed | (~same & ~excused)
 
     first = ""
@@ -239,6 +243,25 @@ def score_boundary(scores: torch.Tensor, jt: torch.Tensor, num_selected: int) ->
         last_kept=ranked.gather(1, (free - 1).clamp(0, n_sel).unsqueeze(1)).squeeze(1),
         first_left=ranked.gather(1, free.clamp(max=n_sel).unsqueeze(1)).squeeze(1),
     )
+
+
+def _lower_j_first(member: torch.Tensor, scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: no kept block has a left block of exactly its score and a lower j.
+
+    Checked on the rows where ``rows`` is true (the others pass): [k, Nsel, Nsel] pairs.
+    """
+    ok = torch.ones(member.shape[0], dtype=torch.bool)
+    picked = rows.nonzero().squeeze(1)
+    if picked.numel() == 0:
+        return ok
+    kept = member[picked]
+    s = scores[picked]
+    n_sel = s.shape[1]
+    lower = torch.arange(n_sel).unsqueeze(1) > torch.arange(n_sel).unsqueeze(0)  # [a, b]: b < a
+    equal = s.unsqueeze(2) == s.unsqueeze(1)  # [k, a, b]
+    skipped = kept.unsqueeze(2) & ~kept.unsqueeze(1) & equal & lower
+    ok[picked] = ~skipped.flatten(1).any(dim=1)
+    return ok
 
 
 def _membership(
