@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# The runner one-shot: environment, routing + pairing, every test tier, the benches, and a
-# Markdown report, all under artifacts/runner/<commit>/ (or --out DIR). Exit code is non-zero
-# when any step failed. Uses the interpreter's installed packages; when the nsa packages are not
-# installed it runs them from source.
+# The runner (ci/runner.py) with the right Python: $PYTHON if set, else python3.
+#
+#   bash ci/runner.sh [--quick] [--tiers NAME,...] [--out DIR] [--skip-benches]
+#
+# Where the three nsa packages are not installed in that Python (a GPU host that has torch and
+# triton but no package index), they run from this checkout through PYTHONPATH, and it says so.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python="${PYTHON:-python3}"
 if ! "$python" -c "import nsa_core, nsa_kernels, nsa_bench" 2>/dev/null; then
+  echo "runner: nsa-core, nsa-kernels and nsa-bench are not installed in $python:" \
+    "running them from this checkout (PYTHONPATH)" >&2
   export PYTHONPATH="$PWD/packages/nsa-core/src:$PWD/packages/nsa-kernels/src:$PWD/packages/nsa-bench/src${PYTHONPATH:+:$PYTHONPATH}"
 fi
-exec "$python" -m nsa_bench.cli runner "$@"
+exec "$python" ci/runner.py "$@"

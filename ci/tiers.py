@@ -1,0 +1,189 @@
+"""The test tiers: which tests each runs, with what environment, on what hardware.
+
+This table is the one definition. noxfile.py (``tests``, ``interp-*``, ``gpu_parity-*``), the
+runner (ci/runner.py) and the GPU scripts (ci/gpu_*.sh, through the command line below) all read
+it; none of them lists pytest markers or paths of its own.
+
+The tiers split the suite by marker, so each test belongs to exactly one tier of each kind of
+host: a test marked ``slow`` is in ``slow``; else ``cuda``; else ``fa2``; else ``gpu``; else
+``triton`` (the ``interpreter`` tier on CPU, ``triton-gpu`` for the same tests compiled on a GPU);
+else the CPU tier of its package. Markers are declared in the root pyproject.toml.
+
+Command line (stdlib only, any Python >= 3.10)::
+
+    python3 ci/tiers.py list                        # one line per tier
+    python3 ci/tiers.py args gpu                    # the tier's pytest arguments, one per line
+    python3 ci/tiers.py args gpu --under packages/nsa-kernels/tests/selected
+    python3 ci/tiers.py env interpreter             # KEY=VALUE lines of the tier's environment
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Literal
+
+CORE_TESTS = "packages/nsa-core/tests"
+KERNEL_TESTS = "packages/nsa-kernels/tests"
+BENCH_TESTS = "packages/nsa-bench/tests"
+ALL_TESTS = (CORE_TESTS, KERNEL_TESTS, BENCH_TESTS)
+
+# Tests with none of these markers are plain CPU tests of their package.
+_MARKED = "triton or gpu or fa2 or cuda or slow"
+
+Hardware = Literal["cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One pytest invocation: ``pytest <paths> -m <markers> <extra_args>`` under ``env``.
+
+    ``hardware``: ``cpu`` runs on any machine; ``cuda`` needs a CUDA GPU visible to torch (the
+    tier fails, rather than skips, where there is none and it was asked for by name).
+    ``parallel``: the tier may use pytest-xdist workers.
+    """
+
+    name: str
+    title: str
+    paths: tuple[str, ...]
+    markers: str
+    hardware: Hardware
+    env: Mapping[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()
+    parallel: bool = True
+
+    def pytest_args(self, under: str | None = None) -> list[str]:
+        """Paths, ``-m`` expression and extra arguments; ``under`` narrows to one folder."""
+        paths = list(self.paths) if under is None else narrow(self.paths, under)
+        return [*paths, "-m", self.markers, *self.extra_args]
+
+
+def narrow(paths: Sequence[str], under: str) -> list[str]:
+    """``under`` if it lies inside one of ``paths``; the ``paths`` inside ``under`` otherwise."""
+    target = PurePosixPath(under.rstrip("/"))
+    for path in paths:
+        if target == PurePosixPath(path) or PurePosixPath(path) in target.parents:
+            return [str(target)]
+    inside = [p for p in paths if target in PurePosixPath(p).parents]
+    if not inside:
+        raise ValueError(f"{under} is not inside the tier's paths ({', '.join(paths)})")
+    return inside
+
+
+TIERS: tuple[Tier, ...] = (
+    Tier(
+        "reference",
+        "Reference (CPU)",
+        (CORE_TESTS,),
+        f"not ({_MARKED})",
+        "cpu",
+    ),
+    Tier(
+        "interpreter",
+        "Triton interpreter (CPU)",
+        (KERNEL_TESTS,),
+        "triton and not (gpu or fa2 or cuda or slow)",
+        "cpu",
+        env={"TRITON_INTERPRET": "1"},
+    ),
+    Tier(
+        "kernels-cpu",
+        "Kernel CPU logic",
+        (KERNEL_TESTS,),
+        f"not ({_MARKED})",
+        "cpu",
+    ),
+    Tier(
+        "bench-cpu",
+        "Bench and CI (CPU)",
+        (BENCH_TESTS,),
+        f"not ({_MARKED})",
+        "cpu",
+    ),
+    Tier(
+        "triton-gpu",
+        "Triton kernels compiled (GPU)",
+        (KERNEL_TESTS,),
+        "triton and not (gpu or fa2 or cuda or slow)",
+        "cuda",
+    ),
+    Tier(
+        "gpu",
+        "GPU parity",
+        ALL_TESTS,
+        "gpu and not (fa2 or cuda or slow)",
+        "cuda",
+    ),
+    Tier(
+        "fa2",
+        "FlashAttention-2",
+        ALL_TESTS,
+        "fa2 and not (cuda or slow)",
+        "cuda",
+        parallel=False,
+    ),
+    Tier(
+        "cuda",
+        "CUDA experiment",
+        ALL_TESTS,
+        "cuda and not slow",
+        "cuda",
+        parallel=False,
+    ),
+    Tier(
+        "slow",
+        "Slow: grad and train smokes",
+        ALL_TESTS,
+        "slow",
+        "cuda",
+        extra_args=("--run-slow",),
+        parallel=False,
+    ),
+)
+
+CPU_TIERS = tuple(t for t in TIERS if t.hardware == "cpu")
+GPU_TIERS = tuple(t for t in TIERS if t.hardware == "cuda")
+
+
+def tier(name: str) -> Tier:
+    for t in TIERS:
+        if t.name == name:
+            return t
+    raise KeyError(f"no tier {name!r} (tiers: {', '.join(t.name for t in TIERS)})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Read the test tiers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="one line per tier")
+    p_args = sub.add_parser("args", help="pytest arguments of a tier, one per line")
+    p_args.add_argument("name")
+    p_args.add_argument("--under", help="run only the tier's tests inside this folder")
+    p_env = sub.add_parser("env", help="KEY=VALUE lines of a tier's environment")
+    p_env.add_argument("name")
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "list":
+            for t in TIERS:
+                env = " ".join(f"{k}={v}" for k, v in t.env.items())
+                print(
+                    f"{t.name:<12} {t.hardware:<5} {' '.join(t.pytest_args())}"
+                    f"{'  ' + env if env else ''}"
+                )
+        elif args.command == "args":
+            print("\n".join(tier(args.name).pytest_args(args.under)))
+        else:
+            for key, value in tier(args.name).env.items():
+                print(f"{key}={value}")
+    except (KeyError, ValueError) as err:
+        print(f"tiers: {err.args[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
