@@ -1,8 +1,4 @@
-"""``nsa-bench``: one command, one sub-command per bench or tool.
-
-Each sub-command lives in its own module under :mod:`nsa_bench` and exposes
-``add_arguments(parser)`` and ``run(args) -> int``; this table is the only place that lists them.
-"""
+"""``nsa-bench``: benches and tools for Native Sparse Attention, one sub-command each."""
 
 from __future__ import annotations
 
@@ -11,7 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# sub-command -> (module, one-line help)
+# sub-command -> (module, one-line help). Each module exposes ``add_arguments(parser)`` and
+# ``run(args) -> int``; this table is the only place that lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("nsa_bench.demo", "small NSA prefill + decode: routing and a reads table"),
     "decode": ("nsa_bench.decode_bench", "decode step per context length, whole and per branch"),
@@ -19,13 +16,18 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fa2": ("nsa_bench.fa2_bench", "FA-2 vs its torch fallbacks per branch over T and D, cutoffs"),
     "routing": ("nsa_bench.routing", "backend chosen per op, with reasons, and the pairing"),
     "sel": ("nsa_bench.sel_bench", "Triton selection vs fallbacks and fla-core; sel_triton_min_L"),
-    "runner": ("nsa_bench.runner", "one-shot host validation: env, routing, tests, benches"),
     "summarize": ("nsa_bench.summarize", "per-branch shares and reads of a decode CSV"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nsa-bench", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="nsa-bench",
+        description="Benches and tools for Native Sparse Attention (nsa): time the kernels "
+        "against their fallbacks and peers, show which backend serves each op and why.",
+        epilog="`nsa-bench COMMAND --help` shows a command's options. To check a whole host "
+        "(every test tier, the benches, a report), run `bash ci/runner.sh` from a checkout.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
