@@ -17,6 +17,8 @@ off; each refusal of FA-2 while it is on is logged once by the registry with its
 
 from __future__ import annotations
 
+import torch
+
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
 from nsa_kernels.common.flash import unsupported_reason
@@ -58,6 +60,8 @@ def fa2_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
 
 
 def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    if ctx.dtype == torch.float64:
+        return "float64 runs the reference"
     if ctx.device.type != "cuda":
         return f"FlexAttention is only used compiled, on CUDA (device is {ctx.device.type})"
     missing = flex_missing_reason()
@@ -72,6 +76,8 @@ def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
 
 
 def sdpa_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    if ctx.dtype == torch.float64 and "sdpa" not in (toggles.win_backend, toggles.cmp_backend):
+        return "float64 runs the reference"
     if ctx.device.type == "cuda" or "sdpa" in (toggles.win_backend, toggles.cmp_backend):
         return None
     return f"the reference serves {ctx.device.type} (pin NSA_WIN_BACKEND=sdpa to use SDPA there)"
