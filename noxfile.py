@@ -1,10 +1,11 @@
-"""Every way to lint, type-check, test and package nsa (docs/ci.md explains each session).
+"""Lint, type-check, test and package nsa.
 
-Plain ``nox`` runs lint, typecheck and tests. The torch x triton cells come from the version table
-(nsa_kernels/version_table.py via ci/cells.py): ``interp-<minor>`` (interpreter tier on CPU) and
-``gpu_parity-<minor>`` (GPU tiers) for each supported torch minor. ``NSA_NOX_SYSTEM_PACKAGES=1``
-runs the test sessions with the packages of the interpreter running nox, on a host with no index.
-Arguments after ``--`` go to pytest (test sessions) or to the tool (lint, typecheck, pairing).
+``nox`` alone runs lint, typecheck and tests (the CPU test tiers with torch 2.13 and its triton).
+Each supported torch minor of the version table has ``interp-<minor>`` (the Triton interpreter
+tier on CPU) and ``gpu_parity-<minor>`` (the GPU tiers); ``interp_triton-<triton minor>`` runs the
+interpreter tier with the CPU torch and the oldest or newest triton. Arguments after ``--`` go to
+pytest or to the tool. On a host with no package index, ``NSA_NOX_SYSTEM_PACKAGES=1`` tests the
+packages of the Python that runs nox. docs/ci.md describes every session.
 """
 
 from __future__ import annotations
@@ -13,27 +14,23 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import nox
+from nox.command import CommandFailed
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from ci import cells  # noqa: E402  (needs ROOT on sys.path)
+from ci import cells, tiers  # noqa: E402  (needs ROOT on sys.path)
 
 PACKAGES = ("nsa-core", "nsa-kernels", "nsa-bench")
 SRC_DIRS = tuple(f"packages/{p}/src" for p in PACKAGES)
 
-# The CPU CI cell: this torch release and the triton its wheel pins (read from the table).
-CPU_CELL = "2.13"
-CPU_TORCH = "2.13.0"
-
 # Linters are pinned so that a new release cannot turn CI red on unchanged code.
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
-
-GPU_MARKERS = "gpu or fa2 or cuda or slow"
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_venv = "yes"
@@ -51,21 +48,22 @@ def _system_packages() -> bool:
 SYSTEM = _system_packages()
 
 
-def _constraints(session: nox.Session, cell: dict[str, Any], release: str | None = None) -> str:
-    path = Path(session.create_tmp()) / f"constraints-torch-{cell['torch']}.txt"
-    path.write_text(cells.constraints(cell, release))
-    session.log(f"constraints for cell {cell['torch']}: {path.read_text().strip()!r}")
+def _constraints_file(session: nox.Session, name: str, text: str) -> str:
+    path = Path(session.create_tmp()) / f"constraints-{name}.txt"
+    path.write_text(text)
+    session.log(f"constraints: {' '.join(text.split())}")
     return str(path)
 
 
-def _install_project(
-    session: nox.Session, cell: dict[str, Any], release: str | None = None
-) -> None:
-    """torch + triton of ``cell`` and the three packages (editable) with their test extras."""
+def _install_project(session: nox.Session, constraints: str) -> None:
+    """torch + triton as ``constraints`` pin them and the three packages (editable), with tests."""
+    session.log("installing torch, triton and the three packages (a minute or more)")
     # Triton's interpreter (TRITON_INTERPRET=1) imports numpy, which triton does not declare.
     session.install(
+        "--progress-bar",
+        "off",
         "-c",
-        _constraints(session, cell, release),
+        constraints,
         "torch",
         "triton",
         "numpy",
@@ -75,6 +73,7 @@ def _install_project(
         "packages/nsa-kernels[test]",
         "-e",
         "packages/nsa-bench",
+        silent=False,
     )
 
 
@@ -131,64 +130,78 @@ print("NSA-PAIRING " + json.dumps(found))
 """
 
 
-def _check_pairing(
-    session: nox.Session,
-    python: str,
-    env: dict[str, str],
-    cell: dict[str, Any] | None,
-    need_gpu: bool = False,
-) -> None:
-    """Fail unless ``python`` imports a paired torch/triton (of ``cell``, when given)."""
+def _probe(session: nox.Session, python: str, env: dict[str, str]) -> dict[str, Any]:
     out = session.run(python, "-c", _PROBE, env=env, silent=True, external=True)
     lines = [x for x in str(out).splitlines() if x.startswith("NSA-PAIRING ")]
     if not lines:
         session.error(f"could not read torch/triton of {python}:\n{out}")
-    found = json.loads(lines[-1].removeprefix("NSA-PAIRING "))
-    session.log(f"torch {found['torch']}, triton {found['triton']}: {found['reason']}")
-    if found["verdict"] != "paired":
-        session.error(f"torch/triton are not paired: {found['verdict']}: {found['reason']}")
+    found: dict[str, Any] = json.loads(lines[-1].removeprefix("NSA-PAIRING "))
+    session.log(f"torch {found['torch']}, triton {found['triton']}: {found['verdict']}")
     if found["triton_language"]:
         # The Triton tests would all skip: a tier that silently runs nothing must not pass.
         mode = " with TRITON_INTERPRET=1" if env.get("TRITON_INTERPRET") else ""
         session.error(f"import triton.language{mode} fails: {found['triton_language']}")
+    return found
+
+
+def _check_cell(
+    session: nox.Session, found: dict[str, Any], cell: dict[str, Any] | None, need_gpu: bool
+) -> None:
+    """Fail unless torch/triton are paired (and are ``cell``, when given)."""
+    session.log(found["reason"])
+    if found["verdict"] != "paired":
+        session.error(f"torch/triton are not paired: {found['verdict']}: {found['reason']}")
     if cell is not None and found["cell"] != cell["torch"]:
         session.error(
-            f"this session is cell torch {cell['torch']} (triton {cell['triton']}), but "
-            f"{python} has torch {found['torch']}; run the session of its cell, "
+            f"this session is cell torch {cell['torch']} (triton {cell['triton']}), but the "
+            f"Python has torch {found['torch']}; run the session of its cell, "
             f"gpu_parity-{found['cell']} / interp-{found['cell']}"
         )
     if need_gpu and not found["cuda"]:
         session.error("this session runs the GPU tiers, and torch sees no CUDA GPU here")
 
 
-def _prepare(
-    session: nox.Session,
-    cell: dict[str, Any] | None,
-    release: str | None = None,
-    *,
-    need_gpu: bool = False,
-    interpret: bool = False,
-) -> tuple[list[str], dict[str, str]]:
-    """Install (or, in system mode, check) the cell; returns the pytest command and its env.
-
-    ``interpret``: the run uses Triton's CPU interpreter (``TRITON_INTERPRET=1``, also set while
-    probing, since the interpreter needs more than compiled Triton does).
-    """
-    env = {"TRITON_INTERPRET": "1"} if interpret else {}
+def _python_and_env(session: nox.Session, constraints: str | None) -> tuple[str, dict[str, str]]:
+    """Install from ``constraints`` (or, in system mode, build offline); the Python to test."""
     if SYSTEM:
-        env.update(_build_offline(session))
-        python = sys.executable
-    else:
-        _install_project(session, cell or cells.cell(CPU_CELL), release)
-        python = "python"
-    _check_pairing(session, python, env, cell, need_gpu)
-    return [python, "-m", "pytest"], env
+        return sys.executable, _build_offline(session)
+    assert constraints is not None
+    _install_project(session, constraints)
+    return "python", {}
 
 
-def _pytest(session: nox.Session, cmd: list[str], env: dict[str, str], *args: str) -> None:
-    # pytest's exit code 5 (no test collected) fails the session like any other: a tier that
-    # selects nothing is a broken tier, never a pass.
-    session.run(*cmd, *args, *session.posargs, env=env, external=SYSTEM)
+def _run_tiers(
+    session: nox.Session,
+    python: str,
+    base_env: dict[str, str],
+    selected: Sequence[tiers.Tier],
+    workers: str | None,
+) -> None:
+    """Each tier as its own pytest run with its environment; fail after all ran if any failed.
+
+    pytest's exit code 5 (no test collected) fails a tier like any other: a tier that selects
+    nothing is a broken tier, never a pass.
+    """
+    failed: list[str] = []
+    for i, tier in enumerate(selected):
+        args = tier.pytest_args()
+        if workers and tier.parallel:
+            args += ["-n", workers]
+        session.log(f"[tier {i + 1}/{len(selected)}] {tier.name}: {tier.title}")
+        try:
+            session.run(
+                python,
+                "-m",
+                "pytest",
+                *args,
+                *session.posargs,
+                env={**base_env, **tier.env},
+                external=SYSTEM,
+            )
+        except CommandFailed:
+            failed.append(tier.name)
+    if failed:
+        session.error(f"tiers failed: {', '.join(failed)}")
 
 
 _TEST_BACKEND = "none" if SYSTEM else None
@@ -196,26 +209,43 @@ _TEST_BACKEND = "none" if SYSTEM else None
 
 @nox.session(python=None, tags=["ci"])
 def lint(session: nox.Session) -> None:
-    """ruff check and ruff format --check over the whole repository."""
+    """ruff check, ruff format --check, and nsa-kernels' torch extras against the version table."""
     session.install(RUFF)
     session.run("ruff", "check", ".", *session.posargs)
     session.run("ruff", "format", "--check", ".")
+    session.run("python", "ci/cells.py", "extras", "--check")
 
 
 @nox.session(python=None, tags=["ci"])
 def typecheck(session: nox.Session) -> None:
     """mypy over the three packages' sources, noxfile.py and ci/ (strict for nsa-core)."""
-    constraints = _constraints(session, cells.cell(CPU_CELL), CPU_TORCH)
-    session.install(MYPY, "nox", "packaging", "-c", constraints, "torch")
+    constraints = cells.constraints(cells.cell(cells.CPU_CELL), cells.CPU_TORCH)
+    session.log("installing mypy, nox and torch (a minute or more)")
+    session.install(
+        "--progress-bar",
+        "off",
+        MYPY,
+        "nox",
+        "packaging",
+        "-c",
+        _constraints_file(session, "typecheck", constraints),
+        "torch",
+        silent=False,
+    )
     session.run("mypy", *SRC_DIRS, "noxfile.py", "ci", *session.posargs)
 
 
 @nox.session(python=None, venv_backend=_TEST_BACKEND, tags=["ci"])
 def tests(session: nox.Session) -> None:
-    """Reference and interpreter tiers on CPU (torch 2.13.0, triton 3.7.1, TRITON_INTERPRET=1)."""
-    cell = None if SYSTEM else cells.cell(CPU_CELL)
-    cmd, env = _prepare(session, cell, CPU_TORCH, interpret=True)
-    _pytest(session, cmd, env, "-n", "2")
+    """The CPU test tiers (reference, Triton interpreter, kernel logic, bench) with torch 2.13."""
+    cell = cells.cell(cells.CPU_CELL)
+    text = cells.constraints(cell, cells.CPU_TORCH)
+    python, env = _python_and_env(
+        session, None if SYSTEM else _constraints_file(session, "cpu", text)
+    )
+    found = _probe(session, python, {**env, "TRITON_INTERPRET": "1"})
+    _check_cell(session, found, None if SYSTEM else cell, need_gpu=False)
+    _run_tiers(session, python, env, tiers.CPU_TIERS, "2")
 
 
 def _pair_text(cell: dict[str, Any]) -> str:
@@ -224,13 +254,18 @@ def _pair_text(cell: dict[str, Any]) -> str:
 
 
 def _interp_session(cell: dict[str, Any]) -> None:
-    def session_fn(session: nox.Session) -> None:
-        cmd, env = _prepare(session, cell, interpret=True)
-        _pytest(session, cmd, env, "-m", "triton", "-n", "2")
+    interpreter = tiers.tier("interpreter")
 
-    session_fn.__doc__ = (
-        f"Interpreter tier on CPU, {_pair_text(cell)}: -m triton, TRITON_INTERPRET=1."
-    )
+    def session_fn(session: nox.Session) -> None:
+        constraints = (
+            None if SYSTEM else _constraints_file(session, cell["torch"], cells.constraints(cell))
+        )
+        python, env = _python_and_env(session, constraints)
+        found = _probe(session, python, {**env, **interpreter.env})
+        _check_cell(session, found, cell, need_gpu=False)
+        _run_tiers(session, python, env, [interpreter], "2")
+
+    session_fn.__doc__ = f"The Triton interpreter tier on CPU with {_pair_text(cell)}."
     nox.session(
         name=f"interp-{cell['torch']}",
         python=None if SYSTEM else cells.default_python(cell),
@@ -240,12 +275,56 @@ def _interp_session(cell: dict[str, Any]) -> None:
     )(session_fn)
 
 
+def _interp_triton_session(cell: dict[str, Any]) -> None:
+    """The interpreter tier with the CPU torch and ``cell``'s triton (not a paired install)."""
+    interpreter = tiers.tier("interpreter")
+    major, minor = cells.triton_minor(cell)
+
+    def session_fn(session: nox.Session) -> None:
+        if SYSTEM:
+            session.error(
+                "this session installs its own triton: run it without NSA_NOX_SYSTEM_PACKAGES"
+            )
+        text = cells.constraints(cell, torch_release=cells.CPU_TORCH)
+        python, env = _python_and_env(
+            session, _constraints_file(session, f"triton-{major}.{minor}", text)
+        )
+        found = _probe(session, python, {**env, **interpreter.env})
+        if not cells.triton_matches(found["triton"], cell):
+            session.error(f"installed triton {found['triton']}, wanted triton {cell['triton']}")
+        # The interpreter runs the kernels in Python and never uses torch's own triton, so this
+        # pair needs no pairing: it checks the kernels against another Triton language release.
+        session.log(
+            f"torch {found['torch']} with torch {cell['torch']}'s triton {found['triton']}: "
+            "an interpreter-only install, not a paired one"
+        )
+        _run_tiers(session, python, env, [interpreter], "2")
+
+    which = "oldest" if cell["torch"] == cells.OLDEST_INTERPRETER_CELL else "newest"
+    session_fn.__doc__ = (
+        f"The Triton interpreter tier with torch {cells.CPU_TORCH} (CPU) and the {which} triton "
+        f"CPU CI can install, torch {cell['torch']}'s triton {cell['triton']}."
+    )
+    nox.session(
+        name=f"interp_triton-{major}.{minor}",
+        python=None,
+        tags=["interp", "ci_interp"],
+        default=False,
+    )(session_fn)
+
+
 def _gpu_session(cell: dict[str, Any]) -> None:
     def session_fn(session: nox.Session) -> None:
-        cmd, env = _prepare(session, cell, need_gpu=True)
-        _pytest(session, cmd, env, "-m", GPU_MARKERS, "--run-slow")
+        constraints = (
+            None if SYSTEM else _constraints_file(session, cell["torch"], cells.constraints(cell))
+        )
+        python, env = _python_and_env(session, constraints)
+        found = _probe(session, python, env)
+        _check_cell(session, found, cell, need_gpu=True)
+        _run_tiers(session, python, env, tiers.GPU_TIERS, None)
 
-    session_fn.__doc__ = f"GPU tiers, {_pair_text(cell)}: -m '{GPU_MARKERS}' --run-slow."
+    names = ", ".join(t.name for t in tiers.GPU_TIERS)
+    session_fn.__doc__ = f"The GPU tiers ({names}) on a CUDA machine with {_pair_text(cell)}."
     nox.session(
         name=f"gpu_parity-{cell['torch']}",
         python=None if SYSTEM else cells.default_python(cell),
@@ -258,16 +337,18 @@ def _gpu_session(cell: dict[str, Any]) -> None:
 for _cell in cells.supported():
     _interp_session(_cell)
     _gpu_session(_cell)
+for _cell in cells.interpreter_cells():
+    _interp_triton_session(_cell)
 
 
 @nox.session(python=None, default=False)
 def pairing(session: nox.Session) -> None:
-    """Re-derive the version table from PyPI's torch metadata (no wheel downloads); fail on drift.
+    """Check the version table against PyPI's torch metadata (no wheel downloads); fail on drift.
 
     ``nox -s pairing -- --every-wheel`` reads every Python's wheel instead of one per release.
     """
-    session.install("packaging", "pip>=24")
-    session.run("python", "ci/check_pairing.py", *session.posargs)
+    session.install("--progress-bar", "off", "packaging", "pip>=24", silent=False)
+    session.run("python", "-u", "ci/check_pairing.py", *session.posargs)
 
 
 # Every module must import with the package's declared dependencies; only the optional extras
@@ -323,7 +404,9 @@ def packages(session: nox.Session) -> None:
     for src in _source_copies(session):
         session.run("python", "-m", "pip", "wheel", "--no-deps", "-w", str(dist), src)
     wheels = {name: next(dist.glob(name.replace("-", "_") + "-*.whl")) for name in PACKAGES}
-    constraints = _constraints(session, cells.cell(CPU_CELL), CPU_TORCH)
+    constraints = _constraints_file(
+        session, "cpu", cells.constraints(cells.cell(cells.CPU_CELL), cells.CPU_TORCH)
+    )
 
     # Each package with the wheels of the packages it needs, never fetched by name: an unrelated
     # project of the same name on an index must not stand in for ours.
@@ -336,8 +419,9 @@ def packages(session: nox.Session) -> None:
         venv = tmp / f"venv-{name}"
         session.run("python", "-m", "venv", "--clear", str(venv))
         py = str(venv / "bin" / "python")
+        session.log(f"installing {', '.join(files)} from their wheels into a fresh venv")
         session.run(
-            py, "-m", "pip", "install", "--quiet", "-c", constraints,
+            py, "-m", "pip", "install", "--progress-bar", "off", "-c", constraints,
             *(str(wheels[f]) for f in files), external=True,
         )  # fmt: skip
         module = name.replace("-", "_")
@@ -349,7 +433,3 @@ def packages(session: nox.Session) -> None:
         else:
             session.run(str(venv / "bin" / "nsa-bench"), "--help", external=True, silent=True)
             session.run(py, "-c", _BENCH_CHECK, external=True)
-
-
-# The GPU-host runner one-shot (ci/runner.sh) may add a ``runner`` session here; it can reuse
-# ``_prepare(session, cells.cell(minor), need_gpu=True)`` to get a paired, checked environment.

@@ -122,6 +122,20 @@ def interpreter_cells() -> list[dict[str, Any]]:
     return [cell(OLDEST_INTERPRETER_CELL), supported()[-1]]
 
 
+def triton_matches(version: str | None, c: dict[str, Any]) -> bool:
+    """Whether a triton version's release satisfies the cell's pin (``3.6.0``, ``3.3.x``)."""
+    m = re.match(r"\d+(?:\.\d+)*", version or "")
+    if m is None:
+        return False
+    release = _key(m[0])
+    pin = c["triton"]
+    want = _key(pin.removesuffix(".x"))
+    if pin.endswith(".x"):
+        return release[: len(want)] == want
+    width = max(len(want), len(release))
+    return release + (0,) * (width - len(release)) == want + (0,) * (width - len(want))
+
+
 def triton_requirement(c: dict[str, Any]) -> str:
     """The cell's pin as a requirement: ``triton==3.7.1``, or ``triton>=3.3,<3.4`` for 3.3.x."""
     if c["triton"].endswith(".x"):

@@ -84,7 +84,7 @@ TIERS: tuple[Tier, ...] = (
     Tier(
         "interpreter",
         "Triton interpreter (CPU)",
-        (KERNEL_TESTS,),
+        ALL_TESTS,
         "triton and not (gpu or fa2 or cuda or slow)",
         "cpu",
         env={"TRITON_INTERPRET": "1"},
@@ -106,7 +106,7 @@ TIERS: tuple[Tier, ...] = (
     Tier(
         "triton-gpu",
         "Triton kernels compiled (GPU)",
-        (KERNEL_TESTS,),
+        ALL_TESTS,
         "triton and not (gpu or fa2 or cuda or slow)",
         "cuda",
     ),

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import sys
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from nsa_kernels.pairing import installed_pairing, matches, pairing, parse_version
 from nsa_kernels.version_table import CELLS, KERNELS_MIN_TRITON, Cell
@@ -215,3 +217,46 @@ def test_installed_pairing_without_triton(monkeypatch: pytest.MonkeyPatch) -> No
     assert result.triton is None
     assert result.verdict in ("mismatched", "unknown")
     assert "import triton failed: ModuleNotFoundError" in result.reason
+
+
+def _spec_of(requirements: list[str], name: str) -> Requirement:
+    (req,) = [Requirement(r) for r in requirements if Requirement(r).name == name]
+    return req
+
+
+def _pin_versions(cell: Cell) -> set[str]:
+    return {spec[2:] for spec in cell["releases"].values()}
+
+
+def _neighbours(version: str) -> tuple[str, str]:
+    """x.y.z -> (the previous minor's last patch stand-in, the next minor's first release)."""
+    major, minor = _key(version)[:2]
+    return f"{major}.{minor - 1}.99", f"{major}.{minor + 1}.0"
+
+
+def test_torch_extras_install_each_cell_and_its_triton() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    project = tomllib.loads(pyproject.read_text())["project"]
+    extras = project["optional-dependencies"]
+    supported = [cell for cell in CELLS if cell["supported"]]
+    names = {f"torch{cell['torch'].replace('.', '-')}": cell for cell in supported}
+    assert {name for name in extras if name.startswith("torch")} == set(names)
+    for name, cell in names.items():
+        torch_req, triton_req = _spec_of(extras[name], "torch"), _spec_of(extras[name], "triton")
+        for release in cell["releases"]:
+            assert torch_req.specifier.contains(release), (name, release)
+        for outside in _neighbours(next(iter(cell["releases"]))):
+            assert not torch_req.specifier.contains(outside), (name, outside)
+        for pinned in _pin_versions(cell):
+            assert triton_req.specifier.contains(pinned), (name, pinned)
+            assert matches(parse_version(pinned), cell["triton"])
+        for outside in _neighbours(next(iter(_pin_versions(cell)))):
+            assert not triton_req.specifier.contains(outside), (name, outside)
+
+    base = _spec_of(project["dependencies"], "triton")
+    for cell in supported:
+        assert all(base.specifier.contains(v) for v in _pin_versions(cell)), cell["torch"]
+    newest = max((v for c in supported for v in _pin_versions(c)), key=_key)
+    assert not base.specifier.contains(_neighbours(newest)[1])
+    assert not base.specifier.contains("2.3.1")
