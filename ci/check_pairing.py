@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,11 @@ def _target_args(python: str) -> list[str]:
     for platform in PLATFORMS:
         args += ["--platform", platform]
     return args
+
+
+def _say(line: str) -> None:
+    # Progress: the index answers in tens of seconds, and a silent wait looks like a hang.
+    print(line, flush=True)
 
 
 def released_for(python: str, index: str) -> list[str]:
@@ -172,9 +177,17 @@ def _release_key(version: str) -> tuple[int, ...]:
 def derive(index: str, every_wheel: bool, first_minor: str) -> list[dict[str, Any]]:
     """Re-derived cells for every torch minor from ``first_minor`` on, oldest first."""
     first = _release_key(first_minor)
+    _say(
+        f"pairing: asking {index} which torch releases have Linux wheels for Python "
+        f"{PROBE_PYTHONS[0]} .. {PROBE_PYTHONS[-1]}"
+    )
+    listed: dict[str, list[str]] = {}
     with ThreadPoolExecutor(max_workers=4) as pool:
-        answered = pool.map(lambda py: released_for(py, index), PROBE_PYTHONS)
-        listed = dict(zip(PROBE_PYTHONS, answered, strict=True))
+        asked = {pool.submit(released_for, py, index): py for py in PROBE_PYTHONS}
+        for future in as_completed(asked):
+            python = asked[future]
+            listed[python] = future.result()
+            _say(f"  Python {python}: {len(listed[python])} torch releases")
 
     pythons_of: dict[str, list[str]] = {}
     for python, releases in listed.items():
@@ -189,13 +202,17 @@ def derive(index: str, every_wheel: bool, first_minor: str) -> list[dict[str, An
         else:
             preferred = PROBE_PREFERRED if PROBE_PREFERRED in wheel_pythons else wheel_pythons[-1]
             jobs.append((release, preferred))
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        answers = list(pool.map(lambda job: wheel_requirements(job[0], job[1], index), jobs))
-
+    _say(f"pairing: reading the triton pin of {len(jobs)} wheels (their metadata only)")
     # release -> python -> triton requirement of that Python's wheel
     reqs: dict[str, dict[str, Requirement | None]] = {}
-    for (release, python), (_, requires) in zip(jobs, answers, strict=True):
-        reqs.setdefault(release, {})[python] = triton_requirement(requires)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        read = {pool.submit(wheel_requirements, rel, py, index): (rel, py) for rel, py in jobs}
+        for done, answer in enumerate(as_completed(read), 1):
+            release, python = read[answer]
+            req = triton_requirement(answer.result()[1])
+            reqs.setdefault(release, {})[python] = req
+            pin = f"triton{req.specifier}" if req is not None else "no triton"
+            _say(f"  [{done}/{len(jobs)}] torch {release} (Python {python}): {pin}")
 
     by_minor: dict[str, list[str]] = {}
     for release in sorted(pythons_of, key=_release_key):

@@ -47,11 +47,13 @@ pytest_counts() {  # the final "N passed, M failed ..." line of a pytest log
   grep -E '^=+ .*(passed|failed|skipped|error).* in [0-9.]+s' "$1" | tail -n 1 | sed 's/=//g; s/^ *//; s/ *$//'
 }
 
-run_pytest() {  # phase, log name, pytest args...
+source ci/tiers.sh
+
+run_pytest() {  # phase, log name, tier of ci/tiers.py, folder
   local phase="$1" log="$LOGS/$2"
-  shift 2
-  local start=$SECONDS rc
-  timeout "$PHASE_TIMEOUT" "$PYTHON" -m pytest -rA -v -s "$@" >"$log" 2>&1
+  local start=$SECONDS rc cmd
+  tier_command cmd "$3" "$4" || { record "$phase" FAIL "no tier $3 under $4" 0; return; }
+  timeout "$PHASE_TIMEOUT" "${cmd[@]}" -rA -v -s >"$log" 2>&1
   rc=$?
   local status=ok
   ((rc == 0)) || status=FAIL
@@ -87,7 +89,7 @@ PY
 }
 
 phase_cuda() {
-  run_pytest cuda cuda_sel_tests.log packages/nsa-kernels/tests/selected/cuda -m cuda
+  run_pytest cuda cuda_sel_tests.log cuda packages/nsa-kernels/tests/selected/cuda
   grep -h '^cuda_sel ' "$LOGS/cuda_sel_tests.log" >"$LOGS/cuda_sel_mae.txt" || true
 }
 
@@ -95,8 +97,10 @@ phase_fa2() {
   if ! "$PYTHON" -c 'import flash_attn' 2>/dev/null; then
     record fa2 SKIP "flash_attn not importable: $(ci/build_flash_attn.sh status | head -n 1)" 0
   fi
-  # Without flash_attn the fa2-marked tests skip with that reason; the fallback tests still run.
-  run_pytest fa2 fa2_tests.log packages/nsa-kernels/tests/fa2 -m "fa2 or gpu"
+  # Without flash_attn the fa2-marked tests skip with that reason; the fallback tests (the "gpu"
+  # tier's part of tests/fa2) still run.
+  run_pytest fa2 fa2_tests.log fa2 packages/nsa-kernels/tests/fa2
+  run_pytest fa2 fa2_fallback_tests.log gpu packages/nsa-kernels/tests/fa2
   local varlen
   varlen="$(grep -cE '^PASSED .*fa2_gpu_varlen' "$LOGS/fa2_tests.log" || true)"
   local varlen_bad

@@ -22,17 +22,20 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 
-run_tests() {
-  local name="$1"; shift
+source ci/tiers.sh
+
+run_tests() {  # name, folder or file, pytest args...: the "gpu" tier of ci/tiers.py there
+  local name="$1" under="$2" cmd; shift 2
   echo "== tests: $name" >&2
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/tests_$name.log" 2>&1
+  tier_command cmd gpu "$under" || return
+  timeout "${TEST_TIMEOUT:-200}" "${cmd[@]}" -q -rs -p no:cacheprovider "$@" >"$OUT/tests_$name.log" 2>&1
   echo "tests $name: exit $? | $(tail -1 "$OUT/tests_$name.log")" | tee -a "$OUT/summary.txt"
 }
 
 run_tests routes packages/nsa-kernels/tests/test_default_routes_gpu.py
-run_tests scoring packages/nsa-kernels/tests/scoring -m gpu
-run_tests compressed packages/nsa-kernels/tests/compressed/test_cmp_triton_gpu.py -m gpu
-[[ "${RUN_DECODE:-1}" == 1 ]] && run_tests decode packages/nsa-kernels/tests/decode -m gpu -x
+run_tests scoring packages/nsa-kernels/tests/scoring
+run_tests compressed packages/nsa-kernels/tests/compressed/test_cmp_triton_gpu.py
+[[ "${RUN_DECODE:-1}" == 1 ]] && run_tests decode packages/nsa-kernels/tests/decode -x
 
 echo "== bench: nsa-bench layer $SEQLENS $HEAD_DIMS" >&2
 timeout "${BENCH_TIMEOUT:-330}" python3 -m nsa_bench.cli layer --seqlens "$SEQLENS" \

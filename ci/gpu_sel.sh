@@ -81,8 +81,10 @@ case "$SEL_TESTS" in
 esac
 if [[ "$SEL_TESTS" != none ]]; then
   start=$SECONDS
-  timeout 330 "$PYTHON" -m pytest packages/nsa-kernels/tests/selected -m gpu -q -x -p no:cacheprovider \
-    -n 4 "${select[@]}" >"$OUT/tests.log" 2>&1
+  # The "gpu" tier of ci/tiers.py, narrowed to the selection's tests.
+  source ci/tiers.sh
+  tier_command gpu_tests gpu packages/nsa-kernels/tests/selected || exit 2
+  timeout 330 "${gpu_tests[@]}" -q -x -p no:cacheprovider -n 4 "${select[@]}" >"$OUT/tests.log" 2>&1
   tests_rc=$?
   echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s; $(tail -n 1 "$OUT/tests.log")"
 fi

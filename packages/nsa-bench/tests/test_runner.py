@@ -150,6 +150,20 @@ def test_a_passing_tier_and_one_that_selects_nothing(tmp_path: Path) -> None:
     assert (nothing.status, nothing.detail) == ("FAIL", "no tests collected")
 
 
+def test_a_tier_whose_module_skips_at_collection_is_skipped_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    tier = _fake_tier(
+        tmp_path,
+        "import pytest\n\n"
+        "pytest.importorskip('no_such_module_here', reason='needs no_such_module_here')\n",
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    result = runner.run_tier(tier, out, False, _pairing(), workers="0")
+    assert (result.status, result.detail) == ("SKIP", "needs no_such_module_here")
+
+
 def test_gpu_tiers_skip_without_cuda_and_the_interpreter_tier_fails_without_triton(
     tmp_path: Path,
 ) -> None:
