@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -194,11 +195,11 @@ def run_logged(
     With ``progress_label``, a line every PROGRESS_EVERY_S seconds says how far pytest is. A run
     past ``timeout`` is killed and returns 124.
     """
-    print(f"    $ {' '.join(cmd)}", flush=True)
+    print(f"    $ {shlex.join(cmd)}", flush=True)
     start = time.monotonic()
     next_note = start + PROGRESS_EVERY_S
     with log.open("w") as f:
-        f.write(f"$ {' '.join(cmd)}\n")
+        f.write(f"$ {shlex.join(cmd)}\n")
         f.flush()
         proc = subprocess.Popen(
             list(cmd), stdout=f, stderr=subprocess.STDOUT, env=dict(env or os.environ), cwd=ROOT

@@ -10,7 +10,9 @@ which that wheel also pulls triton (older wheels carry a ``python_version <`` ma
 
 Pure data, no imports beyond typing: CI reads this file without importing the package
 (``ci/cells.py``). ``nox -s pairing`` re-derives every field but ``supported``/``why`` from PyPI
-and fails on drift; it was last run on the date in ``CHECKED``.
+and fails on drift; it was last run on the date in ``CHECKED``. nsa-kernels' triton requirement
+and its ``torch2-<minor>`` extras (one per supported cell) are written from this table by
+``python3 ci/cells.py extras --write``.
 """
 
 from __future__ import annotations
