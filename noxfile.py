@@ -308,6 +308,7 @@ def _interp_triton_session(cell: dict[str, Any]) -> None:
     nox.session(
         name=f"interp_triton-{major}.{minor}",
         python=None,
+        venv_backend=_TEST_BACKEND,
         tags=["interp", "ci_interp"],
         default=False,
     )(session_fn)
