@@ -24,6 +24,7 @@ import torch
 from nsa_bench.timing import graph_median_ms, median_ms
 from nsa_core import NSAAttention, NSACache, NSAConfig, select_blocks
 from nsa_core.registry import OpContext, resolve
+from nsa_core.toggles import get_toggles
 
 CSV_COLUMNS = ("S", "ms_total", "ms_cmp", "ms_sel", "ms_win", "reads_actual", "reads_expected")
 
@@ -121,13 +122,21 @@ def bench_one(
             varlen=False,
         )
         scale = cfg.softmax_scale
-        cmp_fn = resolve("compressed_attention", ctx).backend.fn
-        slc_fn = resolve("selected_attention", ctx).backend.fn
-        win_fn = resolve("sliding_attention", ctx).backend.fn
+        toggles = get_toggles()
+        cmp_fn = resolve("compressed_attention", ctx, toggles).backend.fn
+        slc_fn = resolve("selected_attention", ctx, toggles).backend.fn
+        win_fn = resolve("sliding_attention", ctx, toggles).backend.fn
 
         def run_cmp() -> object:
             return cmp_fn(
-                q, after.k_cmp, after.v_cmp, cfg.cmp_block, cfg.cmp_stride, scale, q_start=s
+                q,
+                after.k_cmp,
+                after.v_cmp,
+                cfg.cmp_block,
+                cfg.cmp_stride,
+                scale,
+                q_start=s,
+                toggles=toggles,
             )
 
         def run_sel() -> object:
@@ -141,12 +150,22 @@ def bench_one(
                 scale,
                 q_start=s,
             )
-            return slc_fn(q, after.k_slc, after.v_slc, idx, cfg.sel_block, scale, q_start=s)
+            return slc_fn(
+                q, after.k_slc, after.v_slc, idx, cfg.sel_block, scale, q_start=s, toggles=toggles
+            )
 
         win_start = after.k_win.shape[1] - 1
 
         def run_win() -> object:
-            return win_fn(q, after.k_win, after.v_win, cfg.window, scale, q_start=win_start)
+            return win_fn(
+                q,
+                after.k_win,
+                after.v_win,
+                cfg.window,
+                scale,
+                q_start=win_start,
+                toggles=toggles,
+            )
 
         timings = {}
         for name, fn in (("ms_cmp", run_cmp), ("ms_sel", run_sel), ("ms_win", run_win)):

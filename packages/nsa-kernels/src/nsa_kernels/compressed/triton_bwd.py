@@ -408,11 +408,14 @@ def cmp_bwd_dkv_kernel(
         )  # fmt: skip
     dk = dk * scale
 
-    tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=kd_mask & direct)
-    tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=vd_mask & direct)
+    # A block mask, not scalar & block: triton 3.9's interpreter makes the latter int32.
+    direct_k = (direct.to(tl.int32) + tl.zeros_like(k_off)) > 0
+    direct_v = (direct.to(tl.int32) + tl.zeros_like(v_off)) > 0
+    tl.store(dk_ptr + k_off, dk.to(dk_ptr.dtype.element_ty), mask=kd_mask & direct_k)
+    tl.store(dv_ptr + v_off, dv.to(dv_ptr.dtype.element_ty), mask=vd_mask & direct_v)
     part = ((tile * num_kv_heads + kvh) * num_segs + j).to(tl.int64)
     offs_n = tl.arange(0, BN)
-    keep = split & active
+    keep = ((split & active).to(tl.int32) + tl.zeros_like(offs_n)[:, None]) > 0
     tl.store(
         dk_part_ptr + (part * BN + offs_n[:, None]) * BK + offs_k[None, :],
         dk,
@@ -480,15 +483,16 @@ def cmp_dkv_reduce_kernel(
         dk += tl.load(dk_part_ptr + (part * BN + offs_n[:, None]) * BK + offs_k[None, :])
         dv += tl.load(dv_part_ptr + (part * BN + offs_n[:, None]) * BV + offs_v[None, :])
     blocks = n0 + offs_n
-    live = blocks < n_end
+    # split folded into a block mask: triton 3.9's interpreter turns scalar & block into int32.
+    live = (blocks < n_end) & ((split.to(tl.int32) + tl.zeros_like(offs_n)) > 0)
     k_rows = (kbase + blocks).to(tl.int64)
     tl.store(
         dk_ptr + b * stride_kb + k_rows[:, None] * stride_kt + kvh * stride_kh + offs_k[None, :],
         dk.to(dk_ptr.dtype.element_ty),
-        mask=live[:, None] & (offs_k < DK)[None, :] & split,
+        mask=live[:, None] & (offs_k < DK)[None, :],
     )
     tl.store(
         dv_ptr + b * stride_vb + k_rows[:, None] * stride_vt + kvh * stride_vh + offs_v[None, :],
         dv.to(dv_ptr.dtype.element_ty),
-        mask=live[:, None] & (offs_v < DV)[None, :] & split,
+        mask=live[:, None] & (offs_v < DV)[None, :],
     )

@@ -313,7 +313,7 @@ def selected_kernel(
     t = length - 1
     chosen = merge_topn(cand_ptr, bh, tl.cdiv(t // SEL + 1, JS), score_chunks, NSCP, N, NP)
     offs = tl.arange(0, NP)
-    tl.store(indices_ptr + bh * N + offs, chosen, mask=(offs < N) & (split == 0))
+    tl.store(indices_ptr + bh * N + offs, chosen, mask=offs < tl.where(split == 0, N, 0))
 
     q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
     m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
@@ -327,7 +327,8 @@ def selected_kernel(
         for sub in range(NSUB):
             in_block = sub * BL + tl.arange(0, BL)
             pos = tl.maximum(block, 0) * SEL + in_block
-            live = (block >= 0) & (in_block < SEL) & (pos <= t)
+            # block as a block tensor: triton 3.9's interpreter turns scalar & block into int32.
+            live = ((block + tl.zeros_like(in_block)) >= 0) & (in_block < SEL) & (pos <= t)
             _, m_i, l_i, acc = _attend_tile(
                 q, k_slc, v_slc, b * capacity + pos, live, h, m_i, l_i, acc, qk_scale,
                 H, DK, BK, DV, BV, DOT_PREC,

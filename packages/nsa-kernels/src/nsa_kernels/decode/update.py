@@ -29,7 +29,9 @@ def _put_rows(
     col = tl.arange(0, BD)[None, :]
     inside = (head < H) & (col < D)
     x = tl.load(new_ptr + (b * H + head) * D + col, mask=inside, other=0.0)
-    tl.store(buf_ptr + ((b * rows + row) * H + head) * D + col, x, mask=inside & put)
+    # ``put`` as a block: triton 3.9's interpreter turns scalar & block into int32.
+    put_block = (put.to(tl.int32) + tl.zeros_like(head + col)) > 0
+    tl.store(buf_ptr + ((b * rows + row) * H + head) * D + col, x, mask=inside & put_block)
     return x
 
 
@@ -63,7 +65,7 @@ def _fold_block(
         slot = s0 + tl.arange(0, SC)[:, None, None]
         ring = tl.load(
             raw_ptr + ((b * LCMP + slot) * H + head) * D + col,
-            mask=inside & (slot < LCMP) & (slot != raw_slot) & emit,
+            mask=inside & (slot < LCMP) & (slot != raw_slot) & ((emit.to(tl.int32) + slot * 0) > 0),
             other=0.0,
         )
         total += tl.sum(ring.to(tl.float32), axis=0)
@@ -73,7 +75,7 @@ def _fold_block(
     tl.store(
         cmp_ptr + ((b * cmp_rows + cmp_row) * H + head2) * D + col2,
         mean.to(cmp_ptr.dtype.element_ty),
-        mask=(head2 < H) & (col2 < D) & emit,
+        mask=(head2 < H) & (col2 < D) & ((emit.to(tl.int32) + head2 * 0) > 0),
     )
 
 
