@@ -13,6 +13,7 @@ accumulation, the softmax statistics and all accumulators in float32.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -300,13 +301,24 @@ def _use_tma(cfg: SelConfig, info: _Launch, device: torch.device) -> bool:
         raise ValueError(
             f"tma must be 0 (choose), 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}"
         )
+    if cfg.tma == 1 and not tma_available():
+        raise RuntimeError(
+            "tma=1 asks for TMA loads, but this triton has no triton.tools.tensor_descriptor "
+            "(it arrived in triton 3.4)"
+        )
     if cfg.tma:
         return cfg.tma == 1
     return (
         device.type == "cuda"
+        and tma_available()
         and torch.cuda.get_device_capability(device)[0] >= 9
         and _tma_misfit(cfg, info) is None
     )
+
+
+def tma_available() -> bool:
+    """Whether this triton has host-side tensor descriptors (triton >= 3.4)."""
+    return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
 
 
 def _tma_misfit(cfg: SelConfig, info: _Launch) -> str | None:
