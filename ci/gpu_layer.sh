@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU host: the whole NSA layer's GPU routes checked and timed in one call.
 #
-#   bash ci/gpu_layer.sh [SEQLENS] [HEAD_DIMS]     (defaults: 8k,16k,32k,64k and 128/128)
+#   [TESTS="routes scoring compressed decode"] [LAYER_ARGS=...] bash ci/gpu_layer.sh [SEQLENS] [HEAD_DIMS]
+#   (defaults: every test set; 8k,16k,32k,64k and 128/128)
 #
 # Runs from the checkout with PYTHONPATH (no index needed); wheels under .carry/wheels (fla-core
 # for the peer rows) are installed into a private folder first. Logs and the bench's CSV/JSON/
@@ -32,14 +33,16 @@ run_tests() {  # name, folder or file, pytest args...: the "gpu" tier of ci/tier
   echo "tests $name: exit $? | $(tail -1 "$OUT/tests_$name.log")" | tee -a "$OUT/summary.txt"
 }
 
-run_tests routes packages/nsa-kernels/tests/test_default_routes_gpu.py
-run_tests scoring packages/nsa-kernels/tests/scoring
-run_tests compressed packages/nsa-kernels/tests/compressed/test_cmp_triton_gpu.py
-[[ "${RUN_DECODE:-1}" == 1 ]] && run_tests decode packages/nsa-kernels/tests/decode -x
+# TESTS picks the sets (default all); LAYER_ARGS goes to the bench (e.g. "--methods nsa_core,fla").
+TESTS="${TESTS:-routes scoring compressed decode}"
+[[ " $TESTS " == *" routes "* ]] && run_tests routes packages/nsa-kernels/tests/test_default_routes_gpu.py
+[[ " $TESTS " == *" scoring "* ]] && run_tests scoring packages/nsa-kernels/tests/scoring/test_scoring_gpu.py
+[[ " $TESTS " == *" compressed "* ]] && run_tests compressed packages/nsa-kernels/tests/compressed/test_cmp_triton_gpu.py
+[[ " $TESTS " == *" decode "* ]] && run_tests decode packages/nsa-kernels/tests/decode -x
 
 echo "== bench: nsa-bench layer $SEQLENS $HEAD_DIMS" >&2
 timeout "${BENCH_TIMEOUT:-330}" python3 -m nsa_bench.cli layer --seqlens "$SEQLENS" \
-  --head-dims "$HEAD_DIMS" --out "$OUT/layer" 2>"$OUT/layer.log"
+  --head-dims "$HEAD_DIMS" --out "$OUT/layer" ${LAYER_ARGS:-} 2>"$OUT/layer.log"
 echo "bench layer: exit $?" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/layer.log"
 cat "$OUT/summary.txt"
