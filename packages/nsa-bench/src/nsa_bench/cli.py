@@ -11,10 +11,16 @@ from collections.abc import Sequence
 # ``run(args) -> int``; this table is the only place that lists them.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("nsa_bench.demo", "small NSA prefill + decode: routing and a reads table"),
+    "cmp": ("nsa_bench.cmp_bench", "Triton compressed attention fwd/bwd over T vs its peers"),
     "decode": ("nsa_bench.decode_bench", "decode step per context length, whole and per branch"),
+    "decode-fused": (
+        "nsa_bench.decode_fused_bench",
+        "fused Triton decode step (CUDA graph) vs dense SDPA decode, B x S",
+    ),
     "layer": ("nsa_bench.layer_bench", "whole NSA layer vs fla-core, SDPA, FA-2 over T; by step"),
     "fa2": ("nsa_bench.fa2_bench", "FA-2 vs its torch fallbacks per branch over T and D, cutoffs"),
     "routing": ("nsa_bench.routing", "backend chosen per op, with reasons, and the pairing"),
+    "score": ("nsa_bench.score_bench", "Triton block scoring + top-n over T, lse given or not"),
     "sel": ("nsa_bench.sel_bench", "Triton selection vs fallbacks and fla-core; sel_triton_min_L"),
     "summarize": ("nsa_bench.summarize", "per-branch shares and reads of a decode CSV"),
 }

@@ -1,5 +1,4 @@
-"""The host-side plan of block scoring: phase weights, tiles, head-dim chunks, varlen tiles,
-and the micro-bench's normaliser.
+"""The host-side plan of block scoring: phase weights, tiles, head-dim chunks and varlen tiles.
 
 Plain torch on CPU; no kernel runs here.
 """
@@ -8,12 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from scoring_testlib import Case, make_inputs, reference_lse
 
 pytest.importorskip("triton")
 
 from nsa_core.blocks import cmp_block_overlap
-from nsa_kernels.scoring.bench import compressed_lse, visible_pairs
 from nsa_kernels.scoring.function import (
     PhaseWeights,
     ScoreConfig,
@@ -133,17 +130,3 @@ def test_varlen_query_tiles() -> None:
     assert sorted(real) == [(0, 0), (2, 0), (2, 8), (2, 16), (3, 0), (3, 8)]
     assert real[0] == (2, 16)
     assert all(r == [-1, 0] for r in table.tolist()[len(real) :])
-
-
-def test_bench_lse_matches_float64() -> None:
-    """The micro-bench's normaliser (float32 matmuls) against a float64 one; -inf on rows
-    that see no block."""
-    case = Case("bench_lse", tq=1100, h=2, group=3, dk=32, cmp_block=32, cmp_stride=16)
-    q, k, cu = make_inputs(case, torch.Generator().manual_seed(0), torch.float32, "cpu")
-    got = compressed_lse(q, k, case.cmp_block, case.cmp_stride)
-    want = reference_lse(case, q, k, cu)
-    assert torch.equal(torch.isinf(got), torch.isinf(want))
-    assert bool(torch.isinf(got[:, : case.cmp_block - 1]).all())
-    finite = torch.isfinite(want)
-    assert torch.allclose(got[finite], want[finite], rtol=1e-5, atol=1e-5)
-    assert visible_pairs(1100, 32, 16) == sum(max(0, (t + 1 - 32) // 16 + 1) for t in range(1100))

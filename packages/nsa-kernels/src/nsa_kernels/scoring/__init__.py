@@ -4,7 +4,8 @@
   in one Triton kernel (``function``, ``kernels``).
 - :mod:`~nsa_kernels.scoring.contract`: the index contract of docs/spec.md ("Block scoring on
   a GPU") as a checker; pure torch.
-- :func:`~nsa_kernels.scoring.bench.bench_select_blocks`: a micro-bench for nsa-bench.
+
+Its timing is ``nsa-bench score`` (nsa-bench).
 
 The Triton modules load on first use, so importing this package needs no Triton.
 """

@@ -1,6 +1,6 @@
-"""Time the fused decode step (CUDA graph replay) against dense SDPA decode.
+"""``nsa-bench decode-fused``: the fused Triton decode step (CUDA graph replay) vs dense SDPA.
 
-``python -m nsa_kernels.decode.bench --B 1,32 --S 4096,16384,65536,131072`` prints one JSON line
+``nsa-bench decode-fused --B 1,32 --S 4096,16384,65536,131072`` prints one JSON line
 per (B, S) and a summary of the targets: at S = 64k the step is >= 6x faster than SDPA with
 ``enable_gqa=True`` over the full cache at B = 32 and >= 2x at B = 1, and at B = 1 it grows by
 < 1.5x from the smallest to the largest S. Both sides are timed as CUDA graph replays (median
@@ -18,19 +18,25 @@ import json
 import statistics
 from collections.abc import Callable
 from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from nsa_core import NSAConfig, expected_reads, num_cmp_blocks
-from nsa_kernels.decode.graph import DecodeGraph
-from nsa_kernels.decode.state import DecodeState
-from nsa_kernels.decode.step import DecodeKernelConfig, DecodePlan, StepInputs, decode_step
+
+if TYPE_CHECKING:
+    # The decode kernels load Triton; the CLI imports this module to build its parser.
+    from nsa_kernels.decode.graph import DecodeGraph
+    from nsa_kernels.decode.state import DecodeState
+    from nsa_kernels.decode.step import DecodeKernelConfig, StepInputs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_kernel_config(text: str) -> DecodeKernelConfig:
     """``"key_tile=32,warps=8"`` -> DecodeKernelConfig (unnamed fields stay 0 = choose)."""
+    from nsa_kernels.decode.step import DecodeKernelConfig
+
     names = {f.name for f in fields(DecodeKernelConfig)}
     values: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -45,6 +51,8 @@ def filled_state(
     cfg: NSAConfig, batch: int, length: int, capacity: int, dtype: torch.dtype
 ) -> DecodeState:
     """A state whose B sequences hold ``length`` random tokens (random K~/V~ as well)."""
+    from nsa_kernels.decode.state import DecodeState
+
     state = DecodeState.empty(cfg, batch, capacity, device="cuda", dtype=dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for buf in (state.k_slc, state.v_slc, state.k_win, state.v_win, state.k_raw, state.v_raw):
@@ -57,6 +65,9 @@ def filled_state(
 
 
 def random_inputs(state: DecodeState) -> StepInputs:
+    """Random step inputs for ``state``: every field normal, the gates through a sigmoid."""
+    from nsa_kernels.decode.step import StepInputs
+
     inputs = StepInputs.zeros(state)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for f in fields(inputs):
@@ -107,6 +118,8 @@ def sdpa_ms(
 def nsa_ms(
     state: DecodeState, kernel_cfg: DecodeKernelConfig, args: argparse.Namespace
 ) -> tuple[float, DecodeGraph]:
+    from nsa_kernels.decode.graph import DecodeGraph
+
     saved = state.snapshot_counters()
     graph = DecodeGraph(state, config=kernel_cfg)
     graph.inputs.copy_(random_inputs(state))
@@ -142,6 +155,8 @@ def profile_table(state: DecodeState, kernel_cfg: DecodeKernelConfig) -> str:
     """CUDA time per kernel over 20 eager steps (the state is restored afterwards)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from nsa_kernels.decode.step import DecodePlan, decode_step
+
     saved = state.snapshot_counters()
     plan = DecodePlan(state, kernel_cfg)
     inputs = random_inputs(state)
@@ -156,17 +171,16 @@ def profile_table(state: DecodeState, kernel_cfg: DecodeKernelConfig) -> str:
     return table
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--B", default="1,32", help="batch sizes")
     parser.add_argument("--S", default="4096,16384,65536,131072", help="context lengths")
-    parser.add_argument("--HQ", type=int, default=64)
-    parser.add_argument("--H", type=int, default=4)
-    parser.add_argument("--dk", type=int, default=128)
-    parser.add_argument("--dv", type=int, default=128)
+    parser.add_argument("--HQ", type=int, default=64, help="query heads")
+    parser.add_argument("--H", type=int, default=4, help="kv heads")
+    parser.add_argument("--dk", type=int, default=128, help="query/key head dim")
+    parser.add_argument("--dv", type=int, default=128, help="value head dim")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--iters", type=int, default=100, help="replays per timing")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
     parser.add_argument("--config", default="", help='kernel config, e.g. "key_tile=32,warps=8"')
     parser.add_argument("--sweep", action="store_true", help="try a grid of tiles/warps/stages")
     parser.add_argument(
@@ -174,9 +188,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense baseline")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
-        raise SystemExit("the decode bench needs a CUDA GPU")
+        print("the fused decode bench needs a CUDA GPU; none is visible to torch")
+        return 2
     dtype = DTYPES[args.dtype]
     cfg = NSAConfig(
         num_q_heads=args.HQ, num_kv_heads=args.H, head_dim_qk=args.dk, head_dim_v=args.dv
@@ -221,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
             del state
             torch.cuda.empty_cache()
     print(json.dumps({"targets": targets(rows)}), flush=True)
+    return 0
 
 
 def targets(rows: list[dict[str, object]]) -> dict[str, object]:
@@ -244,7 +262,3 @@ def targets(rows: list[dict[str, object]]) -> dict[str, object]:
             "ok": growth < 1.5,
         }
     return out
-
-
-if __name__ == "__main__":
-    main()

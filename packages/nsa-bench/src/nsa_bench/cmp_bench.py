@@ -1,0 +1,244 @@
+"""``nsa-bench cmp``: the Triton compressed attention (forward, backward, both) over T.
+
+Defaults: B=1, HQ=64, H=4, dk=dv=128, l=32, d=16, bf16 at T = 8k, 16k, 32k, 64k. One row per
+(T, method, config): median milliseconds of the forward, of the backward alone (from the
+forward's o and lse; Triton only) and of forward+backward, with the matmul TFLOP/s of each.
+Methods: ``triton`` (nsa-kernels), ``reference`` (nsa_core's chunked einsums) and ``sdpa`` (a
+chunked SDPA call with a boolean visibility mask; for timing only: rows that see no block come
+out NaN or 0 there, by SDPA backend); methods other than triton run up to ``--baseline-max-t``
+tokens. ``--configs "block_m=64;dkv_block_n=128"`` times each
+:class:`~nsa_kernels.compressed.triton_function.CmpConfig` (fields left out keep their defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nsa_bench.timing import median_ms
+from nsa_core.blocks import num_cmp_blocks
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+METHODS = ("triton", "reference", "sdpa")
+# Forward + backward matmuls: 2 forward (q.k, p.v), 5 backward (q.k again, do.v, p^T.do,
+# ds.k, ds^T.q).
+FWD_BWD_FLOP_FACTOR = 3.5
+
+
+@dataclass(frozen=True)
+class CmpRow:
+    """One timed (T, method, config); bwd_ms is NaN where the method has no separate backward."""
+
+    T: int
+    blocks: int
+    method: str
+    config: str
+    fwd_ms: float
+    bwd_ms: float
+    fwd_bwd_ms: float
+    fwd_tflops: float
+    fwd_bwd_tflops: float
+
+
+@dataclass(frozen=True)
+class CmpProblem:
+    """Random inputs of one T: q [B, T, HQ, dk], k [B, N, H, dk], v [B, N, H, dv], do like o."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    do: torch.Tensor
+    cmp_block: int
+    cmp_stride: int
+
+
+def sdpa_chunked(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    chunk: int = 4096,
+) -> torch.Tensor:
+    """Peer: SDPA over query chunks with the visibility mask ``i*d + l - 1 <= t``.
+
+    q [B, T, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> [B, T, HQ, dv]; K/V expanded
+    to HQ heads. Rows that see no block are NaN or 0 (SDPA's softmax over an empty row; which one
+    depends on the SDPA backend).
+    """
+    group = q.shape[2] // k_cmp.shape[2]
+    qh = q.transpose(1, 2)
+    kh = k_cmp.transpose(1, 2).repeat_interleave(group, dim=1)
+    vh = v_cmp.transpose(1, 2).repeat_interleave(group, dim=1)
+    last = torch.arange(k_cmp.shape[1], device=q.device) * cmp_stride + cmp_block - 1
+    outs = []
+    for c0 in range(0, q.shape[1], chunk):
+        pos = torch.arange(c0, min(q.shape[1], c0 + chunk), device=q.device)
+        mask = last[None, :] <= pos[:, None]
+        outs.append(F.scaled_dot_product_attention(qh[:, :, c0 : c0 + chunk], kh, vh, mask))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def make_problem(args: argparse.Namespace, seq_len: int, device: torch.device) -> CmpProblem:
+    dtype = DTYPES[args.dtype]
+    gen = torch.Generator(device=device).manual_seed(args.seed + seq_len)
+    blocks = num_cmp_blocks(seq_len, args.l, args.d)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=gen).to(dtype)
+
+    return CmpProblem(
+        q=randn(args.B, seq_len, args.hq, args.dk),
+        k=randn(args.B, blocks, args.h, args.dk),
+        v=randn(args.B, blocks, args.h, args.dv),
+        do=randn(args.B, seq_len, args.hq, args.dv),
+        cmp_block=args.l,
+        cmp_stride=args.d,
+    )
+
+
+Timer = Callable[[Callable[[], object]], float]
+
+
+def time_triton(p: CmpProblem, config_text: str, timer: Timer) -> tuple[str, float, float, float]:
+    """(resolved config, forward, backward alone, forward+backward) ms of the Triton kernels."""
+    from nsa_kernels.compressed.triton_function import (
+        compressed_attention_bwd,
+        compressed_attention_fwd,
+        compressed_attention_triton,
+        parse_config,
+        resolve_config,
+    )
+
+    config = parse_config(config_text)
+    shown = resolve_config(config, p.q.shape[-1], p.v.shape[-1], p.q.dtype).describe()
+    block, stride = p.cmp_block, p.cmp_stride
+    o, lse = compressed_attention_fwd(p.q, p.k, p.v, block, stride, config=config)
+    leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
+
+    def fwd() -> object:
+        return compressed_attention_fwd(p.q, p.k, p.v, block, stride, config=config)
+
+    def bwd() -> object:
+        return compressed_attention_bwd(p.do, p.q, p.k, p.v, o, lse, block, stride, config=config)
+
+    def both() -> None:
+        q, k, v = leaves
+        out = compressed_attention_triton(q, k, v, block, stride, config=config)
+        torch.autograd.backward(out, p.do)
+        for leaf in leaves:
+            leaf.grad = None
+
+    return shown, timer(fwd), timer(bwd), timer(both)
+
+
+def time_peer(method: str, p: CmpProblem, timer: Timer) -> tuple[float, float]:
+    """(forward, forward+backward) ms of ``reference`` or ``sdpa``."""
+    from nsa_core.reference.compressed_attention import compressed_attention
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if method == "reference":
+            return compressed_attention(q, k, v, p.cmp_block, p.cmp_stride)
+        return sdpa_chunked(q, k, v, p.cmp_block, p.cmp_stride)
+
+    leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
+
+    def fwd() -> object:
+        with torch.no_grad():
+            return call(p.q, p.k, p.v)
+
+    def both() -> None:
+        torch.autograd.backward(call(leaves[0], leaves[1], leaves[2]), p.do)
+        for leaf in leaves:
+            leaf.grad = None
+
+    return timer(fwd), timer(both)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--T", default="8192,16384,32768,65536", help="comma-separated tokens")
+    parser.add_argument("--B", type=int, default=1, help="batch")
+    parser.add_argument("--hq", type=int, default=64, help="query heads HQ")
+    parser.add_argument("--h", type=int, default=4, help="kv heads H")
+    parser.add_argument("--dk", type=int, default=128, help="query/key head dim")
+    parser.add_argument("--dv", type=int, default=128, help="value head dim")
+    parser.add_argument("--l", type=int, default=32, help="compression block length")
+    parser.add_argument("--d", type=int, default=16, help="compression stride")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument(
+        "--methods", default="triton", help=f"comma-separated, of {', '.join(METHODS)}"
+    )
+    parser.add_argument("--configs", default="", help='CmpConfig strings separated by ";"')
+    parser.add_argument(
+        "--baseline-max-t", type=int, default=16384, help="longest T for reference and sdpa"
+    )
+    parser.add_argument("--iters", type=int, default=20, help="timed runs")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up runs")
+    parser.add_argument("--csv", default="", help="write the rows to this CSV file")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu runs the Triton method under the Triton interpreter (TRITON_INTERPRET=1) only",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from nsa_kernels.compressed.triton_function import attention_flops
+
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        print(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        return 2
+    device = torch.device(args.device)
+
+    def timer(fn: Callable[[], object]) -> float:
+        return median_ms(fn, iters=args.iters, warmup=args.warmup, device=device)
+
+    rows: list[CmpRow] = []
+    for seq_len in (int(x) for x in args.T.split(",") if x.strip()):
+        p = make_problem(args, seq_len, device)
+        flops = attention_flops(args.B, seq_len, args.hq, args.dk, args.dv, args.l, args.d)
+        timed: list[tuple[str, str, float, float, float]] = []
+        for method in methods:
+            if method == "triton":
+                for config_text in args.configs.split(";") if args.configs else [""]:
+                    timed.append(("triton", *time_triton(p, config_text, timer)))
+            elif seq_len <= args.baseline_max_t:
+                fwd_ms, both_ms = time_peer(method, p, timer)
+                timed.append((method, "", fwd_ms, math.nan, both_ms))
+        for method, shown, fwd_ms, bwd_ms, both_ms in timed:
+            row = CmpRow(
+                T=seq_len,
+                blocks=p.k.shape[1],
+                method=method,
+                config=shown,
+                fwd_ms=fwd_ms,
+                bwd_ms=bwd_ms,
+                fwd_bwd_ms=both_ms,
+                fwd_tflops=flops / fwd_ms * 1e-9,
+                fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / both_ms * 1e-9,
+            )
+            rows.append(row)
+            print(
+                f"T={seq_len:6d} N={row.blocks:5d} {method:9s} fwd {fwd_ms:8.3f} ms "
+                f"({row.fwd_tflops:5.0f} TFLOP/s)  bwd {bwd_ms:8.3f} ms  "
+                f"fwd+bwd {both_ms:8.3f} ms ({row.fwd_bwd_tflops:5.0f} TFLOP/s)  {shown}",
+                flush=True,
+            )
+    if args.csv and rows:
+        out = Path(args.csv)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+            writer.writeheader()
+            writer.writerows(asdict(r) for r in rows)
+    return 0

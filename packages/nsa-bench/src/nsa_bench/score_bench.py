@@ -1,0 +1,138 @@
+"""``nsa-bench score``: the Triton block-scoring kernel (``select_blocks_triton``) over T.
+
+Defaults are the paper's shapes (B=1, HQ=64, H=4, dk=128, l=32, d=16, l'=64, n=16, bf16). Each
+T is timed twice: with the compressed branch's lse given (one pass over the compressed keys)
+and without it (two passes: one for the lse, one for the scores). Printed per row: median
+milliseconds, the q.k work of one pass (TFLOP) and the rate (passes * work / time).
+``--config "block_rows=64,warps=4"`` fixes a :class:`~nsa_kernels.scoring.function.ScoreConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from nsa_bench.timing import median_ms
+from nsa_core.blocks import num_cmp_blocks
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ScoreRow:
+    """One timed (T, with_lse). ms: median of one call; qk_tflop: the q.k work of one pass
+    (2 * B * HQ * dk * visible (row, block) pairs); tflops: qk_tflop * passes / time."""
+
+    T: int
+    with_lse: bool
+    ms: float
+    qk_tflop: float
+    tflops: float
+
+
+def visible_pairs(seq_len: int, cmp_block: int, cmp_stride: int) -> int:
+    """sum over t < seq_len of N_cmp(t + 1): the (row, block) pairs one head scores."""
+    return sum(num_cmp_blocks(t + 1, cmp_block, cmp_stride) for t in range(seq_len))
+
+
+def compressed_lse(
+    q: torch.Tensor, k_cmp: torch.Tensor, cmp_block: int, cmp_stride: int
+) -> torch.Tensor:
+    """float32 [B, T, HQ]: the compressed branch's lse from q [B, T, HQ, dk] and
+    k_cmp [B, N, H, dk] (float32 matmuls, 1024 rows at a time).
+
+    Rows that see no block get -inf. It sets up the one-pass timing; it is not a reference.
+    """
+    batch, tq, hq, dk = q.shape
+    group = hq // k_cmp.shape[2]
+    keys = k_cmp.float().repeat_interleave(group, dim=2).permute(0, 2, 3, 1)  # [B, HQ, dk, N]
+    blocks = torch.arange(k_cmp.shape[1], device=q.device)
+    out = torch.empty(batch, tq, hq, dtype=torch.float32, device=q.device)
+    for r0 in range(0, tq, 1024):
+        r1 = min(tq, r0 + 1024)
+        t = torch.arange(r0, r1, device=q.device)
+        visible = blocks[None, :] * cmp_stride + cmp_block - 1 <= t[:, None]  # [C, N]
+        logits = torch.matmul(q[:, r0:r1].float().transpose(1, 2), keys) * dk**-0.5
+        logits = logits.masked_fill(~visible[None, None], float("-inf"))
+        out[:, r0:r1] = torch.logsumexp(logits, dim=-1).transpose(1, 2)
+    return out
+
+
+def bench_one(args: argparse.Namespace, seq_len: int, with_lse: bool) -> ScoreRow:
+    """Time select_blocks_triton on random inputs of ``seq_len`` tokens on ``args.device``."""
+    from nsa_kernels.scoring.function import parse_config, select_blocks_triton
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    q = torch.randn(args.B, seq_len, args.hq, args.dk, device=device, generator=gen).to(dtype)
+    num = num_cmp_blocks(seq_len, args.l, args.d)
+    k_cmp = torch.randn(args.B, num, args.h, args.dk, device=device, generator=gen).to(dtype)
+    lse = compressed_lse(q, k_cmp, args.l, args.d) if with_lse else None
+    config = parse_config(args.config) if args.config else None
+
+    def call() -> object:
+        return select_blocks_triton(
+            q, k_cmp, args.l, args.d, args.l_sel, args.n, lse=lse, config=config
+        )
+
+    ms = median_ms(call, iters=args.iters, warmup=args.warmup, device=device)
+    work = 2.0 * args.B * args.hq * args.dk * visible_pairs(seq_len, args.l, args.d)
+    passes = 1 if with_lse else 2
+    return ScoreRow(seq_len, with_lse, ms, work / 1e12, work * passes / (ms * 1e-3) / 1e12)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--T", default="8192,16384,32768,65536", help="comma-separated tokens")
+    parser.add_argument("--B", type=int, default=1, help="batch")
+    parser.add_argument("--hq", type=int, default=64, help="query heads HQ")
+    parser.add_argument("--h", type=int, default=4, help="kv heads H")
+    parser.add_argument("--dk", type=int, default=128, help="query/key head dim")
+    parser.add_argument("--l", type=int, default=32, help="compression block length")
+    parser.add_argument("--d", type=int, default=16, help="compression stride")
+    parser.add_argument("--l_sel", type=int, default=64, help="selection block length l'")
+    parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument(
+        "--lse",
+        choices=("both", "given", "computed"),
+        default="both",
+        help="time with the lse given (one pass), computed by the kernel (two passes), or both",
+    )
+    parser.add_argument("--config", default="", help='ScoreConfig, e.g. "block_rows=64,warps=4"')
+    parser.add_argument("--iters", type=int, default=20, help="timed runs")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up runs")
+    parser.add_argument("--csv", default="", help="write the rows to this CSV file")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu runs the kernel under the Triton interpreter (TRITON_INTERPRET=1) only",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    modes = {"both": (True, False), "given": (True,), "computed": (False,)}[args.lse]
+    rows = []
+    for seq_len in (int(x) for x in args.T.split(",") if x.strip()):
+        for with_lse in modes:
+            row = bench_one(args, seq_len, with_lse)
+            rows.append(row)
+            passes = "1 pass (lse given)" if with_lse else "2 passes"
+            print(
+                f"T={seq_len:6d} {passes:18s} {row.ms:9.3f} ms  "
+                f"{row.qk_tflop:8.4f} TFLOP/pass  {row.tflops:6.1f} TFLOP/s",
+                flush=True,
+            )
+    if args.csv:
+        out = Path(args.csv)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+            writer.writeheader()
+            writer.writerows(asdict(r) for r in rows)
+    return 0
