@@ -86,7 +86,7 @@ def test_gathered_sdpa_matches_the_reference() -> None:
 
 
 def _row(length: int, speedup: float, method: str = "triton") -> Row:
-    return Row("seeds", "fwd", method, "fp16", 1, length, 8, 8, 1, 8, 64, 64, 1, 64, "many",
+    return Row("rows", "fwd", method, "fp16", 1, length, 8, 8, 1, 8, 64, 64, 1, 64, "many",
                speedup=speedup)  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def test_threshold_is_smallest_l_from_which_triton_stays_ahead() -> None:
     assert recommend_min_l([_row(64, 3.0, method="sdpa")], 1.2) is None
 
 
-def test_cli_seeds_mode_on_cpu_writes_csv(
+def test_cli_rows_mode_on_cpu_writes_csv(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "sel.csv"
@@ -111,10 +111,30 @@ def test_cli_seeds_mode_on_cpu_writes_csv(
     rows = list(csv.DictReader(out.open()))
     assert len(rows) == 4
     assert {r["method"] for r in rows} == {"sdpa", "reference"}
+    assert {r["mode"] for r in rows} == {"rows"}
     assert all(r["status"] == "ok" and float(r["ms"]) > 0 for r in rows)
     assert "env_torch" in rows[0] or "env_error" in rows[0]
     printed = capsys.readouterr().out
-    assert "recommended NSA_SEL_TRITON_MIN_L" in printed.splitlines()[-1]
+    assert "recommended NSA_SEL_TRITON_MIN_LEN" in printed.splitlines()[-1]
+
+
+def test_mode_seeds_is_the_deprecated_name_of_rows(tmp_path: Path) -> None:
+    out = tmp_path / "sel.csv"
+    argv = ["sel", "--mode", "seeds", "--N", "8", "--H", "2", "--D", "16", "--Dv", "16",
+            "--L_list", "64", "--sel-block", "16", "--n", "2", "--methods", "reference",
+            "--iters", "1", "--warmup", "0", "--csv", str(out)]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    with pytest.warns(DeprecationWarning, match="--mode seeds is deprecated; use --mode rows"):
+        assert sel_bench.run(args) == 0
+    assert [r["mode"] for r in csv.DictReader(out.open())] == ["rows"]
+
+
+def test_mode_resolution() -> None:
+    assert sel_bench.resolve_mode(None, False) == "rows"
+    assert sel_bench.resolve_mode(None, True) == "prefill"
+    assert sel_bench.resolve_mode("prefill", False) == "prefill"
+    with pytest.raises(ValueError, match="--prefill contradicts --mode rows"):
+        sel_bench.resolve_mode("rows", True)
 
 
 def test_prefill_needs_cuda() -> None:

@@ -1,24 +1,25 @@
 """``nsa-bench sel``: Triton selected attention against its fallbacks and against fla-core.
 
-Two modes.
+Two modes (``--mode``).
 
-Seeds mode (default; the old ``bench_sel_triton`` arguments): N query rows at the end of a
-sequence of L keys, H query heads sharing one kv head (``--kv-heads``), each row selecting
-``min(n, blocks)`` blocks of l' keys drawn by ``--dist`` (few: one contiguous run ending at the
-row's own block; many: scattered distinct blocks; mixed: half of each). Methods: ``triton``
-(this package), ``sdpa`` (the seeds' packed path: gather each row's selected keys, one SDPA
-call), ``reference`` (nsa_core's op, the registered fallback), and on request ``cuda`` (the
-experimental CUDA C++ kernel of nsa_kernels.selected.cuda, forward only). Per L it reports the
-speedup of Triton over the faster fallback, and recommends ``NSA_SEL_TRITON_MIN_L``: the smallest
-L from which Triton is at least ``--min-speedup`` (1.2x) faster at that L and every larger one,
-rounded up to a power of two.
+Rows mode (default, ``--mode rows``): N query rows at the end of a sequence of L keys, H query
+heads sharing one kv head (``--kv-heads``), each row selecting ``min(n, blocks)`` blocks of l'
+keys drawn by ``--dist`` (few: one contiguous run ending at the row's own block; many: scattered
+distinct blocks; mixed: half of each). Methods: ``triton`` (this package), ``sdpa`` (the packed
+peer: gather each row's selected keys, one SDPA call), ``reference`` (nsa_core's op, the
+registered fallback), and on request ``cuda`` (the experimental CUDA C++ kernel of
+nsa_kernels.selected.cuda, forward only). Per L it reports the speedup of Triton over the faster
+fallback, and recommends ``NSA_SEL_TRITON_MIN_LEN``: the smallest L from which Triton is at
+least ``--min-speedup`` (1.2x) faster at that L and every larger one, rounded up to a power of
+two. ``--mode seeds``, the earlier name of this mode, still works and warns.
 
-Prefill mode (``--prefill``): B=1, T in ``--T`` (8k..64k), HQ=64, H=4, dk=dv=128, n=16, l'=64,
-bf16 (all configurable), forward and forward+backward, ``triton.testing.do_bench`` medians, with
-fla-core's selection kernel (``ParallelNSAFunction``, i.e. ``parallel_nsa`` without compression
-or window) given the same block indices as a peer when importable. ``--groups 1,2,4,8`` repeats
-the largest T with HQ = G * H; ``--configs "a=1,b=2;..."`` times each tile config
-(:class:`nsa_kernels.selected.function.SelConfig` fields) at the largest T.
+Prefill mode (``--mode prefill`` or ``--prefill``): B=1, T in ``--T`` (8k..64k), HQ=64, H=4,
+dk=dv=128, n=16, l'=64, bf16 (all configurable), forward and forward+backward,
+``triton.testing.do_bench`` medians, with fla-core's selection kernel (``ParallelNSAFunction``,
+i.e. ``parallel_nsa`` without compression or window) given the same block indices as a peer when
+importable. ``--groups 1,2,4,8`` repeats the largest T with HQ = G * H; ``--configs
+"a=1,b=2;..."`` times each tile config (:class:`nsa_kernels.selected.function.SelConfig`
+fields) at the largest T.
 
 Indices for prefill (:func:`nsa_block_indices`): forced {0, jt-1, jt} (the valid ones) plus
 random distinct valid blocks up to n, ascending, -1 padded at the end: what NSA's top-n emits.
@@ -34,6 +35,7 @@ import csv
 import json
 import math
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -43,7 +45,10 @@ import torch
 from nsa_bench.timing import median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-SEEDS_METHODS = ("triton", "sdpa", "reference")
+ROWS_METHODS = ("triton", "sdpa", "reference")
+MODES = ("rows", "prefill")
+# Earlier name of the rows mode, still accepted (with a DeprecationWarning) for one release.
+DEPRECATED_MODES = {"seeds": "rows"}
 # Methods with a forward only: their fwd_bwd rows say so instead of timing anything.
 FORWARD_ONLY = ("cuda",)
 FALLBACKS = ("sdpa", "reference")
@@ -137,7 +142,7 @@ def dist_block_indices(
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """int32 [B, Tq, H, n] for the seeds' distributions (ascending, distinct, -1 at the end).
+    """int32 [B, Tq, H, n] for the rows mode's distributions (ascending, distinct, -1 at the end).
 
     ``few``: the run jt-n+1..jt; ``many``: n scattered distinct valid blocks; ``mixed``: the
     last n/2 blocks of the run plus scattered ones.
@@ -188,10 +193,10 @@ def gathered_sdpa(
     sel_block: int,
     q_start: int = 0,
 ) -> torch.Tensor:
-    """The seeds' packed path: gather each row's selected keys, then one masked SDPA call.
+    """The packed peer: gather each row's selected keys, then one masked SDPA call.
 
     q [B, Tq, HQ, dk], k/v [B, Tk, H, *], idx [B, Tq, H, n] -> o [B, Tq, HQ, dv]. Memory
-    O(B * Tq * H * n * l' * (dk + dv)): for the seeds' shapes, not for long prefill.
+    O(B * Tq * H * n * l' * (dk + dv)): for the rows mode's shapes, not for long prefill.
     """
     batch, tq, hq, dk = q.shape
     h, dv = k.shape[2], v.shape[3]
@@ -471,21 +476,28 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--N", type=int, default=1024, help="query rows (seeds mode)")
-    parser.add_argument("--H", type=int, default=8, help="query heads (seeds mode)")
-    parser.add_argument("--kv-heads", type=int, default=1, help="kv heads (seeds mode)")
+    parser.add_argument(
+        "--mode",
+        choices=(*MODES, *DEPRECATED_MODES),
+        default=None,
+        help="rows (default): N query rows at the end of L keys; prefill: long prefill "
+        "(as --prefill); 'seeds' is the earlier name of rows, deprecated",
+    )
+    parser.add_argument("--N", type=int, default=1024, help="query rows (rows mode)")
+    parser.add_argument("--H", type=int, default=8, help="query heads (rows mode)")
+    parser.add_argument("--kv-heads", type=int, default=1, help="kv heads (rows mode)")
     parser.add_argument("--D", type=int, default=128, help="dk")
     parser.add_argument("--Dv", type=int, default=128, help="dv")
     parser.add_argument(
         "--L_list",
         default="64,128,256,512,1024",
-        help="sequence lengths L (keys) to sweep (seeds mode)",
+        help="sequence lengths L (keys) to sweep (rows mode)",
     )
     parser.add_argument(
         "--dist",
         default="many",
         choices=("few", "many", "mixed", "nsa"),
-        help="block distribution (seeds mode)",
+        help="block distribution (rows mode)",
     )
     parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
     parser.add_argument("--sel-block", type=int, default=64, help="l'")
@@ -493,23 +505,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default=None,
         choices=sorted(DTYPES),
-        help="default fp16 (seeds mode), bf16 (prefill)",
+        help="default fp16 (rows mode), bf16 (prefill)",
     )
     parser.add_argument(
         "--methods",
         default=None,
-        help="seeds: triton,sdpa,reference (default), cuda; prefill: triton,fla (default), cuda",
+        help="rows: triton,sdpa,reference (default), cuda; prefill: triton,fla (default), cuda",
     )
     parser.add_argument(
         "--pass",
         dest="passes",
         default=None,
-        help="fwd,fwd_bwd (default: fwd in seeds mode, both in prefill)",
+        help="fwd,fwd_bwd (default: fwd in rows mode, both in prefill)",
     )
-    parser.add_argument("--iters", type=int, default=50, help="timed runs (seeds mode)")
-    parser.add_argument("--warmup", type=int, default=10, help="warm-up runs (seeds mode)")
+    parser.add_argument("--iters", type=int, default=50, help="timed runs (rows mode)")
+    parser.add_argument("--warmup", type=int, default=10, help="warm-up runs (rows mode)")
     parser.add_argument("--min-speedup", type=float, default=1.2, help="threshold rule")
-    parser.add_argument("--prefill", action="store_true", help="long-prefill mode")
+    parser.add_argument("--prefill", action="store_true", help="long-prefill mode (--mode prefill)")
     parser.add_argument("--T", default="8192,16384,32768,65536", help="prefill lengths")
     parser.add_argument("--heads", type=int, default=64, help="prefill query heads HQ")
     parser.add_argument("--prefill-kv-heads", type=int, default=4, help="prefill kv heads H")
@@ -543,9 +555,9 @@ def _env() -> dict[str, str]:
     return {f"env_{k}": v for k, v in collect().items()}
 
 
-def _seeds(args: argparse.Namespace, device: torch.device) -> list[Row]:
+def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
     dtype = DTYPES[args.dtype or "fp16"]
-    methods = (args.methods or ",".join(SEEDS_METHODS)).split(",")
+    methods = (args.methods or ",".join(ROWS_METHODS)).split(",")
     passes = (args.passes or "fwd").split(",")
     bench = _timer(args, device)
     rows: list[Row] = []
@@ -574,7 +586,7 @@ def _seeds(args: argparse.Namespace, device: torch.device) -> list[Row]:
             for method in methods:
                 ms, status = time_method(method, p, pass_, bench)
                 row = Row(
-                    "seeds",
+                    "rows",
                     pass_,
                     method,
                     args.dtype or "fp16",
@@ -771,18 +783,46 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+def resolve_mode(mode: str | None, prefill: bool) -> str:
+    """The mode of ``--mode`` and ``--prefill``: ``rows`` or ``prefill``.
+
+    A deprecated name warns (DeprecationWarning) and gives its current one; ``--prefill`` with
+    another ``--mode`` is a contradiction and raises ValueError.
+    """
+    if mode in DEPRECATED_MODES:
+        current = DEPRECATED_MODES[mode]
+        warnings.warn(
+            f"nsa-bench sel --mode {mode} is deprecated; use --mode {current}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        mode = current
+    if prefill:
+        if mode not in (None, "prefill"):
+            raise ValueError(f"--prefill contradicts --mode {mode}")
+        return "prefill"
+    return mode or "rows"
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        mode = resolve_mode(args.mode, args.prefill)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    # The timers and the recommendation read the flag; the mode sets it.
+    args.prefill = mode == "prefill"
     if args.prefill and device.type != "cuda":
         print("prefill mode needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = _prefill(args, device) if args.prefill else _seeds(args, device)
+    rows = _prefill(args, device) if args.prefill else _rows(args, device)
     _write(rows, _env(), args)
     print(format_table(rows))
     if not args.prefill:
         rec = recommend_min_l(rows, args.min_speedup)
         print(
-            f"recommended NSA_SEL_TRITON_MIN_L: {rec if rec is not None else 'none'} "
+            f"recommended NSA_SEL_TRITON_MIN_LEN: {rec if rec is not None else 'none'} "
             f"(smallest L with Triton >= {args.min_speedup}x the faster fallback from there on)"
         )
     return 0
