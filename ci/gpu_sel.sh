@@ -8,20 +8,22 @@
 # Inputs (environment, all optional):
 #   OUT          output folder (default: artifacts/gpu_sel)
 #   SEL_TESTS    full | quick | none   (default full: every GPU test of the selection kernels;
-#                quick: the G sweep, varlen, determinism and a slice of the seeds' matrix)
+#                quick: the G sweep, varlen, determinism and a slice of the parity matrix)
 #   SEL_T        prefill lengths (default 8192,16384,32768,65536)
 #   SEL_GROUPS   G sweep at the largest T (default 1,2,4,8,16; "" skips it)
 #   SEL_CONFIGS  ';'-separated SelConfig strings timed at the largest T (default: a small sweep of
 #                warps/stages/key tiles; set to "" to skip)
 #   SEL_BENCH_ARGS  extra arguments for `nsa-bench sel --prefill` (default --probe: the K/V
 #                gather alone, the forward's bandwidth floor; "" for none)
-#   SEL_SEEDS    1 (default) runs the seeds' bench_sel_triton sweep and its NSA_SEL_TRITON_MIN_L
-#                recommendation; 0 skips it
-#   SEL_SEEDS_METHODS  methods of that sweep (default triton,cuda,sdpa,reference: the experimental
-#                CUDA kernel listed beside Triton; it is compiled on first use)
+#   SEL_ROWS     1 (default) runs the rows-mode sweep of `nsa-bench sel` (N = 1024 query rows at
+#                the end of L keys) and its NSA_SEL_TRITON_MIN_LEN recommendation; 0 skips it.
+#                SEL_SEEDS, its earlier name, is still read when SEL_ROWS is unset.
+#   SEL_ROWS_METHODS  methods of that sweep (default triton,cuda,sdpa,reference: the experimental
+#                CUDA kernel listed beside Triton; it is compiled on first use). SEL_SEEDS_METHODS,
+#                its earlier name, is still read when SEL_ROWS_METHODS is unset.
 #   SEL_CUDA_T   prefill lengths at which the CUDA kernel's forward is timed beside Triton and
 #                fla-core (default 8192,65536; "" skips)
-# Files in $OUT: env.txt, tests.log, bench.log (progress and stderr), sel_seeds.{csv,txt},
+# Files in $OUT: env.txt, tests.log, bench.log (progress and stderr), sel_rows.{csv,txt},
 # sel_prefill.{csv,json,txt}, sel_cuda.{csv,txt}. The last lines printed are the tables.
 # Carried wheels: every .carry/*.whl (fla-core for the peer) is installed with --no-deps into a
 # site dir on PYTHONPATH; without fla-core the bench reports the peer as unavailable.
@@ -41,7 +43,8 @@ SEL_GROUPS="${SEL_GROUPS-1,2,4,8,16}"
 DEFAULT_CONFIGS="tma=2;tma=2,kv_hint=2;fwd_stages=3;fwd_warps=8;block_l=32"
 DEFAULT_CONFIGS+=";dq_stages=2;dq_warps=8;dkv_rows=64;dkv_rows=16;dkv_warps=8"
 SEL_CONFIGS="${SEL_CONFIGS-$DEFAULT_CONFIGS}"
-SEL_SEEDS_METHODS="${SEL_SEEDS_METHODS:-triton,cuda,sdpa,reference}"
+SEL_ROWS="${SEL_ROWS:-${SEL_SEEDS:-1}}"
+SEL_ROWS_METHODS="${SEL_ROWS_METHODS:-${SEL_SEEDS_METHODS:-triton,cuda,sdpa,reference}}"
 SEL_CUDA_T="${SEL_CUDA_T-8192,65536}"
 export PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/build/torch_extensions}"
@@ -89,12 +92,12 @@ if [[ "$SEL_TESTS" != none ]]; then
   echo "gpu tests: rc=$tests_rc in $((SECONDS - start)) s; $(tail -n 1 "$OUT/tests.log")"
 fi
 
-if [[ "${SEL_SEEDS:-1}" == 1 ]]; then
+if [[ "$SEL_ROWS" == 1 ]]; then
   start=$SECONDS
-  timeout 240 "$PYTHON" -m nsa_bench.cli sel --N 1024 --H 8 --D 128 --Dv 128 \
+  timeout 240 "$PYTHON" -m nsa_bench.cli sel --mode rows --N 1024 --H 8 --D 128 --Dv 128 \
     --L_list 64,128,256,512,1024,2048,4096 --dist many --iters 20 --warmup 5 \
-    --methods "$SEL_SEEDS_METHODS" --csv "$OUT/sel_seeds.csv" >"$OUT/sel_seeds.txt" 2>>"$OUT/bench.log"
-  echo "seeds bench: rc=$? in $((SECONDS - start)) s; $(tail -n 1 "$OUT/sel_seeds.txt")"
+    --methods "$SEL_ROWS_METHODS" --csv "$OUT/sel_rows.csv" >"$OUT/sel_rows.txt" 2>>"$OUT/bench.log"
+  echo "rows bench: rc=$? in $((SECONDS - start)) s; $(tail -n 1 "$OUT/sel_rows.txt")"
 fi
 
 start=$SECONDS
@@ -114,7 +117,7 @@ fi
 
 echo
 grep -E "passed|failed|error" "$OUT/tests.log" 2>/dev/null | tail -n 3
-cat "$OUT/sel_seeds.txt" 2>/dev/null
+cat "$OUT/sel_rows.txt" 2>/dev/null
 cat "$OUT/sel_prefill.txt" 2>/dev/null
 cat "$OUT/sel_cuda.txt" 2>/dev/null
 exit $(( tests_rc != 0 || bench_rc != 0 ))

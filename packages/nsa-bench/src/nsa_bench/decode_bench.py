@@ -5,7 +5,7 @@ is timed as a whole (projections, cache update, selection, three branches, combi
 branch alone on the same cache state: ``ms_cmp`` the compressed attention, ``ms_sel`` block
 scoring + top-n + selected attention, ``ms_win`` the sliding attention. On CUDA the whole step is
 timed as a CUDA graph replay; a dense-attention decode over all S+1 tokens is timed in the same
-run as the baseline. CSV columns follow the seeds:
+run as the baseline. CSV columns:
 ``S,ms_total,ms_cmp,ms_sel,ms_win,reads_actual,reads_expected``; a JSON file beside the CSV
 holds the environment, the arguments and the dense baseline per S.
 """
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("isolated", "env"),
         default="isolated",
         help="how branch timings are taken: each branch's op alone on the step's cache state "
-        "('env' is the seeds' name for the same thing)",
+        "('env' is an earlier name for the same thing)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -71,7 +71,7 @@ def _names(text: str, allowed: Sequence[str]) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--branches", default="sliding,compressed", help="sliding,compressed")
     parser.add_argument("--T", default="256,512,1024,2048,4096,8192,16384", help="lengths")
-    parser.add_argument("--D", default="64,128", help="head dims (dk = dv), the seeds' D sweep")
+    parser.add_argument("--D", default="64,128", help="head dims (dk = dv) to sweep")
     parser.add_argument("--B", type=int, default=1, help="batch")
     parser.add_argument("--heads", type=int, default=64, help="query heads HQ")
     parser.add_argument("--kv-heads", type=int, default=4, help="kv heads H")
