@@ -1,7 +1,9 @@
 """GPU kernels for Native Sparse Attention, registered as nsa-core backends.
 
-The seeds' quick-sanity entry points load Triton, so they are imported on first use: importing
-nsa_kernels (as nsa-core's entry-point loader does) needs no Triton.
+The names below load Triton, so they are imported on first use: importing nsa_kernels (as
+nsa-core's entry-point loader does) needs no Triton. ``sel_attn_fwd_dense`` and
+``sel_attn_fwd_varlen`` are quick-sanity entry points of the selection kernel (each row attends,
+unmasked, to its own keys); ``selected_attention_triton`` is the selected branch.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""GPU parity of Triton selected attention at real shapes (the seeds' matrix), G sweep, determinism.
+"""GPU parity of Triton selected attention at real shapes (L x D x H x distribution), G sweep,
+determinism.
 
 Block distributions for L selected keys (n = L / l' blocks per query, l' = 64):
 "few" = one contiguous run of n blocks ending at the query's own block, "many" = n scattered
 distinct valid blocks, "mixed" = half a run, half scattered. Bounds from docs/spec.md (relative
-error vs the reference in float32 on the same inputs; gradients 2x) and the seeds' MAE < 1e-3.
+error vs the reference in float32 on the same inputs; gradients 2x) and a mean absolute error
+< 1e-3.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The seeds' quick-sanity entry points against a plain torch softmax."""
+"""The quick-sanity entry points (sel_attn_fwd_dense, sel_attn_fwd_varlen) against a plain torch
+softmax."""
 
 from __future__ import annotations
 

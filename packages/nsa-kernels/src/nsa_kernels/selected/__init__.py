@@ -2,8 +2,8 @@
 
 Modules: ``kernels`` (the @triton.jit kernels), ``csr`` (the reverse index for dk/dv),
 ``function`` (launches, autograd Function, :func:`selected_attention_triton`), ``quick`` (the
-seeds' ``sel_attn_fwd_dense`` / ``sel_attn_fwd_varlen``), ``backend`` (registry backend, device
-policy, observability). Names are imported lazily so that ``backend`` loads without triton.
+quick-sanity ``sel_attn_fwd_dense`` / ``sel_attn_fwd_varlen``), ``backend`` (registry backend,
+device policy, observability). Names are imported lazily so that ``backend`` loads without triton.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The quick-sanity entry points of the old Triton selection test plan, same meaning.
+"""Quick-sanity entry points of the Triton selection kernel: plain attention over given keys.
 
 Each row n owns a set of keys and its H query heads attend to all of them in one softmax, with
 no causal mask: ``sel_attn_fwd_dense`` gives every row its own L keys, ``sel_attn_fwd_varlen``
