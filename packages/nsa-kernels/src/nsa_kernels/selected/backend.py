@@ -63,7 +63,7 @@ DEVICE_POLICY: tuple[PolicyRow, ...] = (
         matches=lambda cap: cap == (8, 9),
         decision="fallback",
         reason=(
-            "SM 8.9 (Ada, e.g. RTX 4090): measured slower there (docs/selection.md), which keeps it "
+            "SM 8.9 (Ada, e.g. RTX 4090): measured slower there (docs/selection.md), so it is "
             "off by default there; set NSA_TRITON_SEL_FORCE=1 to use it"
         ),
     ),
