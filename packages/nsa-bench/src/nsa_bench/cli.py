@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "fa2": ("nsa_bench.fa2_bench", "FA-2 vs its torch fallbacks per branch over T and D, cutoffs"),
     "routing": ("nsa_bench.routing", "backend chosen per op, with reasons, and the pairing"),
     "score": ("nsa_bench.score_bench", "Triton block scoring + top-n over T, lse given or not"),
-    "sel": ("nsa_bench.sel_bench", "Triton selection vs fallbacks and fla-core; sel_triton_min_L"),
+    "sel": ("nsa_bench.sel_bench", "Triton selection vs fallbacks and fla-core; its min length"),
     "summarize": ("nsa_bench.summarize", "per-branch shares and reads of a decode CSV"),
 }
 
