@@ -27,7 +27,7 @@ FA_SITE_LINE="$(ci/build_flash_attn.sh env)"
 eval "$FA_SITE_LINE"
 export PYTHONPATH="$ROOT/packages/nsa-core/src:$ROOT/packages/nsa-kernels/src:$ROOT/packages/nsa-bench/src:$PYTHONPATH"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/build/torch_extensions}"
-export NSA_DEBUG_LOG=1 NSA_LOG_LIMIT=5
+export NSA_DEBUG_LOG=1 NSA_DEBUG_LOG_LIMIT=5
 
 # torch.utils.cpp_extension.load needs ninja; fall back to the wheel carried in .carry/.
 if ! command -v ninja >/dev/null 2>&1 && ! "$PYTHON" -c 'import ninja' 2>/dev/null; then
@@ -118,7 +118,7 @@ bench_once() {  # name, extra args...
   local status=ok
   ((rc == 0)) || status=FAIL
   ((rc == 124)) && status=TIMEOUT
-  record bench "$status" "$name.csv, $(grep -c 'NSA_FA2_MIN_LEN' "$LOGS/$name.txt") cutoffs" \
+  record bench "$status" "$name.csv, $(grep -c '_FA2_MIN_LEN' "$LOGS/$name.txt") cutoffs" \
     $((SECONDS - start))
 }
 

@@ -156,13 +156,13 @@ def test_supports_sees_the_toggles() -> None:
     op = "sliding_attention"
 
     def fa2_if_enabled(ctx: OpContext, toggles: Toggles) -> str | None:
-        return None if toggles.use_fa2 else "NSA_USE_FA2=0"
+        return None if toggles.win_fa2 else "NSA_WIN_FA2=0"
 
     register_backend(Backend(op, "fa2", dummy, fa2_if_enabled, priority=10))
-    assert resolve(op, context(), Toggles(use_fa2=True)).backend.name == "fa2"
-    res = resolve(op, context(), Toggles(use_fa2=False))
+    assert resolve(op, context(), Toggles(win_fa2=True)).backend.name == "fa2"
+    res = resolve(op, context(), Toggles(win_fa2=False))
     assert res.backend.name == "reference"
-    assert res.rejected == (("fa2", "NSA_USE_FA2=0"),)
+    assert res.rejected == (("fa2", "NSA_WIN_FA2=0"),)
 
 
 @pytest.mark.usefixtures("isolated_registry")
@@ -184,13 +184,13 @@ def test_requested_backend_rejection_logged_once(caplog: pytest.LogCaptureFixtur
             dummy,
             reject_because("sm 8.9 falls back"),
             priority=10,
-            requested_by=lambda toggles: toggles.use_triton_sel,
+            requested_by=lambda toggles: toggles.sel_triton,
         )
     )
     register_backend(Backend(op, "quiet", dummy, reject_because("not asked for"), priority=5))
     with caplog.at_level(logging.WARNING, logger="nsa"):
         for _ in range(3):
-            assert resolve(op, context(), Toggles(use_triton_sel=True)).backend.name == "reference"
+            assert resolve(op, context(), Toggles(sel_triton=True)).backend.name == "reference"
     fallback = [r for r in caplog.records if "registry.fallback" in r.getMessage()]
     assert len(fallback) == 1
     message = fallback[0].getMessage()
@@ -211,11 +211,11 @@ def test_unrequested_rejection_is_not_logged(caplog: pytest.LogCaptureFixture) -
             dummy,
             reject_because("disabled"),
             priority=10,
-            requested_by=lambda toggles: toggles.use_triton_sel,
+            requested_by=lambda toggles: toggles.sel_triton,
         )
     )
     with caplog.at_level(logging.WARNING, logger="nsa"):
-        resolve(op, context(), Toggles(use_triton_sel=False))
+        resolve(op, context(), Toggles(sel_triton=False))
     assert "registry.fallback" not in caplog.text
 
 

@@ -4,44 +4,81 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
+from collections.abc import Iterator
 
 import pytest
 
 from nsa_core import toggles as toggles_module
-from nsa_core.toggles import Toggles, get_toggles, reload_toggles
+from nsa_core.toggles import (
+    Toggles,
+    get_toggles,
+    legacy_sel_tiles,
+    legacy_sel_tiles_from_env,
+    reload_toggles,
+)
 
 # The documented table of toggles (module docstring of nsa_core.toggles): name -> default.
 DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
     "NSA_SCORE_BACKEND": "auto",
     "NSA_CMP_BACKEND": "auto",
+    "NSA_CMP_FA2": True,
+    "NSA_CMP_FA2_MIN_LEN": 16,
     "NSA_SEL_BACKEND": "auto",
-    "NSA_WIN_BACKEND": "auto",
-    "NSA_USE_TRITON_SEL": True,
-    "NSA_TRITON_SEL_FORCE": False,
-    "NSA_SEL_TRITON_ALLOW_GRAD": True,
-    "NSA_SEL_TRITON_MIN_L": 0,
+    "NSA_SEL_TRITON": True,
+    "NSA_SEL_TRITON_FORCE": False,
+    "NSA_SEL_TRITON_GRAD": True,
+    "NSA_SEL_TRITON_MIN_LEN": 0,
     "NSA_SEL_TRITON_GROUP": True,
-    "NSA_SEL_TRITON_BLOCK_D": 0,
-    "NSA_SEL_TRITON_BLOCK_L": 0,
-    "NSA_SEL_TRITON_BLOCK_DV": 0,
-    "NSA_SEL_TRITON_CHECK_INDICES": False,
-    "NSA_USE_FA2": True,
-    "NSA_FA2_MIN_LEN_WIN": 16,
-    "NSA_FA2_MIN_LEN_CMP": 16,
-    "NSA_FA2_FORCE_VARLEN": False,
-    "NSA_FA2_FORCE_DENSE": False,
-    "NSA_USE_CUDA_SEL": False,
+    "NSA_SEL_CHECK_INDICES": False,
+    "NSA_SEL_CUDA": False,
+    "NSA_WIN_BACKEND": "auto",
+    "NSA_WIN_FA2": True,
+    "NSA_WIN_FA2_MIN_LEN": 16,
     "NSA_DEBUG_LOG": False,
-    "NSA_LOG_LIMIT": 10,
+    "NSA_DEBUG_LOG_LIMIT": 10,
     "NSA_DEBUG_TIMING": False,
     "NSA_DEBUG_SHAPES": False,
     "NSA_DEBUG_COMPARE": False,
+    "NSA_DEBUG_FA2_VARLEN": False,
+    "NSA_DEBUG_FA2_DENSE": False,
+}
+
+# Old name -> (new names it sets, a value to set, the parsed value).
+OLD_NAMES: dict[str, tuple[tuple[str, ...], str, bool | int]] = {
+    "NSA_USE_TRITON_SEL": (("NSA_SEL_TRITON",), "0", False),
+    "NSA_TRITON_SEL_FORCE": (("NSA_SEL_TRITON_FORCE",), "1", True),
+    "NSA_SEL_TRITON_ALLOW_GRAD": (("NSA_SEL_TRITON_GRAD",), "0", False),
+    "NSA_SEL_TRITON_MIN_L": (("NSA_SEL_TRITON_MIN_LEN",), "4096", 4096),
+    "NSA_SEL_TRITON_CHECK_INDICES": (("NSA_SEL_CHECK_INDICES",), "1", True),
+    "NSA_USE_CUDA_SEL": (("NSA_SEL_CUDA",), "1", True),
+    "NSA_USE_FA2": (("NSA_CMP_FA2", "NSA_WIN_FA2"), "0", False),
+    "NSA_FA2_MIN_LEN_CMP": (("NSA_CMP_FA2_MIN_LEN",), "64", 64),
+    "NSA_FA2_MIN_LEN_WIN": (("NSA_WIN_FA2_MIN_LEN",), "128", 128),
+    "NSA_LOG_LIMIT": (("NSA_DEBUG_LOG_LIMIT",), "3", 3),
+    "NSA_FA2_FORCE_VARLEN": (("NSA_DEBUG_FA2_VARLEN",), "1", True),
+    "NSA_FA2_FORCE_DENSE": (("NSA_DEBUG_FA2_DENSE",), "1", True),
 }
 
 BOOL_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if isinstance(value, bool)]
 INT_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if type(value) is int]
 NAME_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if isinstance(value, str)]
-BLOCK_TOGGLES = ["NSA_SEL_TRITON_BLOCK_D", "NSA_SEL_TRITON_BLOCK_L", "NSA_SEL_TRITON_BLOCK_DV"]
+BLOCK_TOGGLES = {
+    "NSA_SEL_TRITON_BLOCK_D": "block_d",
+    "NSA_SEL_TRITON_BLOCK_L": "block_l",
+    "NSA_SEL_TRITON_BLOCK_DV": "block_dv",
+}
+STEPS = ("SCORE", "CMP", "SEL", "WIN", "DECODE", "DEBUG")
+
+
+@pytest.fixture
+def fresh_warnings() -> Iterator[None]:
+    """Forget which deprecated names already warned (each warns once per process)."""
+    saved = set(toggles_module._warned)
+    toggles_module._warned.clear()
+    yield
+    toggles_module._warned.clear()
+    toggles_module._warned.update(saved)
 
 
 def field_of(env_name: str) -> str:
@@ -51,6 +88,16 @@ def field_of(env_name: str) -> str:
 def test_every_documented_toggle_is_a_field() -> None:
     names = {"NSA_" + f.name.upper() for f in dataclasses.fields(Toggles)}
     assert names == set(DOCUMENTED_DEFAULTS)
+
+
+def test_every_toggle_is_named_step_then_knob_and_in_the_docstring_table() -> None:
+    doc = toggles_module.__doc__ or ""
+    for name in DOCUMENTED_DEFAULTS:
+        assert name.split("_")[1] in STEPS, name
+        assert f"| {name} |" in doc, name
+    for old in [*OLD_NAMES, *BLOCK_TOGGLES]:
+        assert old in doc, old
+    assert set(OLD_NAMES) == set(toggles_module.DEPRECATED_NAMES)
 
 
 def test_defaults_from_empty_environment() -> None:
@@ -63,7 +110,7 @@ def test_defaults_from_empty_environment() -> None:
 
 
 def test_unrelated_variables_are_ignored() -> None:
-    assert Toggles.from_env({"PATH": "/bin", "NSA_": "1", "NSAX_USE_FA2": "1"}) == Toggles()
+    assert Toggles.from_env({"PATH": "/bin", "NSA_": "1", "NSAX_SEL_TRITON": "0"}) == Toggles()
 
 
 @pytest.mark.parametrize("name", BOOL_TOGGLES)
@@ -115,53 +162,120 @@ def test_negative_int_names_the_toggle(name: str) -> None:
         Toggles.from_env({name: "-4"})
 
 
-def test_force_varlen_and_force_dense_conflict() -> None:
-    env = {"NSA_FA2_FORCE_VARLEN": "1", "NSA_FA2_FORCE_DENSE": "1"}
-    with pytest.raises(ValueError, match="NSA_FA2_FORCE_VARLEN and NSA_FA2_FORCE_DENSE"):
+def test_fa2_varlen_and_fa2_dense_conflict() -> None:
+    env = {"NSA_DEBUG_FA2_VARLEN": "1", "NSA_DEBUG_FA2_DENSE": "1"}
+    with pytest.raises(ValueError, match="NSA_DEBUG_FA2_VARLEN and NSA_DEBUG_FA2_DENSE"):
         Toggles.from_env(env)
-    assert Toggles.from_env({"NSA_FA2_FORCE_VARLEN": "1"}).fa2_force_varlen
-    assert Toggles.from_env({"NSA_FA2_FORCE_DENSE": "1"}).fa2_force_dense
+    assert Toggles.from_env({"NSA_DEBUG_FA2_VARLEN": "1"}).debug_fa2_varlen
+    assert Toggles.from_env({"NSA_DEBUG_FA2_DENSE": "1"}).debug_fa2_dense
 
 
-@pytest.mark.parametrize("name", BLOCK_TOGGLES)
+@pytest.mark.usefixtures("fresh_warnings")
+@pytest.mark.parametrize("old", list(OLD_NAMES))
+def test_old_name_still_works_and_warns_once_naming_the_new_one(old: str) -> None:
+    new_names, raw, expected = OLD_NAMES[old]
+    with pytest.warns(DeprecationWarning, match=re.escape(old)) as caught:
+        toggles = Toggles.from_env({old: raw})
+    message = str(caught[0].message)
+    for new in new_names:
+        assert new in message
+        assert getattr(toggles, field_of(new)) == expected
+    assert toggles == Toggles.from_env(dict.fromkeys(new_names, raw))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Toggles.from_env({old: raw}) == toggles  # warned once already
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+@pytest.mark.parametrize("old", list(OLD_NAMES))
+def test_old_and_new_name_agreeing_is_fine_disagreeing_names_both(old: str) -> None:
+    new_names, raw, expected = OLD_NAMES[old]
+    other = "1" if raw == "0" else "0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        same = Toggles.from_env({old: raw, **dict.fromkeys(new_names, raw)})
+        assert getattr(same, field_of(new_names[0])) == expected
+        for new in new_names:
+            with pytest.raises(ValueError, match=f"{old}=.*{new}=.*disagree"):
+                Toggles.from_env({old: raw, new: other})
+
+
+def test_old_name_with_a_bad_value_names_the_old_toggle() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with pytest.raises(ValueError, match=re.escape("NSA_USE_FA2='maybe' is not a boolean")):
+            Toggles.from_env({"NSA_USE_FA2": "maybe"})
+
+
+def test_tiles_are_not_toggles() -> None:
+    names = {f.name for f in dataclasses.fields(Toggles)}
+    assert not any("block" in name for name in names)
+    assert Toggles.from_env({"NSA_SEL_TRITON_BLOCK_L": "32"}) == Toggles()
+
+
+@pytest.mark.usefixtures("fresh_warnings")
+@pytest.mark.parametrize("name", list(BLOCK_TOGGLES))
 @pytest.mark.parametrize("raw", ["0", "1", "16", "32", "128"])
-def test_block_size_power_of_two_accepted(name: str, raw: str) -> None:
-    assert getattr(Toggles.from_env({name: raw}), field_of(name)) == int(raw)
+def test_old_tile_toggle_reads_into_a_config_field_and_warns(name: str, raw: str) -> None:
+    with pytest.warns(DeprecationWarning, match=r"SelConfig\(" + BLOCK_TOGGLES[name]):
+        tiles = legacy_sel_tiles_from_env({name: raw})
+    assert tiles == ({BLOCK_TOGGLES[name]: int(raw)} if int(raw) else {})
 
 
-@pytest.mark.parametrize("name", BLOCK_TOGGLES)
+@pytest.mark.usefixtures("fresh_warnings")
+@pytest.mark.parametrize("name", list(BLOCK_TOGGLES))
 @pytest.mark.parametrize("raw", ["3", "24", "100"])
-def test_block_size_not_power_of_two_names_the_toggle(name: str, raw: str) -> None:
-    with pytest.raises(ValueError, match=re.escape(f"{name}={raw} must be 0 or a power of two")):
-        Toggles.from_env({name: raw})
+def test_old_tile_toggle_not_power_of_two_names_the_toggle(name: str, raw: str) -> None:
+    with (
+        pytest.warns(DeprecationWarning, match=name),
+        pytest.raises(ValueError, match=re.escape(f"{name}={raw} must be 0 or a power of two")),
+    ):
+        legacy_sel_tiles_from_env({name: raw})
+
+
+def test_old_tiles_read_once_until_reload(monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = (toggles_module._cached, toggles_module._cached_tiles)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            monkeypatch.setenv("NSA_SEL_TRITON_BLOCK_L", "32")
+            reload_toggles()
+            assert legacy_sel_tiles() == {"block_l": 32}
+            monkeypatch.setenv("NSA_SEL_TRITON_BLOCK_L", "64")
+            assert legacy_sel_tiles() == {"block_l": 32}  # cached until reloaded
+            reload_toggles()
+            assert legacy_sel_tiles() == {"block_l": 64}
+    finally:
+        monkeypatch.undo()
+        toggles_module._cached, toggles_module._cached_tiles = saved
 
 
 def test_env_names_round_trip() -> None:
-    toggles = Toggles.from_env({"NSA_USE_FA2": "1", "NSA_LOG_LIMIT": "3"})
+    toggles = Toggles.from_env({"NSA_WIN_FA2": "0", "NSA_DEBUG_LOG_LIMIT": "3"})
     names = toggles.env_names()
     assert set(names) == set(DOCUMENTED_DEFAULTS)
-    assert names["NSA_USE_FA2"] == "True"
-    assert names["NSA_LOG_LIMIT"] == "3"
+    assert names["NSA_WIN_FA2"] == "False"
+    assert names["NSA_DEBUG_LOG_LIMIT"] == "3"
     assert Toggles.from_env(names) == toggles
 
 
 def test_get_toggles_reads_os_environ_once_and_reload_rereads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    saved = toggles_module._cached
+    saved = (toggles_module._cached, toggles_module._cached_tiles)
     try:
-        monkeypatch.setenv("NSA_LOG_LIMIT", "7")
-        assert reload_toggles().log_limit == 7
-        monkeypatch.setenv("NSA_LOG_LIMIT", "8")
-        assert get_toggles().log_limit == 7  # cached until reloaded
-        assert reload_toggles().log_limit == 8
-        assert get_toggles().log_limit == 8
-        monkeypatch.setenv("NSA_LOG_LIMIT", "eight")
-        with pytest.raises(ValueError, match="NSA_LOG_LIMIT"):
+        monkeypatch.setenv("NSA_DEBUG_LOG_LIMIT", "7")
+        assert reload_toggles().debug_log_limit == 7
+        monkeypatch.setenv("NSA_DEBUG_LOG_LIMIT", "8")
+        assert get_toggles().debug_log_limit == 7  # cached until reloaded
+        assert reload_toggles().debug_log_limit == 8
+        assert get_toggles().debug_log_limit == 8
+        monkeypatch.setenv("NSA_DEBUG_LOG_LIMIT", "eight")
+        with pytest.raises(ValueError, match="NSA_DEBUG_LOG_LIMIT"):
             reload_toggles()
     finally:
         monkeypatch.undo()
-        toggles_module._cached = saved
+        toggles_module._cached, toggles_module._cached_tiles = saved
 
 
 @pytest.mark.parametrize("name", NAME_TOGGLES)

@@ -9,7 +9,7 @@ One CSV row per (branch, mode, D, T, method) with the shapes, ``ms``, ``fa2_spee
 method's time over FA-2's: how many times faster FA-2 is), ``status`` and the environment as
 ``env_*`` columns. The summary names, per branch, the smallest T from which FA-2 is at least
 ``--min-speedup`` (1.2x) faster than the best fallback at every measured T and D: the value to
-give NSA_FA2_MIN_LEN_WIN / NSA_FA2_MIN_LEN_CMP. It also says from which T FlexAttention beats the
+give NSA_WIN_FA2_MIN_LEN / NSA_CMP_FA2_MIN_LEN. It also says from which T FlexAttention beats the
 chunked SDPA fallback.
 """
 
@@ -376,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
     write_csv(Path(args.csv), rows, dict(collect()))
     print(summary_table(rows, methods))
     print()
-    toggle = {"sliding": "NSA_FA2_MIN_LEN_WIN", "compressed": "NSA_FA2_MIN_LEN_CMP"}
+    toggle = {"sliding": "NSA_WIN_FA2_MIN_LEN", "compressed": "NSA_CMP_FA2_MIN_LEN"}
     shortest = min((int(r["T"]) for r in rows), default=None)
     for key, rec in recommend(rows, args.min_speedup).items():
         branch, _mode = key.split("/")

@@ -1,7 +1,7 @@
-"""Structured, rate-limited logs on the ``nsa`` logger (NSA_DEBUG_LOG, NSA_LOG_LIMIT).
+"""Structured, rate-limited logs on the ``nsa`` logger (NSA_DEBUG_LOG, NSA_DEBUG_LOG_LIMIT).
 
 A record is one line ``<tag> key=value key=value``: easy to grep in a runner's logs. Each tag is
-emitted at most ``NSA_LOG_LIMIT`` times per process so a hot path cannot flood the output.
+emitted at most ``NSA_DEBUG_LOG_LIMIT`` times per process so a hot path cannot flood the output.
 Fallback notices go through :func:`log_once`, which speaks whether or not NSA_DEBUG_LOG is set,
 because a silent fallback is a defect.
 """
@@ -24,9 +24,9 @@ def _format(tag: str, fields: dict[str, object]) -> str:
 
 
 def debug_log(tag: str, **fields: object) -> None:
-    """Log ``tag`` with ``fields`` when NSA_DEBUG_LOG is on, at most NSA_LOG_LIMIT times."""
+    """Log ``tag`` with ``fields`` when NSA_DEBUG_LOG is on, at most NSA_DEBUG_LOG_LIMIT times."""
     toggles = get_toggles()
-    if not toggles.debug_log or _emitted[tag] >= toggles.log_limit:
+    if not toggles.debug_log or _emitted[tag] >= toggles.debug_log_limit:
         return
     _emitted[tag] += 1
     logger.info(_format(tag, fields))

@@ -3,8 +3,9 @@
 Each op has the shapes of docs/spec.md (``q [B, T, HQ, dk]``, ``k [B, T, H, dk]``,
 ``v [B, T, H, dv]``, ``block_indices [B, T, H, n]``). It checks every argument with the op's
 validator in :mod:`nsa_core.checks`, builds the :class:`~nsa_core.registry.OpContext` of the call,
-resolves the backend (:func:`nsa_core.registry.resolve`, the same decision that
-``routing_report`` shows) and hands it the validated arguments and the toggles the decision was
+resolves the backend (:func:`nsa_core.registry.resolve_fn`, the same decision that
+``routing_report`` shows, wrapped in the debug hooks when NSA_DEBUG_SHAPES/TIMING/COMPARE is on)
+and hands it the validated arguments and the toggles the decision was
 made with. On a CPU, in float64, or with ``NSA_<STEP>_BACKEND=reference`` the backend is the
 reference in :mod:`nsa_core.reference`, which stays callable by name everywhere.
 """
@@ -19,7 +20,7 @@ from nsa_core.checks import (
     check_selected_attention,
     check_sliding_attention,
 )
-from nsa_core.registry import OpContext, resolve
+from nsa_core.registry import OpContext, resolve_fn
 from nsa_core.toggles import get_toggles
 
 
@@ -67,7 +68,7 @@ def compressed_attention(
     )
     toggles = get_toggles()
     ctx = op_context(q, k_cmp, v_cmp, q_start + q.shape[1], varlen=cu_seqlens is not None)
-    fn = resolve("compressed_attention", ctx, toggles).backend.fn
+    fn = resolve_fn("compressed_attention", ctx, toggles)
     out: torch.Tensor = fn(
         q,
         k_cmp,
@@ -97,7 +98,7 @@ def selected_attention(
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n] in
     [-1, ceil(Tk / l')). On CUDA the index range is not read back (a device sync) unless
-    NSA_SEL_TRITON_CHECK_INDICES is set: kernels treat out-of-range entries as -1. See
+    NSA_SEL_CHECK_INDICES is set: kernels treat out-of-range entries as -1. See
     :func:`nsa_core.reference.selected_attention` for every argument.
     """
     toggles = get_toggles()
@@ -112,10 +113,10 @@ def selected_attention(
         cu_seqlens=cu_seqlens,
         check_range=not isinstance(q, torch.Tensor)
         or q.device.type == "cpu"
-        or toggles.sel_triton_check_indices,
+        or toggles.sel_check_indices,
     )
     ctx = op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
-    fn = resolve("selected_attention", ctx, toggles).backend.fn
+    fn = resolve_fn("selected_attention", ctx, toggles)
     out: torch.Tensor = fn(
         q,
         k,
@@ -148,7 +149,7 @@ def sliding_attention(
     check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
     toggles = get_toggles()
     ctx = op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
-    fn = resolve("sliding_attention", ctx, toggles).backend.fn
+    fn = resolve_fn("sliding_attention", ctx, toggles)
     out: torch.Tensor = fn(
         q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles
     )
@@ -187,7 +188,7 @@ def select_blocks(
     toggles = get_toggles()
     q, k_cmp = q.detach(), k_cmp.detach()
     ctx = op_context(q, k_cmp, k_cmp, q_start + q.shape[1], varlen=cu_seqlens is not None)
-    fn = resolve("select_blocks", ctx, toggles).backend.fn
+    fn = resolve_fn("select_blocks", ctx, toggles)
     indices, counts = fn(
         q,
         k_cmp,

@@ -9,7 +9,9 @@ this module's :func:`register_backend`. nsa-core never imports them.
 A backend's ``supports(ctx, toggles)`` returns ``None`` when it can serve the call, or the reason
 it cannot. :func:`resolve` walks the backends from the highest priority down and returns the first
 that accepts, together with every rejection and its reason; each rejection of a backend that the
-user asked for through a toggle is logged once. :func:`routing_report` renders the decision for a
+user asked for through a toggle is logged once. :func:`resolve_fn` returns the chosen backend's
+callable, wrapped in the debug hooks of :mod:`nsa_core.debug_hooks` when a debug toggle is on.
+:func:`routing_report` renders the decision for a
 given context, so the choice is observable.
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import torch
 
+from nsa_core.debug_hooks import with_debug_hooks
 from nsa_core.debug_log import debug_log, log_once
 from nsa_core.toggles import BACKEND_TOGGLE, Toggles, get_toggles, pinned_backend
 
@@ -151,6 +154,19 @@ def resolve(op: str, ctx: OpContext, toggles: Toggles | None = None) -> Resoluti
                 reason=repr(reason),
             )
     raise RuntimeError(f"no backend accepts op {op!r} for {ctx}; rejections: {rejected}")
+
+
+def resolve_fn(op: str, ctx: OpContext, toggles: Toggles) -> Callable[..., Any]:
+    """The ``fn`` of the backend :func:`resolve` picks, with the debug hooks ``toggles`` turn on.
+
+    The hooks (NSA_DEBUG_SHAPES, NSA_DEBUG_TIMING, NSA_DEBUG_COMPARE; :mod:`nsa_core.debug_hooks`)
+    wrap whichever backend serves, so every backend is observed the same way.
+    """
+    backend = resolve(op, ctx, toggles).backend
+    if not toggles.debug_hooks:
+        return backend.fn
+    reference = {b.name: b for b in backends(op)}["reference"]
+    return with_debug_hooks(op, backend.name, backend.fn, reference.fn, toggles)
 
 
 def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Resolution:

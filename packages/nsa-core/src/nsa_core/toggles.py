@@ -1,44 +1,105 @@
 """The one place that reads the ``NSA_*`` environment toggles.
 
-Every toggle is parsed here, typed, and documented; a malformed value raises ``ValueError``
-naming the toggle. Other modules call :func:`get_toggles` and never read ``os.environ``.
+Every toggle is named ``NSA_<STEP>_<KNOB>`` with STEP one of SCORE, CMP, SEL, WIN, DECODE,
+DEBUG, parsed here, typed, and documented; a malformed value raises ``ValueError`` naming the
+toggle. Other modules call :func:`get_toggles` and never read ``os.environ``.
 
 | toggle | type | default | meaning |
 |---|---|---|---|
 | NSA_SCORE_BACKEND | str | auto | block scoring and top-n: ``auto`` or a backend name |
 | NSA_CMP_BACKEND | str | auto | compressed branch: ``auto`` or a backend name |
+| NSA_CMP_FA2 | bool | 1 | FlashAttention-2 for the compressed branch, if installed |
+| NSA_CMP_FA2_MIN_LEN | int | 16 | shortest sequence routed to FA-2 for the compressed branch |
 | NSA_SEL_BACKEND | str | auto | selected branch: ``auto`` or a backend name |
-| NSA_WIN_BACKEND | str | auto | sliding branch: ``auto`` or a backend name |
-| NSA_USE_TRITON_SEL | bool | 1 | Triton selected attention where the device policy allows it |
-| NSA_TRITON_SEL_FORCE | bool | 0 | Triton selection even where the device policy falls back |
-| NSA_SEL_TRITON_ALLOW_GRAD | bool | 1 | allow the Triton backend when gradients are required |
-| NSA_SEL_TRITON_MIN_L | int | 0 | shortest sequence (tokens) routed to Triton selection |
+| NSA_SEL_TRITON | bool | 1 | Triton selected attention where the device policy allows it |
+| NSA_SEL_TRITON_FORCE | bool | 0 | Triton selection even where the device policy falls back |
+| NSA_SEL_TRITON_GRAD | bool | 1 | allow the Triton backend when gradients are required |
+| NSA_SEL_TRITON_MIN_LEN | int | 0 | shortest sequence (tokens) routed to Triton selection |
 | NSA_SEL_TRITON_GROUP | bool | 1 | group-centric kernels (a program serves a kv head's G heads) |
-| NSA_SEL_TRITON_BLOCK_D | int | 0 | Triton tile over dk; 0 = the kernel's own choice |
-| NSA_SEL_TRITON_BLOCK_L | int | 0 | Triton tile over keys; 0 = the kernel's own choice |
-| NSA_SEL_TRITON_BLOCK_DV | int | 0 | Triton tile over dv; 0 = the kernel's own choice |
-| NSA_SEL_TRITON_CHECK_INDICES | bool | 0 | raise on indices outside [-1, blocks) (a sync) |
-| NSA_USE_FA2 | bool | 1 | FlashAttention-2 for the sliding and compressed branches, if installed |
-| NSA_FA2_MIN_LEN_WIN | int | 16 | shortest sequence routed to FA-2 for the sliding branch |
-| NSA_FA2_MIN_LEN_CMP | int | 16 | shortest sequence routed to FA-2 for the compressed branch |
-| NSA_FA2_FORCE_VARLEN | bool | 0 | always use FA-2's varlen entry point (debugging) |
-| NSA_FA2_FORCE_DENSE | bool | 0 | always use FA-2's dense entry point (debugging) |
-| NSA_USE_CUDA_SEL | bool | 0 | allow the experimental CUDA selected-attention kernel |
+| NSA_SEL_CHECK_INDICES | bool | 0 | raise on indices outside [-1, blocks) on CUDA (a sync) |
+| NSA_SEL_CUDA | bool | 0 | allow the experimental CUDA selected-attention kernel |
+| NSA_WIN_BACKEND | str | auto | sliding branch: ``auto`` or a backend name |
+| NSA_WIN_FA2 | bool | 1 | FlashAttention-2 for the sliding branch, if installed |
+| NSA_WIN_FA2_MIN_LEN | int | 16 | shortest sequence routed to FA-2 for the sliding branch |
 | NSA_DEBUG_LOG | bool | 0 | structured debug logs on the ``nsa`` logger |
-| NSA_LOG_LIMIT | int | 10 | how many times one log tag is emitted before it goes quiet |
-| NSA_DEBUG_TIMING | bool | 0 | per-bucket timings of kernel launches (synchronizes: slow) |
-| NSA_DEBUG_SHAPES | bool | 0 | log shapes and strides at kernel entry |
-| NSA_DEBUG_COMPARE | bool | 0 | compare kernel outputs with the reference and log the MAE (slow) |
+| NSA_DEBUG_LOG_LIMIT | int | 10 | how many times one log tag is emitted before it goes quiet |
+| NSA_DEBUG_TIMING | bool | 0 | time every op call (``debug.timing``; synchronizes on CUDA: slow) |
+| NSA_DEBUG_SHAPES | bool | 0 | log shapes, strides and dtypes at every op call (``debug.shapes``) |
+| NSA_DEBUG_COMPARE | bool | 0 | every op's error against the reference (``debug.compare``; slow) |
+| NSA_DEBUG_FA2_VARLEN | bool | 0 | always use FA-2's varlen entry point |
+| NSA_DEBUG_FA2_DENSE | bool | 0 | always use FA-2's dense entry point |
+
+Old names keep working for one release, each with a ``DeprecationWarning`` (once per name) that
+names its replacement; setting an old name and its new name to different values is an error:
+
+| old name | new name |
+|---|---|
+| NSA_USE_TRITON_SEL | NSA_SEL_TRITON |
+| NSA_TRITON_SEL_FORCE | NSA_SEL_TRITON_FORCE |
+| NSA_SEL_TRITON_ALLOW_GRAD | NSA_SEL_TRITON_GRAD |
+| NSA_SEL_TRITON_MIN_L | NSA_SEL_TRITON_MIN_LEN |
+| NSA_SEL_TRITON_CHECK_INDICES | NSA_SEL_CHECK_INDICES |
+| NSA_USE_CUDA_SEL | NSA_SEL_CUDA |
+| NSA_USE_FA2 | NSA_CMP_FA2 and NSA_WIN_FA2 |
+| NSA_FA2_MIN_LEN_CMP | NSA_CMP_FA2_MIN_LEN |
+| NSA_FA2_MIN_LEN_WIN | NSA_WIN_FA2_MIN_LEN |
+| NSA_LOG_LIMIT | NSA_DEBUG_LOG_LIMIT |
+| NSA_FA2_FORCE_VARLEN | NSA_DEBUG_FA2_VARLEN |
+| NSA_FA2_FORCE_DENSE | NSA_DEBUG_FA2_DENSE |
+
+Kernel tiles are not toggles: pass ``SelConfig(block_l=...)`` as ``config=``. The old tile names
+NSA_SEL_TRITON_BLOCK_L, NSA_SEL_TRITON_BLOCK_D and NSA_SEL_TRITON_BLOCK_DV still work for one
+release: :func:`legacy_sel_tiles` reads
+them once (with a ``DeprecationWarning``) and the Triton selection backend hands them to the
+kernels as a config.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
+
+# Old toggle name -> the fields it sets (one release of grace, then removed).
+DEPRECATED_NAMES: dict[str, tuple[str, ...]] = {
+    "NSA_USE_TRITON_SEL": ("sel_triton",),
+    "NSA_TRITON_SEL_FORCE": ("sel_triton_force",),
+    "NSA_SEL_TRITON_ALLOW_GRAD": ("sel_triton_grad",),
+    "NSA_SEL_TRITON_MIN_L": ("sel_triton_min_len",),
+    "NSA_SEL_TRITON_CHECK_INDICES": ("sel_check_indices",),
+    "NSA_USE_CUDA_SEL": ("sel_cuda",),
+    "NSA_USE_FA2": ("cmp_fa2", "win_fa2"),
+    "NSA_FA2_MIN_LEN_CMP": ("cmp_fa2_min_len",),
+    "NSA_FA2_MIN_LEN_WIN": ("win_fa2_min_len",),
+    "NSA_LOG_LIMIT": ("debug_log_limit",),
+    "NSA_FA2_FORCE_VARLEN": ("debug_fa2_varlen",),
+    "NSA_FA2_FORCE_DENSE": ("debug_fa2_dense",),
+}
+
+# Old tile toggle -> the SelConfig field it fills.
+DEPRECATED_TILE_NAMES: dict[str, str] = {
+    "NSA_SEL_TRITON_BLOCK_L": "block_l",
+    "NSA_SEL_TRITON_BLOCK_D": "block_d",
+    "NSA_SEL_TRITON_BLOCK_DV": "block_dv",
+}
+
+_warned: set[str] = set()
+
+
+def _warn_deprecated(old: str, replacement: str) -> None:
+    """One DeprecationWarning per old name per process."""
+    if old in _warned:
+        return
+    _warned.add(old)
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {replacement}",
+        DeprecationWarning,
+        stacklevel=4,
+    )
 
 
 def _parse_bool(name: str, raw: str) -> bool:
@@ -67,66 +128,110 @@ def _parse_int(name: str, raw: str, minimum: int) -> int:
     return value
 
 
+def env_name(field_name: str) -> str:
+    """The toggle that sets field ``field_name``: ``sel_triton`` -> ``NSA_SEL_TRITON``."""
+    return "NSA_" + field_name.upper()
+
+
 @dataclass(frozen=True)
 class Toggles:
     """Parsed ``NSA_*`` toggles; field ``foo_bar`` is read from ``NSA_FOO_BAR``."""
 
     score_backend: str = "auto"
     cmp_backend: str = "auto"
+    cmp_fa2: bool = True
+    cmp_fa2_min_len: int = 16
     sel_backend: str = "auto"
-    win_backend: str = "auto"
-    use_triton_sel: bool = True
-    triton_sel_force: bool = False
-    sel_triton_allow_grad: bool = True
-    sel_triton_min_l: int = 0
+    sel_triton: bool = True
+    sel_triton_force: bool = False
+    sel_triton_grad: bool = True
+    sel_triton_min_len: int = 0
     sel_triton_group: bool = True
-    sel_triton_block_d: int = 0
-    sel_triton_block_l: int = 0
-    sel_triton_block_dv: int = 0
-    sel_triton_check_indices: bool = False
-    use_fa2: bool = True
-    fa2_min_len_win: int = 16
-    fa2_min_len_cmp: int = 16
-    fa2_force_varlen: bool = False
-    fa2_force_dense: bool = False
-    use_cuda_sel: bool = False
+    sel_check_indices: bool = False
+    sel_cuda: bool = False
+    win_backend: str = "auto"
+    win_fa2: bool = True
+    win_fa2_min_len: int = 16
     debug_log: bool = False
-    log_limit: int = 10
+    debug_log_limit: int = 10
     debug_timing: bool = False
     debug_shapes: bool = False
     debug_compare: bool = False
+    debug_fa2_varlen: bool = False
+    debug_fa2_dense: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Toggles:
-        """Parse the toggles from ``environ`` (default ``os.environ``); unset ones keep defaults."""
+        """Parse the toggles from ``environ`` (default ``os.environ``); unset ones keep defaults.
+
+        An old name (:data:`DEPRECATED_NAMES`) fills its new fields with a DeprecationWarning;
+        an old name and its new name set to different values raise ``ValueError`` naming both.
+        """
         env = os.environ if environ is None else environ
+        kinds = {f.name: f.type for f in fields(cls)}
+
+        def parse(field_name: str, name: str, raw: str) -> bool | int | str:
+            if kinds[field_name] == "bool":
+                return _parse_bool(name, raw)
+            if kinds[field_name] == "str":
+                return _parse_name(name, raw)
+            return _parse_int(name, raw, minimum=0)
+
         values: dict[str, bool | int | str] = {}
-        for f in fields(cls):
-            name = "NSA_" + f.name.upper()
-            raw = env.get(name)
+        for field_name in kinds:
+            raw = env.get(env_name(field_name))
+            if raw is not None:
+                values[field_name] = parse(field_name, env_name(field_name), raw)
+        for old, targets in DEPRECATED_NAMES.items():
+            raw = env.get(old)
             if raw is None:
                 continue
-            if f.type == "bool":
-                values[f.name] = _parse_bool(name, raw)
-            elif f.type == "str":
-                values[f.name] = _parse_name(name, raw)
-            else:
-                values[f.name] = _parse_int(name, raw, minimum=0)
+            _warn_deprecated(old, " and ".join(env_name(t) for t in targets))
+            for target in targets:
+                value = parse(target, old, raw)
+                if target in values and values[target] != value:
+                    raise ValueError(
+                        f"{old}={raw!r} and {env_name(target)}={env[env_name(target)]!r} "
+                        f"disagree; set only {env_name(target)}"
+                    )
+                values[target] = value
         toggles = cls(**values)  # type: ignore[arg-type]
-        if toggles.fa2_force_varlen and toggles.fa2_force_dense:
-            raise ValueError("NSA_FA2_FORCE_VARLEN and NSA_FA2_FORCE_DENSE are both set; pick one")
-        for name in ("sel_triton_block_d", "sel_triton_block_l", "sel_triton_block_dv"):
-            block = getattr(toggles, name)
-            if block and block & (block - 1):
-                raise ValueError(f"NSA_{name.upper()}={block} must be 0 or a power of two")
+        if toggles.debug_fa2_varlen and toggles.debug_fa2_dense:
+            raise ValueError("NSA_DEBUG_FA2_VARLEN and NSA_DEBUG_FA2_DENSE are both set; pick one")
         return toggles
 
     def env_names(self) -> dict[str, str]:
         """The toggles as ``{NSA_NAME: value}``, for reports."""
-        return {"NSA_" + f.name.upper(): str(getattr(self, f.name)) for f in fields(self)}
+        return {env_name(f.name): str(getattr(self, f.name)) for f in fields(self)}
+
+    @property
+    def debug_hooks(self) -> bool:
+        """Whether any per-call debug hook (shapes, timing, compare) is on."""
+        return self.debug_shapes or self.debug_timing or self.debug_compare
+
+
+def legacy_sel_tiles_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """``{SelConfig field: value}`` from the deprecated NSA_SEL_TRITON_BLOCK_* toggles (if set).
+
+    Each name set warns once (DeprecationWarning) and must be 0 or a power of two.
+    """
+    env = os.environ if environ is None else environ
+    tiles: dict[str, int] = {}
+    for old, config_field in DEPRECATED_TILE_NAMES.items():
+        raw = env.get(old)
+        if raw is None:
+            continue
+        _warn_deprecated(old, f"SelConfig({config_field}=...) passed as config=")
+        value = _parse_int(old, raw, minimum=0)
+        if value & (value - 1):
+            raise ValueError(f"{old}={value} must be 0 or a power of two")
+        if value:
+            tiles[config_field] = value
+    return tiles
 
 
 _cached: Toggles | None = None
+_cached_tiles: dict[str, int] | None = None
 
 
 def get_toggles() -> Toggles:
@@ -137,10 +242,19 @@ def get_toggles() -> Toggles:
     return _cached
 
 
+def legacy_sel_tiles() -> dict[str, int]:
+    """The process's deprecated Triton selection tiles, read from the environment once."""
+    global _cached_tiles
+    if _cached_tiles is None:
+        _cached_tiles = legacy_sel_tiles_from_env()
+    return dict(_cached_tiles)
+
+
 def reload_toggles() -> Toggles:
     """Re-read the environment (tests and long-lived tools that change ``os.environ``)."""
-    global _cached
+    global _cached, _cached_tiles
     _cached = Toggles.from_env()
+    _cached_tiles = legacy_sel_tiles_from_env()
     return _cached
 
 

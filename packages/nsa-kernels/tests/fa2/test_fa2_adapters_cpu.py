@@ -28,7 +28,7 @@ def fake_flash_attn(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _toggles_for(path: str) -> dict[str, str]:
-    return {} if path == "auto" else {path.replace("force_", "fa2_force_"): "1"}
+    return {} if path == "auto" else {path.replace("force_", "debug_fa2_"): "1"}
 
 
 def _expected_entry(path: str, varlen: bool) -> str:

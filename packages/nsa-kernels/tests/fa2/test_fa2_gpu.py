@@ -90,7 +90,7 @@ def test_fa2_gpu_varlen_sliding_parity(dtype: torch.dtype, path: str) -> None:
     cu = cu_seqlens_of(VARLEN_LENGTHS, device="cuda")
     total = int(cu[-1])
     inputs = _inputs(1, total, total, 16, 4, 128, 128, dtype)
-    extra = {"fa2_force_dense": "1"} if path == "force_dense" else {}
+    extra = {"debug_fa2_dense": "1"} if path == "force_dense" else {}
     with toggles(**extra):
         _check(
             lambda q, k, v: sliding_attention_fa2(q, k, v, WINDOW, cu_seqlens=cu),
@@ -107,7 +107,7 @@ def test_fa2_gpu_varlen_compressed_parity(dtype: torch.dtype, path: str) -> None
     total = int(cu[-1])
     n = int(cmp_cu_seqlens(cu, L_CMP, D_CMP)[-1])
     q, k, v = _inputs(1, total, n, 16, 4, 192, 128, dtype)
-    extra = {"fa2_force_dense": "1"} if path == "force_dense" else {}
+    extra = {"debug_fa2_dense": "1"} if path == "force_dense" else {}
     with toggles(**extra):
         out = _check(
             lambda q, k, v: compressed_attention_fa2(q, k, v, L_CMP, D_CMP, cu_seqlens=cu),
@@ -125,7 +125,7 @@ def test_fa2_gpu_varlen_compressed_parity(dtype: torch.dtype, path: str) -> None
 @pytest.mark.parametrize(("dk", "dv"), [(128, 128), (192, 128), (64, 64)])
 def test_fa2_gpu_dense_sliding_parity(dtype: torch.dtype, path: str, dk: int, dv: int) -> None:
     inputs = _inputs(2, 777, 777, 16, 4, dk, dv, dtype)
-    extra = {"fa2_force_varlen": "1"} if path == "force_varlen" else {}
+    extra = {"debug_fa2_varlen": "1"} if path == "force_varlen" else {}
     with toggles(**extra):
         _check(
             lambda q, k, v: sliding_attention_fa2(q, k, v, WINDOW),
@@ -142,7 +142,7 @@ def test_fa2_gpu_dense_compressed_parity(dtype: torch.dtype, path: str, dk: int,
     t = 1500
     n = num_cmp_blocks(t, L_CMP, D_CMP)
     q, k, v = _inputs(2, t, n, 16, 4, dk, dv, dtype)
-    extra = {"fa2_force_varlen": "1"} if path == "force_varlen" else {}
+    extra = {"debug_fa2_varlen": "1"} if path == "force_varlen" else {}
     with toggles(**extra):
         out = _check(
             lambda q, k, v: compressed_attention_fa2(q, k, v, L_CMP, D_CMP),
@@ -200,7 +200,7 @@ def test_fa2_gpu_routing_picks_fa2() -> None:
         requires_grad=True,
         varlen=False,
     )
-    on = Toggles(use_fa2=True)
+    on = Toggles(win_fa2=True, cmp_fa2=True)
     for op in ("sliding_attention", "compressed_attention"):
         assert resolve(op, ctx, on).backend.name == "fa2"
         short: Any = OpContext(**{**ctx.__dict__, "seq_len": 8})

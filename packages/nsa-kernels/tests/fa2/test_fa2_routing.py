@@ -76,13 +76,13 @@ def test_backend_table() -> None:
     # FA-2 is on by default: where it is installed and declines, the refusal is logged.
     requested = {(b.op, b.name) for b in backends() if b.requested_by(Toggles())}
     assert requested == {("sliding_attention", "fa2"), ("compressed_attention", "fa2")}
-    assert not any(b.requested_by(Toggles(use_fa2=False)) for b in backends())
+    assert not any(b.requested_by(Toggles(win_fa2=False, cmp_fa2=False)) for b in backends())
 
 
 def test_fa2_off_only_turns_off_fa2() -> None:
-    off = Toggles(use_fa2=False)
-    for supports in (fa2_sliding_supports, fa2_compressed_supports):
-        assert "NSA_USE_FA2 is off" in str(supports(ctx(device="cuda"), off))
+    off = Toggles(win_fa2=False, cmp_fa2=False)
+    for supports, step in ((fa2_sliding_supports, "WIN"), (fa2_compressed_supports, "CMP")):
+        assert f"NSA_{step}_FA2 is off" in str(supports(ctx(device="cuda"), off))
     assert sdpa_supports(ctx(device="cuda"), off) is None
 
 
@@ -93,7 +93,7 @@ def test_sdpa_serves_cuda_and_cpu_only_when_pinned() -> None:
 
 
 def test_fa2_reasons_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    on = Toggles(use_fa2=True, fa2_min_len_win=64, fa2_min_len_cmp=128)
+    on = Toggles(win_fa2=True, cmp_fa2=True, win_fa2_min_len=64, cmp_fa2_min_len=128)
     assert "CUDA device" in str(fa2_sliding_supports(ctx(device="cpu"), on))
     # Past the device check the answer depends on flash_attn and the GPU; pretend both are there.
     monkeypatch.setattr(_flash, "_module", object())
@@ -102,9 +102,9 @@ def test_fa2_reasons_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "float16 or bfloat16" in str(fa2_sliding_supports(ctx("cuda", torch.float32), on))
     assert "head dims <= 256" in str(fa2_sliding_supports(ctx("cuda", dk=264, dv=8), on))
     assert fa2_sliding_supports(ctx("cuda", dk=192, dv=128), on) is None
-    assert "NSA_FA2_MIN_LEN_WIN=64" in str(fa2_sliding_supports(ctx("cuda", seq_len=63), on))
+    assert "NSA_WIN_FA2_MIN_LEN=64" in str(fa2_sliding_supports(ctx("cuda", seq_len=63), on))
     assert fa2_sliding_supports(ctx("cuda", seq_len=64), on) is None
-    assert "NSA_FA2_MIN_LEN_CMP=128" in str(fa2_compressed_supports(ctx("cuda", seq_len=127), on))
+    assert "NSA_CMP_FA2_MIN_LEN=128" in str(fa2_compressed_supports(ctx("cuda", seq_len=127), on))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert "sm80" in str(fa2_sliding_supports(ctx(device="cuda"), on))
 
@@ -114,13 +114,13 @@ def test_fa2_missing_module_is_the_reason(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(
         _flash, "_import_error", "ModuleNotFoundError: No module named 'flash_attn'"
     )
-    reason = fa2_sliding_supports(ctx(device="cuda"), Toggles(use_fa2=True))
+    reason = fa2_sliding_supports(ctx(device="cuda"), Toggles(win_fa2=True, cmp_fa2=True))
     assert reason is not None
     assert "flash_attn is not importable" in reason
 
 
 def test_flex_reasons() -> None:
-    on = Toggles(use_fa2=True)
+    on = Toggles(win_fa2=True, cmp_fa2=True)
     assert "on CUDA" in str(flex_supports(ctx(device="cpu"), on))
     assert "power-of-two group size" in str(flex_supports(ctx("cuda", hq=12, h=4), on))
     assert f"< {FLEX_MIN_LEN}" in str(flex_supports(ctx("cuda", seq_len=FLEX_MIN_LEN - 1), on))
@@ -131,7 +131,10 @@ def test_flex_reasons() -> None:
 def test_registry_falls_back_and_logs_once(caplog: pytest.LogCaptureFixture) -> None:
     on = Toggles()
     for op in ("sliding_attention", "compressed_attention"):
-        assert resolve(op, ctx(device="cpu"), Toggles(use_fa2=False)).backend.name == "reference"
+        assert (
+            resolve(op, ctx(device="cpu"), Toggles(win_fa2=False, cmp_fa2=False)).backend.name
+            == "reference"
+        )
         with caplog.at_level(logging.WARNING, logger="nsa"):
             caplog.clear()
             first = resolve(op, ctx(device="cpu"), on)

@@ -45,13 +45,13 @@ def test_serves_hopper_bf16_by_default() -> None:
 
 def test_declines_each_rule_with_its_reason() -> None:
     assert reason(device_type="cpu") == "needs a CUDA device, got cpu"
-    assert reason(Toggles(use_triton_sel=False)) == "NSA_USE_TRITON_SEL=0"
-    assert reason(Toggles(use_triton_sel=False, triton_sel_force=True)) is None
-    assert reason(Toggles(sel_triton_allow_grad=False), requires_grad=True) == (
-        "gradients are required and NSA_SEL_TRITON_ALLOW_GRAD=0"
+    assert reason(Toggles(sel_triton=False)) == "NSA_SEL_TRITON=0"
+    assert reason(Toggles(sel_triton=False, sel_triton_force=True)) is None
+    assert reason(Toggles(sel_triton_grad=False), requires_grad=True) == (
+        "gradients are required and NSA_SEL_TRITON_GRAD=0"
     )
-    assert reason(Toggles(sel_triton_allow_grad=False)) is None
-    assert reason(Toggles(sel_triton_min_l=8192)) == "seq_len=4096 < NSA_SEL_TRITON_MIN_L=8192"
+    assert reason(Toggles(sel_triton_grad=False)) is None
+    assert reason(Toggles(sel_triton_min_len=8192)) == "seq_len=4096 < NSA_SEL_TRITON_MIN_LEN=8192"
     assert reason(dtype=torch.float64) is not None
     assert "float64" in str(reason(dtype=torch.float64))
     assert "dk=72" in str(reason(dk=72))
@@ -61,10 +61,10 @@ def test_declines_each_rule_with_its_reason() -> None:
 def test_device_policy_is_one_table() -> None:
     ada = reason(capability=(8, 9))
     assert ada is not None
-    assert "NSA_TRITON_SEL_FORCE" in ada
-    assert reason(Toggles(triton_sel_force=True), capability=(8, 9)) is None
+    assert "NSA_SEL_TRITON_FORCE" in ada
+    assert reason(Toggles(sel_triton_force=True), capability=(8, 9)) is None
     assert device_policy((8, 9)).decision == "fallback"
-    turing = reason(Toggles(triton_sel_force=True), capability=(7, 5))
+    turing = reason(Toggles(sel_triton_force=True), capability=(7, 5))
     assert turing == device_policy((7, 5)).reason
     assert device_policy((7, 5)).decision == "refuse"
     assert device_policy((8, 0)).decision == "use"
@@ -103,8 +103,8 @@ def test_registered_backend_falls_back_on_cpu_with_its_reason(
     (backend,) = backends()
     assert (backend.op, backend.name, backend.priority) == ("selected_attention", "triton_sel", 20)
     assert backend.requested_by(Toggles())
-    assert backend.requested_by(Toggles(use_triton_sel=False, triton_sel_force=True))
-    assert not backend.requested_by(Toggles(use_triton_sel=False))
+    assert backend.requested_by(Toggles(sel_triton=False, sel_triton_force=True))
+    assert not backend.requested_by(Toggles(sel_triton=False))
     registry.register_backend(backend)
     ctx = OpContext(
         device=torch.device("cpu"),
@@ -142,22 +142,67 @@ def debug_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_debug_hooks_log_shapes_and_parity(
     debug_env: None, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest
 ) -> None:
+    """The registry's generic hooks around the Triton backend: shapes, timing, reference parity."""
     assert DEVICE is not None
+    from nsa_core.debug_hooks import with_debug_hooks
+    from nsa_core.toggles import get_toggles
     from nsa_kernels.selected.backend import selected_attention_backend
 
+    reference = {b.name: b for b in registry.backends("selected_attention")}["reference"]
+    hooked = with_debug_hooks(
+        "selected_attention", "triton_sel", selected_attention_backend, reference.fn, get_toggles()
+    )
     case = Case("debug", tq=20, h=1, group=2)
     gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
     q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
     with caplog.at_level(logging.INFO, logger="nsa"):
-        selected_attention_backend(q, k, v, idx, case.sel_block)
+        hooked(q, k, v, idx, case.sel_block, toggles=get_toggles())
     messages = [r.getMessage() for r in caplog.records]
-    shapes = [m for m in messages if m.startswith("sel.triton.shapes ")]
-    compare = [m for m in messages if m.startswith("sel.triton.compare ")]
+    shapes = [m for m in messages if m.startswith("debug.shapes ")]
+    compare = [m for m in messages if m.startswith("debug.compare ")]
+    timing = [m for m in messages if m.startswith("debug.timing ")]
     assert shapes
-    assert "q=[1, 20, 2, 16]" in shapes[0]
+    assert "backend=triton_sel" in shapes[0]
+    assert "q=[1,20,2,16]/" in shapes[0]
     assert compare
     mae = float(compare[0].split("mae=")[1].split()[0])
     assert mae < 1e-5
+    assert timing
+    assert "ms=" in timing[0]
     if DEVICE == "cuda":
         assert any(m.startswith("sel.triton.device ") for m in messages)
-        assert any(m.startswith("sel.triton.bucket_timing ") and "kv_gbps=" in m for m in messages)
+
+
+def test_backend_hands_its_toggles_and_the_old_tile_toggles_to_the_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tiles reach the kernels as a SelConfig; the routing's toggles, not the global ones."""
+    import warnings
+
+    from nsa_kernels.selected import backend as backend_module
+    from nsa_kernels.selected import function as function_module
+
+    seen: dict[str, Any] = {}
+
+    def capture(*args: Any, config: Any = None, toggles: Any = None, **kwargs: Any) -> str:
+        seen.update(config=config, toggles=toggles)
+        return "out"
+
+    monkeypatch.setattr(function_module, "selected_attention_triton", capture)
+    routed = Toggles(sel_triton_group=False)
+    q = torch.zeros(1, 4, 2, 16)
+    monkeypatch.delenv("NSA_SEL_TRITON_BLOCK_L", raising=False)
+    reload_toggles()
+    backend_module.selected_attention_backend(q, q, q, q, 4, toggles=routed)
+    assert seen == {"config": None, "toggles": routed}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        monkeypatch.setenv("NSA_SEL_TRITON_BLOCK_L", "32")
+        reload_toggles()
+        monkeypatch.delenv("NSA_SEL_TRITON_BLOCK_L")  # read once: later changes do not count
+        try:
+            backend_module.selected_attention_backend(q, q, q, q, 4, toggles=routed)
+        finally:
+            reload_toggles()
+    assert seen["config"] == function_module.SelConfig(block_l=32)
+    assert seen["toggles"] is routed

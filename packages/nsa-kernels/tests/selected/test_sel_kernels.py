@@ -218,11 +218,11 @@ def test_out_of_range_indices_select_nothing_unless_checked(
     o_bad, _ = selected_attention_fwd(q, k, v, bad, case.sel_block)
     o_clean, _ = selected_attention_fwd(q, k, v, clean, case.sel_block)
     assert torch.equal(o_bad, o_clean)
-    monkeypatch.setenv("NSA_SEL_TRITON_CHECK_INDICES", "1")
+    monkeypatch.setenv("NSA_SEL_CHECK_INDICES", "1")
     reload_toggles()
     try:
         with pytest.raises(ValueError, match="block_indices must lie in"):
             selected_attention_fwd(q, k, v, bad, case.sel_block)
     finally:
-        monkeypatch.delenv("NSA_SEL_TRITON_CHECK_INDICES")
+        monkeypatch.delenv("NSA_SEL_CHECK_INDICES")
         reload_toggles()

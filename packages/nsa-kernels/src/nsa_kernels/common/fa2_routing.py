@@ -4,15 +4,16 @@ The registry asks the backends from the highest priority down; the first that ac
 
 | priority | backend | serves when |
 |---|---|---|
-| 30 | ``fa2`` | NSA_USE_FA2 (default on), CUDA sm80+, flash_attn imports, fp16/bf16, head |
-| | | dims <= 256, and at least NSA_FA2_MIN_LEN_WIN / NSA_FA2_MIN_LEN_CMP tokens |
+| 30 | ``fa2`` | NSA_WIN_FA2 / NSA_CMP_FA2 (default on), CUDA sm80+, flash_attn imports, |
+| | | fp16/bf16, head dims <= 256, at least NSA_WIN_FA2_MIN_LEN / NSA_CMP_FA2_MIN_LEN tokens |
 | 20 | ``flex`` | CUDA, FlexAttention present, G a power of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA (any device when NSA_WIN_BACKEND / NSA_CMP_BACKEND pins ``sdpa``) |
 | 0 | ``reference`` | everything else (nsa-core): CPU, float64, and NSA_<STEP>_BACKEND=reference |
 
 Defaults serve users: on a GPU with no toggle set the fastest installed backend serves (the
-compressed branch's table adds its Triton kernel between FA-2 and Flex). NSA_USE_FA2=0 turns FA-2
-off; each refusal of FA-2 while it is on is logged once by the registry with its reason.
+compressed branch's table adds its Triton kernel between FA-2 and Flex). NSA_WIN_FA2=0 and
+NSA_CMP_FA2=0 turn FA-2 off per branch; each refusal of FA-2 while it is on is logged once by the
+registry with its reason.
 """
 
 from __future__ import annotations
@@ -36,27 +37,37 @@ FLEX_PRIORITY = 20
 SDPA_PRIORITY = 10
 
 
-def fa2_requested(toggles: Toggles) -> bool:
-    return toggles.use_fa2
+def fa2_sliding_requested(toggles: Toggles) -> bool:
+    return toggles.win_fa2
 
 
-def _fa2_supports(ctx: OpContext, toggles: Toggles, min_len: int, toggle: str) -> str | None:
-    if not toggles.use_fa2:
-        return "NSA_USE_FA2 is off"
+def fa2_compressed_requested(toggles: Toggles) -> bool:
+    return toggles.cmp_fa2
+
+
+def _fa2_supports(
+    ctx: OpContext, enabled: bool, step: str, min_len: int, min_len_toggle: str
+) -> str | None:
+    if not enabled:
+        return f"NSA_{step}_FA2 is off"
     reason = unsupported_reason(ctx.device, ctx.dtype, ctx.head_dim_qk, ctx.head_dim_v)
     if reason is not None:
         return reason
     if ctx.seq_len < min_len:
-        return f"seq_len {ctx.seq_len} < {toggle}={min_len}"
+        return f"seq_len {ctx.seq_len} < {min_len_toggle}={min_len}"
     return None
 
 
 def fa2_sliding_supports(ctx: OpContext, toggles: Toggles) -> str | None:
-    return _fa2_supports(ctx, toggles, toggles.fa2_min_len_win, "NSA_FA2_MIN_LEN_WIN")
+    return _fa2_supports(
+        ctx, toggles.win_fa2, "WIN", toggles.win_fa2_min_len, "NSA_WIN_FA2_MIN_LEN"
+    )
 
 
 def fa2_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
-    return _fa2_supports(ctx, toggles, toggles.fa2_min_len_cmp, "NSA_FA2_MIN_LEN_CMP")
+    return _fa2_supports(
+        ctx, toggles.cmp_fa2, "CMP", toggles.cmp_fa2_min_len, "NSA_CMP_FA2_MIN_LEN"
+    )
 
 
 def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:

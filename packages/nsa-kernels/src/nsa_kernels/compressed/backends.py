@@ -5,8 +5,8 @@ The registry asks them from the highest priority down; the first whose ``support
 
 | priority | backend | serves when |
 |---|---|---|
-| 30 | ``fa2`` | NSA_USE_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
-| | | head dims <= 256, at least NSA_FA2_MIN_LEN_CMP tokens |
+| 30 | ``fa2`` | NSA_CMP_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
+| | | head dims <= 256, at least NSA_CMP_FA2_MIN_LEN tokens |
 | 25 | ``triton_cmp`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 (forward and backward) |
 | 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
@@ -25,8 +25,8 @@ from nsa_kernels.common.fa2_routing import (
     FA2_PRIORITY,
     FLEX_PRIORITY,
     SDPA_PRIORITY,
+    fa2_compressed_requested,
     fa2_compressed_supports,
-    fa2_requested,
     flex_supports,
     sdpa_supports,
 )
@@ -62,7 +62,7 @@ def backends() -> list[Backend]:
             fn=compressed_attention_fa2,
             supports=fa2_compressed_supports,
             priority=FA2_PRIORITY,
-            requested_by=fa2_requested,
+            requested_by=fa2_compressed_requested,
         ),
         Backend(
             op=OP,

@@ -7,7 +7,7 @@ rows FA-2 masks completely; FA-2 writes zeros for such rows (its softmax keeps a
 at scale 1, and the log-sum-exp it stores for them, +inf, makes their backward contribution
 zero), so no NaN can appear.
 
-NSA_FA2_FORCE_VARLEN sends dense inputs through ``flash_attn_varlen_func``; NSA_FA2_FORCE_DENSE
+NSA_DEBUG_FA2_VARLEN sends dense inputs through ``flash_attn_varlen_func``; NSA_DEBUG_FA2_DENSE
 sends packed inputs through ``flash_attn_func`` on a zero-padded [S, rows] batch.
 """
 
@@ -55,7 +55,7 @@ def compressed_attention_fa2(
     toggles = get_toggles() if toggles is None else toggles
     d = cmp_stride
     if cu_seqlens is not None:
-        return _varlen(q, k_cmp, v_cmp, cu_seqlens, cmp_block, d, scale, toggles.fa2_force_dense)
+        return _varlen(q, k_cmp, v_cmp, cu_seqlens, cmp_block, d, scale, toggles.debug_fa2_dense)
 
     fold = dense_fold(tq, q_start, cmp_block, d)
     if fold.num_keys <= 0:
@@ -65,7 +65,7 @@ def compressed_attention_fa2(
     nk, rows = fold.num_keys, fold.rows
     qf = fold_heads(F.pad(q, (0, 0, 0, 0, fold.front, fold.back)), h, d)  # [B, R, H*d*G, dk]
     k_use, v_use = k_cmp[:, :nk], v_cmp[:, :nk]
-    if toggles.fa2_force_varlen:
+    if toggles.debug_fa2_varlen:
         heads = qf.shape[2]
         o = fa2_varlen(
             qf.reshape(batch * rows, heads, dk),

@@ -3,19 +3,16 @@
 Routing (``supports`` returns the reason it declines, ``None`` when it serves):
 
 1. a CUDA device, and triton importable;
-2. NSA_USE_TRITON_SEL on (or NSA_TRITON_SEL_FORCE);
-3. no gradients needed, or NSA_SEL_TRITON_ALLOW_GRAD on;
-4. the keys' sequence length >= NSA_SEL_TRITON_MIN_L;
+2. NSA_SEL_TRITON on (or NSA_SEL_TRITON_FORCE);
+3. no gradients needed, or NSA_SEL_TRITON_GRAD on;
+4. the keys' sequence length >= NSA_SEL_TRITON_MIN_LEN;
 5. the device policy table (:data:`DEVICE_POLICY`, first matching row): ``use``, ``fallback``
-   (declines unless NSA_TRITON_SEL_FORCE) or ``refuse`` (declines always);
+   (declines unless NSA_SEL_TRITON_FORCE) or ``refuse`` (declines always);
 6. the alignment guard: dtype float16/bfloat16/float32, dk and dv multiples of 16 and <= 256.
 
-Observability, through nsa_core's debug log (NSA_DEBUG_LOG, NSA_LOG_LIMIT):
-``sel.triton.device`` once per device (name, capability); with NSA_DEBUG_SHAPES
-``sel.triton.shapes`` (shapes, strides, dtypes, tiles); with NSA_DEBUG_TIMING
-``sel.triton.bucket_timing`` (CUDA-event time of the forward launch and its K/V GB/s, per shape
-bucket; synchronizes); with NSA_DEBUG_COMPARE ``sel.triton.compare`` (MAE and max error against
-the reference on the same inputs; runs the reference, slow).
+Observability, through nsa_core's debug log (NSA_DEBUG_LOG, NSA_DEBUG_LOG_LIMIT):
+``sel.triton.device`` once per device (name, capability). The per-call hooks (NSA_DEBUG_SHAPES,
+NSA_DEBUG_TIMING, NSA_DEBUG_COMPARE) wrap every backend alike: :mod:`nsa_core.debug_hooks`.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ import torch
 
 from nsa_core.debug_log import debug_log
 from nsa_core.registry import Backend, OpContext
-from nsa_core.toggles import Toggles, get_toggles
+from nsa_core.toggles import Toggles, get_toggles, legacy_sel_tiles
 
 OP = "selected_attention"
 NAME = "triton_sel"
@@ -64,7 +61,7 @@ DEVICE_POLICY: tuple[PolicyRow, ...] = (
         decision="fallback",
         reason=(
             "SM 8.9 (Ada, e.g. RTX 4090): measured slower there (docs/selection.md), so it is "
-            "off by default there; set NSA_TRITON_SEL_FORCE=1 to use it"
+            "off by default there; set NSA_SEL_TRITON_FORCE=1 to use it"
         ),
     ),
     PolicyRow(
@@ -114,17 +111,17 @@ def decline_reason(
         return f"needs a CUDA device, got {device_type}"
     if not triton_available():
         return "triton is not importable"
-    if not (toggles.use_triton_sel or toggles.triton_sel_force):
-        return "NSA_USE_TRITON_SEL=0"
-    if requires_grad and not toggles.sel_triton_allow_grad:
-        return "gradients are required and NSA_SEL_TRITON_ALLOW_GRAD=0"
-    if seq_len < toggles.sel_triton_min_l:
-        return f"seq_len={seq_len} < NSA_SEL_TRITON_MIN_L={toggles.sel_triton_min_l}"
+    if not (toggles.sel_triton or toggles.sel_triton_force):
+        return "NSA_SEL_TRITON=0"
+    if requires_grad and not toggles.sel_triton_grad:
+        return "gradients are required and NSA_SEL_TRITON_GRAD=0"
+    if seq_len < toggles.sel_triton_min_len:
+        return f"seq_len={seq_len} < NSA_SEL_TRITON_MIN_LEN={toggles.sel_triton_min_len}"
     if capability is not None:
         row = device_policy(capability)
         if row.decision == "refuse":
             return row.reason
-        if row.decision == "fallback" and not toggles.triton_sel_force:
+        if row.decision == "fallback" and not toggles.sel_triton_force:
             return row.reason
     return alignment_reason(dtype, dk, dv)
 
@@ -159,18 +156,6 @@ def _log_device(device: torch.device) -> None:
     )
 
 
-def _strides(t: torch.Tensor) -> str:
-    return "x".join(str(s) for s in t.stride())
-
-
-def _bucket(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, sel_block: int) -> str:
-    """Shape class of a call: keys rounded up to a power of two, group, dims, n, l', dtype."""
-    keys = 1 << max(0, (k.shape[1] - 1).bit_length())
-    group = q.shape[2] // k.shape[2]
-    dtype = str(q.dtype).replace("torch.", "")
-    return f"L{keys}/G{group}/dk{q.shape[3]}/dv{v.shape[3]}/n{n}/l{sel_block}/{dtype}"
-
-
 def selected_attention_backend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -183,88 +168,33 @@ def selected_attention_backend(
     cu_seqlens: torch.Tensor | None = None,
     toggles: Toggles | None = None,
 ) -> torch.Tensor:
-    """The registered ``fn``: :func:`selected_attention_triton` plus the debug hooks."""
-    from nsa_kernels.selected.function import kv_bytes_read, selected_attention_triton
+    """The registered ``fn``: :func:`selected_attention_triton` with the routing's toggles.
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n].
+    ``toggles`` defaults to :func:`get_toggles` when called by name. The deprecated
+    NSA_SEL_TRITON_BLOCK_* tiles (read once by nsa_core.toggles) arrive here as a ``SelConfig``.
+    """
+    from nsa_kernels.selected.function import SelConfig, selected_attention_triton
 
     toggles = get_toggles() if toggles is None else toggles
     _log_device(q.device)
-    if toggles.debug_shapes:
-        debug_log(
-            "sel.triton.shapes",
-            q=list(q.shape),
-            q_strides=_strides(q),
-            k=list(k.shape),
-            k_strides=_strides(k),
-            v=list(v.shape),
-            v_strides=_strides(v),
-            indices=list(block_indices.shape),
-            indices_dtype=block_indices.dtype,
-            dtype=q.dtype,
-            sel_block=sel_block,
-            q_start=q_start,
-            varlen=cu_seqlens is not None,
-            tiles=(
-                f"l={toggles.sel_triton_block_l},d={toggles.sel_triton_block_d},"
-                f"dv={toggles.sel_triton_block_dv}"
-            ),
-        )
-    timing = toggles.debug_timing and q.device.type == "cuda"
-    if timing:
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        stop = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        start.record()
-    o = selected_attention_triton(
-        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    tiles = legacy_sel_tiles()
+    return selected_attention_triton(
+        q,
+        k,
+        v,
+        block_indices,
+        sel_block,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+        config=SelConfig(**tiles) if tiles else None,
+        toggles=toggles,
     )
-    if timing:
-        stop.record()
-        stop.synchronize()
-        ms = start.elapsed_time(stop)
-        n = block_indices.shape[-1]
-        kv = kv_bytes_read(
-            q.shape[0],
-            q.shape[1],
-            k.shape[2],
-            n,
-            sel_block,
-            q.shape[3],
-            v.shape[3],
-            q.element_size(),
-        )
-        qo = (q.numel() + o.numel()) * q.element_size()
-        debug_log(
-            "sel.triton.bucket_timing",
-            bucket=_bucket(q, k, v, n, sel_block),
-            ms=f"{ms:.4f}",
-            kv_gbps=f"{kv / (ms * 1e6):.1f}" if ms > 0 else "inf",
-            io_gbps=f"{(kv + qo) / (ms * 1e6):.1f}" if ms > 0 else "inf",
-        )
-    if toggles.debug_compare:
-        from nsa_core.reference.selected_attention import selected_attention
-
-        with torch.no_grad():
-            ref = selected_attention(
-                q.detach(),
-                k.detach(),
-                v.detach(),
-                block_indices,
-                sel_block,
-                scale,
-                q_start=q_start,
-                cu_seqlens=cu_seqlens,
-            )
-            err = (o.detach().float() - ref.float()).abs()
-        debug_log(
-            "sel.triton.compare",
-            bucket=_bucket(q, k, v, block_indices.shape[-1], sel_block),
-            mae=f"{float(err.mean()) if err.numel() else 0.0:.3e}",
-            max_abs=f"{float(err.max()) if err.numel() else 0.0:.3e}",
-        )
-    return o
 
 
 def _requested(toggles: Toggles) -> bool:
-    return toggles.use_triton_sel or toggles.triton_sel_force
+    return toggles.sel_triton or toggles.sel_triton_force
 
 
 def backends() -> list[Backend]:

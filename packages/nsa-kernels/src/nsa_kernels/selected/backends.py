@@ -5,9 +5,9 @@ The registry asks them from the highest priority down; the first whose ``support
 
 | priority | backend | serves when |
 |---|---|---|
-| 40 | ``cuda_sel`` | NSA_USE_CUDA_SEL=1 (experimental), forward only, |
+| 40 | ``cuda_sel`` | NSA_SEL_CUDA=1 (experimental), forward only, |
 | | | fp16/bf16, even head dims, the extension builds |
-| 20 | ``triton_sel`` | CUDA and triton, NSA_USE_TRITON_SEL, the device |
+| 20 | ``triton_sel`` | CUDA and triton, NSA_SEL_TRITON, the device |
 | | | policy table there, fp16/bf16/fp32, head dims multiples of 16 up to 256 |
 """
 

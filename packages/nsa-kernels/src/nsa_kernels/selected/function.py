@@ -25,7 +25,7 @@ from nsa_core.checks import (
     check_cu_seqlens,
     check_q_start,
 )
-from nsa_core.toggles import get_toggles
+from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.selected.csr import (
     BlockCSR,
     build_block_csr,
@@ -115,9 +115,14 @@ def _check_block(name: str, value: int) -> None:
 
 
 def resolve_config(
-    config: SelConfig | None, group: int, dk: int, dv: int, sel_block: int
+    config: SelConfig | None,
+    group: int,
+    dk: int,
+    dv: int,
+    sel_block: int,
+    toggles: Toggles | None = None,
 ) -> SelConfig:
-    """Fill the zeros of ``config`` (after the NSA_SEL_TRITON_* toggles) with the defaults.
+    """Fill the zeros of ``config`` with the defaults (``toggles`` default: :func:`get_toggles`).
 
     Defaults (tuned on an H100 at the paper's shapes, docs/selection.md): one key tile per
     selected block up to 64 keys (larger blocks are walked 64 at a time), the whole dk and dv in
@@ -127,13 +132,9 @@ def resolve_config(
     ``tma`` stays 0 here: the launch decides it from the device (:func:`_use_tma`).
     """
     cfg = config or SelConfig()
-    toggles = get_toggles()
+    toggles = get_toggles() if toggles is None else toggles
     cfg = replace(
-        cfg,
-        block_l=cfg.block_l or toggles.sel_triton_block_l,
-        block_d=cfg.block_d or toggles.sel_triton_block_d,
-        block_dv=cfg.block_dv or toggles.sel_triton_block_dv,
-        heads_per_prog=cfg.heads_per_prog or (group if toggles.sel_triton_group else 1),
+        cfg, heads_per_prog=cfg.heads_per_prog or (group if toggles.sel_triton_group else 1)
     )
     for name in ("block_l", "block_d", "block_dv"):
         _check_block(name, getattr(cfg, name))
@@ -199,6 +200,7 @@ def _prepare(
     scale: float | None,
     q_start: int,
     cu_seqlens: torch.Tensor | None,
+    toggles: Toggles | None,
 ) -> _Launch:
     """Validate like the reference op and collect the launch facts."""
     batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
@@ -211,7 +213,7 @@ def _prepare(
     seq_ids = None
     # The range check costs a device sync; without it, out-of-range entries become -1 on the
     # device (unique_block_rows), so the kernels never address keys outside the sequence.
-    strict = get_toggles().sel_triton_check_indices
+    strict = (get_toggles() if toggles is None else toggles).sel_check_indices
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, tq, batch, q.device)
         if q_start != 0 or k.shape[1] != tq:
@@ -497,14 +499,15 @@ def selected_attention_fwd(
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
     config: SelConfig | None = None,
+    toggles: Toggles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only: o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log).
 
     Arguments as :func:`selected_attention_triton`. ``lse`` is -inf on rows that see no token.
     """
-    info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens)
+    info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, toggles)
     q, k, v, idx = _prepare_tensors(q, k, v, block_indices, info)
-    cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block)
+    cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block, toggles)
     return _fwd(q, k, v, idx, sel_block, info, cfg)
 
 
@@ -522,11 +525,12 @@ def selected_attention_bwd(
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
     config: SelConfig | None = None,
+    toggles: Toggles | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse from the forward)."""
-    info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens)
+    info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, toggles)
     q, k, v, idx = _prepare_tensors(q, k, v, block_indices, info)
-    cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block)
+    cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block, toggles)
     return _bwd(do, q, k, v, o, lse, idx, sel_block, info, cfg)
 
 
@@ -545,10 +549,11 @@ class SelectedAttentionFunction(torch.autograd.Function):
         q_start: int,
         cu_seqlens: torch.Tensor | None,
         config: SelConfig | None,
+        toggles: Toggles | None,
     ) -> torch.Tensor:
-        info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens)
+        info = _prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, toggles)
         q, k, v, idx = _prepare_tensors(q, k, v, block_indices, info)
-        cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block)
+        cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block, toggles)
         o, lse = _fwd(q, k, v, idx, sel_block, info, cfg)
         ctx.save_for_backward(q, k, v, o, lse, idx)
         ctx.info = info
@@ -560,7 +565,7 @@ class SelectedAttentionFunction(torch.autograd.Function):
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse, idx = ctx.saved_tensors
         dq, dk, dv = _bwd(do, q, k, v, o, lse, idx, ctx.sel_block, ctx.info, ctx.cfg)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def selected_attention_triton(
@@ -574,6 +579,7 @@ def selected_attention_triton(
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
     config: SelConfig | None = None,
+    toggles: Toggles | None = None,
 ) -> torch.Tensor:
     """Selected attention (docs/spec.md), the Triton kernels; same contract as the reference.
 
@@ -589,13 +595,15 @@ def selected_attention_triton(
         q_start: position of q[:, 0].
         cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0, Tk == Tq).
         config: tiles and launch parameters (default: :func:`resolve_config`).
+        toggles: the toggles the routing decision was made with (NSA_SEL_TRITON_GROUP,
+            NSA_SEL_CHECK_INDICES); default :func:`nsa_core.toggles.get_toggles`.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype; differentiable in q, k and v.
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = SelectedAttentionFunction.apply(  # type: ignore[no-untyped-call]
-            q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config
+            q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles
         )
         assert isinstance(out, torch.Tensor)
         return out
@@ -609,6 +617,7 @@ def selected_attention_triton(
         q_start=q_start,
         cu_seqlens=cu_seqlens,
         config=config,
+        toggles=toggles,
     )[0]
 
 

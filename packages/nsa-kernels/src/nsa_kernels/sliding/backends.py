@@ -5,8 +5,8 @@ The registry asks them from the highest priority down; the first whose ``support
 
 | priority | backend | serves when |
 |---|---|---|
-| 30 | ``fa2`` | NSA_USE_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
-| | | head dims <= 256, at least NSA_FA2_MIN_LEN_WIN tokens |
+| 30 | ``fa2`` | NSA_WIN_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
+| | | head dims <= 256, at least NSA_WIN_FA2_MIN_LEN tokens |
 | 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA, when none of the above accepted |
@@ -19,7 +19,7 @@ from nsa_kernels.common.fa2_routing import (
     FA2_PRIORITY,
     FLEX_PRIORITY,
     SDPA_PRIORITY,
-    fa2_requested,
+    fa2_sliding_requested,
     fa2_sliding_supports,
     flex_supports,
     sdpa_supports,
@@ -40,7 +40,7 @@ def backends() -> list[Backend]:
             fn=sliding_attention_fa2,
             supports=fa2_sliding_supports,
             priority=FA2_PRIORITY,
-            requested_by=fa2_requested,
+            requested_by=fa2_sliding_requested,
         ),
         Backend(
             op=OP,

@@ -5,8 +5,8 @@ sits at key position ``i + Sk - Sq``. nsa-core puts q[:, 0] at position q_start 
 so passing the keys up to the last query (``Sk = q_start + Tq``) makes the two agree; decode
 (Tq = 1) is the same call. Keys past the last query can never be seen and are not passed.
 
-NSA_FA2_FORCE_VARLEN sends dense inputs through ``flash_attn_varlen_func`` (one sequence per batch
-row); NSA_FA2_FORCE_DENSE sends packed inputs through ``flash_attn_func`` on a zero-padded
+NSA_DEBUG_FA2_VARLEN sends dense inputs through ``flash_attn_varlen_func`` (one sequence per batch
+row); NSA_DEBUG_FA2_DENSE sends packed inputs through ``flash_attn_func`` on a zero-padded
 [S, L_max] batch (padding follows each sequence, so causal rows never reach it).
 """
 
@@ -51,7 +51,7 @@ def sliding_attention_fa2(
     if cu_seqlens is not None:
         lengths = [int(x) for x in cu_seqlens.tolist()]
         max_len = max(b - a for a, b in itertools.pairwise(lengths))
-        if toggles.fa2_force_dense:
+        if toggles.debug_fa2_dense:
             return _varlen_as_dense(q, k, v, cu_seqlens, max_len, window, scale)
         return fa2_varlen(
             q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_len, max_len, scale, window=window
@@ -59,7 +59,7 @@ def sliding_attention_fa2(
 
     tk = q_start + tq
     k, v = k[:, :tk], v[:, :tk]
-    if toggles.fa2_force_varlen:
+    if toggles.debug_fa2_varlen:
         out = fa2_varlen(
             q.reshape(batch * tq, hq, dk),
             k.reshape(batch * tk, h, dk),

@@ -38,13 +38,13 @@ def test_backend_entry() -> None:
     (backend,) = backends()
     assert (backend.op, backend.name) == ("selected_attention", "cuda_sel")
     assert backend.fn is selected_attention_cuda
-    assert backend.requested_by(Toggles(use_cuda_sel=True))
+    assert backend.requested_by(Toggles(sel_cuda=True))
     assert not backend.requested_by(Toggles())
 
 
 def test_supports_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
-    on = Toggles(use_cuda_sel=True)
-    assert cuda_sel_supports(ctx(), Toggles()) == "NSA_USE_CUDA_SEL is off"
+    on = Toggles(sel_cuda=True)
+    assert cuda_sel_supports(ctx(), Toggles()) == "NSA_SEL_CUDA is off"
     assert "CUDA device" in str(cuda_sel_supports(ctx(device="cpu"), on))
     assert "forward only" in str(cuda_sel_supports(ctx(grad=True), on))
     assert "float16 or bfloat16" in str(cuda_sel_supports(ctx(dtype=torch.float32), on))

@@ -1,4 +1,4 @@
-"""Experimental CUDA C++ kernel for the selected branch (forward only), behind NSA_USE_CUDA_SEL.
+"""Experimental CUDA C++ kernel for the selected branch (forward only), behind NSA_SEL_CUDA.
 
 :func:`selected_attention_cuda` has the signature of nsa-core's ``selected_attention``; the kernel
 is compiled on first use (:mod:`nsa_kernels.selected.cuda.build`). :func:`backends` lists it for the
@@ -16,14 +16,14 @@ from nsa_kernels.selected.cuda.selected import (
     selected_attention_cuda,
 )
 
-# Above every other selected_attention backend: it only serves when NSA_USE_CUDA_SEL asks for it.
+# Above every other selected_attention backend: it only serves when NSA_SEL_CUDA asks for it.
 CUDA_SEL_PRIORITY = 40
 
 
 def cuda_sel_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     """None when the CUDA kernel can serve ``ctx``, else the reason."""
-    if not toggles.use_cuda_sel:
-        return "NSA_USE_CUDA_SEL is off"
+    if not toggles.sel_cuda:
+        return "NSA_SEL_CUDA is off"
     if ctx.device.type != "cuda":
         return f"needs a CUDA device, got {ctx.device.type}"
     if ctx.requires_grad:
@@ -37,7 +37,7 @@ def cuda_sel_supports(ctx: OpContext, toggles: Toggles) -> str | None:
 
 
 def cuda_sel_requested(toggles: Toggles) -> bool:
-    return toggles.use_cuda_sel
+    return toggles.sel_cuda
 
 
 def backends() -> list[Backend]:
