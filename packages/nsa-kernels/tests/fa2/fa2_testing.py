@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from nsa_core.debug_log import reset_log_state
@@ -37,18 +37,14 @@ def cu_seqlens_of(lengths: list[int], device: str = "cpu") -> torch.Tensor:
 @contextmanager
 def toggles(**values: str) -> Iterator[None]:
     """Set NSA_<NAME>=value for the block, re-parse the toggles, restore afterwards."""
-    names = {"NSA_" + key.upper(): value for key, value in values.items()}
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(names)
+    patch = pytest.MonkeyPatch()
+    for key, value in values.items():
+        patch.setenv("NSA_" + key.upper(), value)
     reload_toggles()
     reset_log_state()
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        patch.undo()
         reload_toggles()
         reset_log_state()
