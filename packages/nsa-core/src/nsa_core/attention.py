@@ -11,7 +11,15 @@ from torch import nn
 from nsa_core import ops
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.cache import NSACache
-from nsa_core.checks import check_cu_seqlens, check_rank, shape
+from nsa_core.checks import (
+    MAX_TOKENS,
+    check_attention_args,
+    check_cu_seqlens,
+    check_int,
+    check_rank,
+    check_same_place,
+    shape,
+)
 from nsa_core.config import NSAConfig
 from nsa_core.reads import expected_reads
 from nsa_core.reference.combine import gated_combine
@@ -127,6 +135,55 @@ def branch_outputs(
     return o_cmp, o_slc, o_win, indices
 
 
+def check_nsa_attention(
+    q: torch.Tensor,
+    k: object,
+    v: object,
+    gates: torch.Tensor,
+    config: object,
+    phi_k: object,
+    phi_v: object,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every rule of :func:`nsa_attention`; -> the per-branch keys and values."""
+    if not isinstance(config, NSAConfig):
+        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for name, given in (("k", k), ("v", v)):
+        if isinstance(given, torch.Tensor):
+            parts[name] = {b: given for b in BRANCHES}
+        elif isinstance(given, Mapping) and set(given) == set(BRANCHES):
+            parts[name] = dict(given)
+        else:
+            raise TypeError(
+                f"{name} must be a tensor or a mapping with keys {BRANCHES}, "
+                f"got {type(given).__name__}"
+            )
+    ks, vs = parts["k"], parts["v"]
+    check_rank("q", q, 4, "[B, T, HQ, dk]")
+    for b in BRANCHES:
+        check_attention_args(q, ks[b], vs[b], k_name=f"k[{b!r}]", v_name=f"v[{b!r}]")
+        if ks[b].shape[1] != q.shape[1]:
+            raise ValueError(f"k[{b!r}] {shape(ks[b])} must hold q's {q.shape[1]} tokens")
+    expected = (config.num_q_heads, config.num_kv_heads, config.head_dim_qk, config.head_dim_v)
+    got = (q.shape[2], ks["slc"].shape[2], q.shape[3], vs["slc"].shape[3])
+    if got != expected:
+        raise ValueError(
+            f"q {shape(q)} and k/v heads and head dims (HQ, H, dk, dv) = {got} differ from the "
+            f"config's {expected}"
+        )
+    check_rank("gates", gates, 4, "[B, T, HQ, 3]")
+    if tuple(gates.shape) != (*q.shape[:3], 3):
+        raise ValueError(f"gates {shape(gates)} must be [B, T, HQ, 3] matching q {shape(q)}")
+    check_same_place("gates", gates, "q", q)
+    for name, phi in (("phi_k", phi_k), ("phi_v", phi_v)):
+        if phi is not None and not isinstance(phi, nn.Module):
+            raise TypeError(f"{name} must be a torch.nn.Module or None, got {type(phi).__name__}")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q.shape[1], q.shape[0], q.device)
+    return ks, vs
+
+
 def nsa_attention(
     q: torch.Tensor,
     k: torch.Tensor | Mapping[str, torch.Tensor],
@@ -152,17 +209,7 @@ def nsa_attention(
     Returns:
         o [B, T, HQ, dv]. Every step runs on the backend the registry picks for it.
     """
-    ks = {b: k for b in BRANCHES} if isinstance(k, torch.Tensor) else dict(k)
-    vs = {b: v for b in BRANCHES} if isinstance(v, torch.Tensor) else dict(v)
-    for name, parts in (("k", ks), ("v", vs)):
-        if set(parts) != set(BRANCHES):
-            raise ValueError(f"{name} must be a tensor or a mapping with keys {BRANCHES}")
-    check_rank("q", q, 4, "[B, T, HQ, dk]")
-    if (q.shape[2], ks["slc"].shape[2]) != (config.num_q_heads, config.num_kv_heads):
-        raise ValueError(
-            f"q {shape(q)} and k {shape(ks['slc'])} heads differ from the config's "
-            f"HQ={config.num_q_heads}, H={config.num_kv_heads}"
-        )
+    ks, vs = check_nsa_attention(q, k, v, gates, config, phi_k, phi_v, cu_seqlens)
     k_cmp = compress(ks["cmp"], config.cmp_block, config.cmp_stride, phi_k, cu_seqlens=cu_seqlens)
     v_cmp = compress(vs["cmp"], config.cmp_block, config.cmp_stride, phi_v, cu_seqlens=cu_seqlens)
     o_cmp, o_slc, o_win, _ = branch_outputs(
@@ -190,9 +237,12 @@ class NSAAttention(nn.Module):
     """
 
     def __init__(self, config: NSAConfig, hidden_size: int, *, bias: bool = False) -> None:
+        if not isinstance(config, NSAConfig):
+            raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+        check_int("hidden_size", hidden_size, 1)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
         super().__init__()
-        if hidden_size < 1:
-            raise ValueError(f"hidden_size must be >= 1, got {hidden_size}")
         self.config = config
         self.hidden_size = hidden_size
         hq, h = config.num_q_heads, config.num_kv_heads
@@ -286,6 +336,10 @@ class NSAAttention(nn.Module):
             raise TypeError(f"x dtype {x.dtype} differs from the layer's {w.dtype}")
         if x.device != w.device:
             raise ValueError(f"x is on {x.device} but the layer is on {w.device}")
+        if x.shape[1] > MAX_TOKENS:
+            raise ValueError(
+                f"x {shape(x)} holds more than the {MAX_TOKENS} tokens int32 addresses"
+            )
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Causal NSA over x [B, T, hidden] (or packed sequences with cu_seqlens, B == 1)."""
@@ -312,6 +366,7 @@ class NSAAttention(nn.Module):
     def prefill(self, x: torch.Tensor, capacity: int = 0) -> tuple[torch.Tensor, NSACache]:
         """forward(x) and a cache holding exactly what len(x) decode steps would leave."""
         self._check_x(x)
+        check_int("capacity", capacity, 0, MAX_TOKENS)
         batch, t, _ = x.shape
         cfg = self.config
         positions = torch.arange(t, device=x.device)
@@ -332,12 +387,28 @@ class NSAAttention(nn.Module):
         return y, cache
 
     def decode(self, x: torch.Tensor, cache: NSACache) -> tuple[torch.Tensor, DecodeStats]:
-        """One step: x [B, 1, hidden] is the token at position ``cache.length``; advances cache."""
+        """One step: x [B, 1, hidden] is the token at position ``cache.length``; advances cache.
+
+        Every argument is checked before the cache changes, and an error inside the step puts
+        the cache back as it was: a failed step leaves no partial token behind.
+        """
         self._check_x(x)
         if x.shape[1] != 1:
             raise ValueError(f"decode takes one token per sequence, x {shape(x)}")
-        if cache.config != self.config or cache.k_slc.shape[0] != x.shape[0]:
-            raise ValueError("cache was built for another layer config or batch size")
+        if not isinstance(cache, NSACache):
+            raise TypeError(f"cache must be an NSACache, got {type(cache).__name__}")
+        cache.check_compatible(self.config, x.shape[0], x.dtype, x.device)
+        if cache.length >= MAX_TOKENS:
+            raise ValueError(f"the cache is full: {cache.length} tokens is what int32 addresses")
+        snapshot = cache.snapshot()
+        try:
+            return self._decode_step(x, cache)
+        except BaseException:
+            cache.restore(snapshot)
+            raise
+
+    def _decode_step(self, x: torch.Tensor, cache: NSACache) -> tuple[torch.Tensor, DecodeStats]:
+        """:meth:`decode` on arguments that passed its checks."""
         cfg = self.config
         t = cache.length
         positions = torch.arange(t, t + 1, device=x.device)  # no host copy: graph-capturable

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
+from nsa_core.checks import MAX_TOKENS, check_int, check_rank, shape
 from nsa_core.config import NSAConfig
+
+
+def check_device(name: str, device: object) -> torch.device | None:
+    """``device`` as a torch.device (None stays None); anything else is refused by name."""
+    if device is None:
+        return None
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"{name} must be a torch.device, a str or None, got {type(device).__name__}"
+        )
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"{name} {device!r} is not a device: {err}") from None
 
 
 def _append(buf: torch.Tensor, length: int, new: torch.Tensor) -> torch.Tensor:
@@ -55,6 +71,13 @@ class NSACache:
         dtype: torch.dtype = torch.float32,
     ) -> NSACache:
         """A cache with no tokens; ``capacity`` pre-allocates that many tokens."""
+        if not isinstance(config, NSAConfig):
+            raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+        check_int("batch", batch, 0)
+        check_int("capacity", capacity, 0, MAX_TOKENS)
+        device = check_device("device", device)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         h, dk, dv = config.num_kv_heads, config.head_dim_qk, config.head_dim_v
         cap_cmp = max(0, (capacity - config.cmp_block) // config.cmp_stride + 1)
 
@@ -93,6 +116,102 @@ class NSACache:
         """[B, num_cmp, H, dv] emitted compressed values."""
         return self._v_cmp[:, : self.num_cmp]
 
+    @property
+    def batch(self) -> int:
+        """B, the sequences the cache holds."""
+        return self._k_slc.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of every tensor of the cache."""
+        return self._k_slc.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The device of every tensor of the cache."""
+        return self._k_slc.device
+
+    def check_compatible(
+        self, config: NSAConfig, batch: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """Refuse a step whose layer config, batch, dtype or device is not this cache's."""
+        built = "cache was built for another layer config or batch size"
+        if self.config != config:
+            raise ValueError(f"{built}: cache.config {self.config} differs from {config}")
+        if self.batch != batch:
+            raise ValueError(f"{built}: cache holds batch {self.batch} but x has batch {batch}")
+        if self.dtype != dtype:
+            raise TypeError(f"cache dtype {self.dtype} differs from x dtype {dtype}")
+        if self.device != device:
+            raise ValueError(f"cache is on {self.device} but x is on {device}")
+
+    def _check_new(self, name: str, t: torch.Tensor, dim: int) -> int:
+        """t [B, n, H, dim] of the cache's dtype and device; -> n."""
+        check_rank(name, t, 4, "[B, n, H, D]")
+        batch, n, h, d = t.shape
+        if (batch, h, d) != (self.batch, self.config.num_kv_heads, dim):
+            raise ValueError(
+                f"{name} {shape(t)} must be [B={self.batch}, n, H={self.config.num_kv_heads}, "
+                f"D={dim}]"
+            )
+        if t.dtype != self.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from the cache dtype {self.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {self.device}")
+        return n
+
+    def _check_pair(self, names: tuple[str, str], k: torch.Tensor, v: torch.Tensor) -> int:
+        """Keys and values of one branch, the same number of them; -> that number."""
+        nk = self._check_new(names[0], k, self.config.head_dim_qk)
+        nv = self._check_new(names[1], v, self.config.head_dim_v)
+        if nv != nk:
+            raise ValueError(f"{names[1]} {shape(v)} holds {nv} entries but {names[0]} holds {nk}")
+        return nk
+
+    def check_tokens(
+        self,
+        k_slc: torch.Tensor,
+        v_slc: torch.Tensor,
+        k_win: torch.Tensor,
+        v_win: torch.Tensor,
+        k_raw: torch.Tensor,
+        v_raw: torch.Tensor,
+    ) -> None:
+        """Every rule of :meth:`append_tokens`; raises before anything changes.
+
+        The selected branch gets every new token; the window and raw parts may come already
+        trimmed to their tails, so they hold at most as many.
+        """
+        n = self._check_pair(("k_slc", "v_slc"), k_slc, v_slc)
+        for names, k, v in ((("k_win", "v_win"), k_win, v_win), (("k_raw", "v_raw"), k_raw, v_raw)):
+            if self._check_pair(names, k, v) > n:
+                raise ValueError(
+                    f"{names[0]} {shape(k)} holds more tokens than the {n} new ones of k_slc"
+                )
+        if self.length + n > MAX_TOKENS:
+            raise ValueError(
+                f"the cache holds {self.length} tokens; {n} more pass the {MAX_TOKENS} that "
+                "int32 positions address"
+            )
+
+    def check_blocks(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor, consumed: object) -> None:
+        """Every rule of :meth:`append_blocks`; raises before anything changes."""
+        self._check_pair(("k_cmp", "v_cmp"), k_cmp, v_cmp)
+        check_int("consumed", consumed, 0, self.k_raw.shape[1])
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every field as it is now (tensors by reference), for :meth:`restore`.
+
+        Appends replace the logical views or write past ``length``/``num_cmp`` only, so the
+        references taken here keep the state they had.
+        """
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        """Put back the fields of :meth:`snapshot`."""
+        for name, value in snapshot.items():
+            setattr(self, name, value)
+
     def append_tokens(
         self,
         k_slc: torch.Tensor,
@@ -103,6 +222,7 @@ class NSACache:
         v_raw: torch.Tensor,
     ) -> None:
         """Add the K/V of new tokens [B, n, H, D] for each branch (compressed: raw, unfolded)."""
+        self.check_tokens(k_slc, v_slc, k_win, v_win, k_raw, v_raw)
         w = self.config.window
         self._k_slc = _append(self._k_slc, self.length, k_slc)
         self._v_slc = _append(self._v_slc, self.length, v_slc)
@@ -114,6 +234,7 @@ class NSACache:
 
     def append_blocks(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor, consumed: int) -> None:
         """Add emitted blocks [B, n, H, D] and drop ``consumed`` raw tokens no later block needs."""
+        self.check_blocks(k_cmp, v_cmp, consumed)
         self._k_cmp = _append(self._k_cmp, self.num_cmp, k_cmp)
         self._v_cmp = _append(self._v_cmp, self.num_cmp, v_cmp)
         self.num_cmp += k_cmp.shape[1]

@@ -48,6 +48,15 @@ def check_attention_args(
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(f"{k_name} {shape(k)} and {v_name} {shape(v)} differ in tokens or heads")
     h = k.shape[2]
+    # Zero heads or zero head dims have no meaning (and would divide by zero in G and scale).
+    for what, size, t_name, t in (
+        ("query heads HQ", hq, "q", q),
+        ("kv heads H", h, k_name, k),
+        ("head dim dk", dk, "q", q),
+        ("head dim dv", v.shape[3], v_name, v),
+    ):
+        if size < 1:
+            raise ValueError(f"{what} must be >= 1, got {size} ({t_name} {shape(t)})")
     if hq % h != 0:
         raise ValueError(
             f"query heads HQ={hq} (q {shape(q)}) must be a multiple of kv heads H={h} "
@@ -136,13 +145,36 @@ def check_block_indices(
             )
 
 
-def check_int(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int >= ``minimum``; bools and floats (even 4.0) are refused."""
+# Token positions are int32 in every kernel, so no sequence holds more than this many tokens.
+MAX_TOKENS = 2**31 - 1
+
+
+def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int in [minimum, maximum]; bools and floats (even 4.0) are refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if int(value) < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and int(value) > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
+
+
+def check_num_selected(num_selected: object, sel_block: int) -> int:
+    """n >= 1 with n * l' <= 2^31 - 1: more blocks than any int32-addressed sequence holds.
+
+    Within the bound the indices keep their n columns (-1 padded); beyond it the call would only
+    fail in the allocator, so it is refused here (docs/spec.md, "Symbols").
+    """
+    return check_int("num_selected", num_selected, 1, max(1, MAX_TOKENS // sel_block))
+
+
+def check_same_place(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """``t`` has the dtype and device of ``ref``."""
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} differs from {ref_name} dtype {ref.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
 def check_scale(scale: object) -> None:
@@ -304,9 +336,90 @@ def check_select_blocks(
     l_sel = check_int("sel_block", sel_block, 1)
     if l_sel % d != 0:
         raise ValueError(f"cmp_stride ({d}) must divide sel_block ({l_sel})")
-    check_int("num_selected", num_selected, 1)
+    check_num_selected(num_selected, l_sel)
     check_scale(scale)
     start = _check_varlen_or_start(
         "select_blocks", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
     _check_cmp_keys("select_blocks", q, k_cmp, l_cmp, d, start, cu_seqlens)
+
+
+def check_block_scores(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: object,
+    cmp_stride: object,
+    sel_block: object,
+    scale: object = None,
+    *,
+    q_start: object = 0,
+) -> None:
+    """Every rule of ``block_scores``: the rules of ``select_blocks`` without n and varlen."""
+    check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
+    l_cmp, d = check_cmp_geometry(cmp_block, cmp_stride)
+    l_sel = check_int("sel_block", sel_block, 1)
+    if l_sel % d != 0:
+        raise ValueError(f"cmp_stride ({d}) must divide sel_block ({l_sel})")
+    check_scale(scale)
+    start = _check_varlen_or_start(
+        "block_scores", q, k_cmp.shape[1], q_start, None, keys_are_tokens=False
+    )
+    _check_cmp_keys("block_scores", q, k_cmp, l_cmp, d, start, None)
+
+
+def check_topn_blocks(
+    scores: torch.Tensor, num_selected: object, sel_block: object, *, q_start: object = 0
+) -> None:
+    """Every rule of ``topn_blocks``: real scores [B, Tq, H, Nsel] covering every valid block."""
+    check_rank("scores", scores, 4, "[B, T, H, Nsel]")
+    if not scores.is_floating_point():
+        raise TypeError(f"scores must be a floating-point tensor, got {scores.dtype}")
+    l_sel = check_int("sel_block", sel_block, 1)
+    check_num_selected(num_selected, l_sel)
+    start = check_int("q_start", q_start, 0)
+    tq, n_sel = scores.shape[1], scores.shape[3]
+    needed = num_sel_blocks(start + tq, l_sel)
+    if n_sel < needed:
+        raise ValueError(
+            f"scores {shape(scores)} hold {n_sel} blocks; queries up to position "
+            f"{start + tq - 1} need {needed}"
+        )
+
+
+def check_split_blocks(x: torch.Tensor, cmp_block: object, cmp_stride: object) -> None:
+    """x [B, T, H, D] with the compression geometry l, d."""
+    check_rank("x", x, 4, "[B, T, H, D]")
+    check_cmp_geometry(cmp_block, cmp_stride)
+
+
+def check_compress(
+    x: torch.Tensor,
+    cmp_block: object,
+    cmp_stride: object,
+    phi: object = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """Every rule of ``compress``: x [B, T, H, D], l and d, phi a module or None, cu_seqlens."""
+    check_split_blocks(x, cmp_block, cmp_stride)
+    if phi is not None and not isinstance(phi, torch.nn.Module):
+        raise TypeError(f"phi must be a torch.nn.Module or None, got {type(phi).__name__}")
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
+
+
+def check_gated_combine(
+    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
+) -> None:
+    """o_cmp, o_slc, o_win [B, T, HQ, dv] alike; gates [B, T, HQ, 3] of their dtype and device."""
+    check_rank("gates", gates, 4, "[B, T, HQ, 3]")
+    for name, o in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)):
+        check_rank(name, o, 4, "[B, T, HQ, dv]")
+        if o.shape != o_cmp.shape:
+            raise ValueError(f"{name} {shape(o)} differs from o_cmp {shape(o_cmp)}")
+        check_same_place(name, o, "o_cmp", o_cmp)
+    if tuple(gates.shape) != (*o_cmp.shape[:3], 3):
+        raise ValueError(f"gates {shape(gates)} must be [B, T, HQ, 3] matching {shape(o_cmp)}")
+    check_same_place("gates", gates, "o_cmp", o_cmp)
+    if not o_cmp.is_floating_point():
+        raise TypeError(f"o_cmp must be a floating-point tensor, got {o_cmp.dtype}")

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from nsa_core.checks import MAX_TOKENS
+
 PhiKind = Literal["avg", "mlp"]
 
 
@@ -82,7 +84,12 @@ class NSAConfig:
                 f"NSAConfig.num_selected must be >= 3 to hold the forced initial and two local "
                 f"blocks, got {self.num_selected}"
             )
-        if self.phi not in ("avg", "mlp"):
+        if self.num_selected > MAX_TOKENS // self.sel_block:
+            raise ValueError(
+                f"NSAConfig.num_selected ({self.num_selected}) times sel_block ({self.sel_block}) "
+                f"must be <= {MAX_TOKENS}: no sequence of int32 positions holds more blocks"
+            )
+        if not isinstance(self.phi, str) or self.phi not in ("avg", "mlp"):
             raise ValueError(f"NSAConfig.phi must be 'avg' or 'mlp', got {self.phi!r}")
         if self.head_dim_qk % 2 != 0:
             raise ValueError(

@@ -6,17 +6,13 @@ import torch
 from torch import nn
 
 from nsa_core.blocks import num_cmp_blocks
-from nsa_core.checks import check_cu_seqlens, check_rank, shape
+from nsa_core.checks import check_compress, check_rank, check_split_blocks, shape
 from nsa_core.reference.common import spans
 
 
 def split_blocks(x: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:
     """x [B, T, H, D] -> blocks [B, N, l, H, D], block i = tokens [i*d, i*d + l), N = N_cmp(T)."""
-    check_rank("x", x, 4, "[B, T, H, D]")
-    if cmp_block < 1 or cmp_stride < 1 or cmp_block % cmp_stride != 0:
-        raise ValueError(
-            f"cmp_stride ({cmp_stride}) must be >= 1 and divide cmp_block ({cmp_block})"
-        )
+    check_split_blocks(x, cmp_block, cmp_stride)
     batch, t, h, d = x.shape
     n = num_cmp_blocks(t, cmp_block, cmp_stride)
     if n == 0:
@@ -84,7 +80,7 @@ def compress(
     Returns:
         [B, N, H, D] with N = N_cmp(T) (or the sum of N_cmp(L_s) when varlen).
     """
-    check_rank("x", x, 4, "[B, T, H, D]")
+    check_compress(x, cmp_block, cmp_stride, phi, cu_seqlens=cu_seqlens)
 
     def one(part: torch.Tensor) -> torch.Tensor:
         blocks = split_blocks(part, cmp_block, cmp_stride)
@@ -92,5 +88,4 @@ def compress(
 
     if cu_seqlens is None:
         return one(x)
-    check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
     return torch.cat([one(x[:, s:e]) for s, e in spans(cu_seqlens)], dim=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from nsa_core.blocks import cmp_block_band, cmp_cu_seqlens, num_sel_blocks
-from nsa_core.checks import check_attention_args, check_rank, check_select_blocks
+from nsa_core.checks import check_block_scores, check_select_blocks, check_topn_blocks
 from nsa_core.reference.common import masked_softmax, query_chunk, spans
 from nsa_core.reference.compressed_attention import cmp_visible
 
@@ -29,7 +29,7 @@ def block_scores(
     Args:
         q: [B, Tq, HQ, dk]; k_cmp: [B, N, H, dk] compressed keys.
     """
-    check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
+    check_block_scores(q, k_cmp, cmp_block, cmp_stride, sel_block, scale, q_start=q_start)
     batch, tq, hq, dk = q.shape
     n_cmp, h = k_cmp.shape[1], k_cmp.shape[2]
     scale = dk**-0.5 if scale is None else scale
@@ -90,13 +90,8 @@ def topn_blocks(
     Returns:
         indices [B, Tq, H, n] int32, ascending, padded with -1 at the end; counts [B, Tq, H] int32.
     """
-    check_rank("scores", scores, 4, "[B, T, H, Nsel]")
+    check_topn_blocks(scores, num_selected, sel_block, q_start=q_start)
     batch, tq, h, n_sel = scores.shape
-    if n_sel < num_sel_blocks(q_start + tq, sel_block):
-        raise ValueError(
-            f"scores {list(scores.shape)} hold {n_sel} blocks; queries up to position "
-            f"{q_start + tq - 1} need {num_sel_blocks(q_start + tq, sel_block)}"
-        )
     t = torch.arange(q_start, q_start + tq, device=scores.device)
     jt = torch.div(t, sel_block, rounding_mode="floor").unsqueeze(1)  # [Tq, 1]
     j = torch.arange(n_sel, device=scores.device).unsqueeze(0)  # [1, Nsel]
