@@ -38,6 +38,27 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return weights / torch.where(denom > 0, denom, torch.ones_like(denom))
 
 
+def attend_visible(
+    probs: torch.Tensor, visible: torch.Tensor, values: torch.Tensor
+) -> torch.Tensor:
+    """o [B, H, T, G, dv] = sum over visible k of probs[..., k] * values[:, :, k].
+
+    Args:
+        probs: [B, H, T, G, K], zero where not visible.
+        visible: bool, broadcastable to probs.
+        values: [B, H, K, dv].
+
+    docs/spec.md, "Non-finite values": a masked entry must never enter a product, since
+    0 * NaN = NaN would poison rows that cannot see the token. The product runs on finite values
+    only; an output channel whose visible values hold a non-finite one becomes NaN.
+    """
+    finite = torch.isfinite(values)
+    o = torch.einsum("bhtgk,bhkd->bhtgd", probs, torch.where(finite, values, 0.0))
+    seen = visible.expand(probs.shape).to(values.dtype)
+    hits = torch.einsum("bhtgk,bhkd->bhtgd", seen, (~finite).to(values.dtype))
+    return torch.where(hits > 0, torch.full_like(o, float("nan")), o)
+
+
 def query_chunk(per_query_elements: int) -> int:
     """How many queries one chunk may hold so that its largest intermediate stays bounded."""
     return max(1, CHUNK_ELEMENTS // max(1, per_query_elements))

@@ -6,7 +6,13 @@ import torch
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_compressed_attention
-from nsa_core.reference.common import compute_dtype, masked_softmax, query_chunk, spans
+from nsa_core.reference.common import (
+    attend_visible,
+    compute_dtype,
+    masked_softmax,
+    query_chunk,
+    spans,
+)
 
 
 def cmp_visible(
@@ -122,6 +128,8 @@ def _compressed_dense(
     for c0 in range(0, tq, chunk):
         c1 = min(tq, c0 + chunk)
         p = cmp_probs(q[:, c0:c1], k_cmp, cmp_block, cmp_stride, scale, q_start + c0)
-        o = torch.einsum("bhtgn,bhnd->bhtgd", p, vc)
+        positions = torch.arange(q_start + c0, q_start + c1, device=q.device)
+        visible = cmp_visible(positions, n, cmp_block, cmp_stride)[None, None, :, None, :]
+        o = attend_visible(p, visible, vc)
         outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
     return torch.cat(outs, dim=1).to(q.dtype)

@@ -6,7 +6,13 @@ import torch
 
 from nsa_core.blocks import num_sel_blocks
 from nsa_core.checks import check_selected_attention
-from nsa_core.reference.common import compute_dtype, masked_softmax, query_chunk, spans
+from nsa_core.reference.common import (
+    attend_visible,
+    compute_dtype,
+    masked_softmax,
+    query_chunk,
+    spans,
+)
 
 
 def selected_attention(
@@ -120,7 +126,8 @@ def _selected_dense(
         qc = q[:, c0:c1].to(dtype).view(batch, c1 - c0, h, g, dk).permute(0, 2, 1, 3, 4)
         visible = selected_visibility(block_indices[:, c0:c1], sel_block, q_start + c0, keys)
         scores = torch.einsum("bhtgd,bhkd->bhtgk", qc, kc) * scale
-        probs = masked_softmax(scores, visible.permute(0, 2, 1, 3).unsqueeze(3))
-        o = torch.einsum("bhtgk,bhkd->bhtgd", probs, vc)
+        visible_heads = visible.permute(0, 2, 1, 3).unsqueeze(3)  # [B, H, C, 1, K]
+        probs = masked_softmax(scores, visible_heads)
+        o = attend_visible(probs, visible_heads, vc)
         outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
     return torch.cat(outs, dim=1).to(q.dtype)

@@ -98,7 +98,11 @@ def topn_blocks(
     valid = (j <= jt).unsqueeze(1)  # [Tq, 1, Nsel], broadcast over heads
     forced = valid & ((j == 0) | (j == jt) | (j == jt - 1)).unsqueeze(1)
     inf = float("inf")  # a Python scalar: no host-to-device copy, so graph capture works
-    key = torch.where(forced, inf, torch.where(valid, scores, -inf))
+    # docs/spec.md, "Non-finite values": a non-finite score ranks below every finite one (it
+    # sorts with the invalid blocks, which all lie above t // l', so valid ones still come first
+    # by j) and never displaces a forced block.
+    ranked = valid & torch.isfinite(scores)
+    key = torch.where(forced, inf, torch.where(ranked, scores, -inf))
     # A stable descending sort keeps equal scores in ascending j: the tie rule.
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     take = min(num_selected, n_sel)

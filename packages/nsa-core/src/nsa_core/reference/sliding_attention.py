@@ -7,7 +7,13 @@ import math
 import torch
 
 from nsa_core.checks import check_sliding_attention
-from nsa_core.reference.common import CHUNK_ELEMENTS, compute_dtype, masked_softmax, spans
+from nsa_core.reference.common import (
+    CHUNK_ELEMENTS,
+    attend_visible,
+    compute_dtype,
+    masked_softmax,
+    spans,
+)
 
 
 def sliding_attention(
@@ -83,6 +89,6 @@ def _sliding_dense(
         p = torch.arange(k0, t1, device=q.device).unsqueeze(0)
         visible = (p <= t) & (p > t - window)  # [C, K]
         probs = masked_softmax(scores, visible[None, None, :, None, :])
-        o = torch.einsum("bhtgk,bhkd->bhtgd", probs, vc)
+        o = attend_visible(probs, visible[None, None, :, None, :], vc)
         outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
     return torch.cat(outs, dim=1).to(q.dtype)
