@@ -85,6 +85,13 @@ def _fwd_key_tile(
             mask=live[:, None] & (offs_v < DV)[None, :],
             other=0.0,
         )
+        # A row meets the values of blocks it does not see with p = 0, and 0 x NaN = NaN: the
+        # dot takes finite values only, and a channel whose visible values hold a non-finite
+        # one becomes NaN (docs/spec.md, "Non-finite values").
+        finite = (vt == vt) & (vt != float("inf")) & (vt != float("-inf"))
+        sees = (blocks[None, :] < nvis[:, None]).to(vt.dtype)
+        hits = tl.dot(sees, (~finite).to(vt.dtype), input_precision=DOT_PREC)
+        vt = tl.where(finite, vt, 0.0)
     else:
         vt = tl.load(
             v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
@@ -93,6 +100,8 @@ def _fwd_key_tile(
         )
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PREC)
+    if MASK:
+        acc = tl.where(hits > 0.0, float("nan"), acc)
     return m_new, l_i, acc
 
 

@@ -13,9 +13,11 @@ log-sum-exp ``lse`` over all chunks, selection block j scores
 
 which is Eq. 9-10: the group-summed compressed probabilities through the overlap weights.
 
-Top-n works on int64 keys ``(float bits of S) << 32 | (2^31 - 1 - j)``: scores are >= 0, so
+Top-n works on int64 keys ``(float bits of S + 1) << 32 | (2^31 - 1 - j)``: scores are >= 0, so
 their bits order like the floats, and among equal scores the lower j has the larger key (the
-tie rule). Forced blocks carry the bits of +inf, invalid blocks the key -1. ``score_topn_kernel``
+tie rule). Forced blocks carry the bits of +inf (plus 1), a non-finite score the high half 0
+(below every finite score, docs/spec.md "Non-finite values"), invalid blocks the key -1.
+``score_topn_kernel``
 keeps the n best keys of each chunk of selection blocks; :func:`merge_topn` takes the n best
 of all chunks' candidates, exactly the n best overall.
 """
@@ -163,8 +165,11 @@ def score_topn_kernel(
     valid = j <= jt
     forced = valid & ((j == 0) | (j == jt) | (j == jt - 1))
     # Scores are sums of non-negative terms; a -0.0 would carry the sign bit, so zero it.
-    bits = tl.where(score > 0.0, score.to(tl.int32, bitcast=True), 0)
-    bits = tl.where(forced, 0x7F800000, bits)
+    # Finite scores shift up by one so that a NaN or +inf (high half 0) ranks below them.
+    finite = score < float("inf")
+    bits = tl.where(score > 0.0, score.to(tl.int32, bitcast=True), 0) + 1
+    bits = tl.where(finite, bits, 0)
+    bits = tl.where(forced, 0x7F800001, bits)
     key = (bits.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
     key = tl.where(valid, key, -1)
     best = topn_keys_by_rank(key, N, NP)

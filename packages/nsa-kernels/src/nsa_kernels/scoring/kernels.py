@@ -31,9 +31,9 @@ Softmax runs in base 2 (``qk_scale = scale * log2 e``); the normaliser is the ls
 Ties: equal keys give bit-equal logits (every column of a ``tl.dot`` is the same dot product
 of its operands), every later step treats all columns and all blocks alike (the same reductions
 in the same order; the shifts only move values, exactly), so equal inputs give bit-equal scores
-wherever they sit. A score and its block pack into one int64 key ``bits(S) << 32 | (2^31-1-j)``
-(S >= 0, so its bits order like its value): sorting keys descending orders by score, ties to
-the lower j.
+wherever they sit. A score and its block pack into one int64 key
+``(bits(S) + 1) << 32 | (2^31-1-j)`` (S >= 0, so its bits order like its value): sorting keys
+descending orders by score, ties to the lower j. A NaN or +inf score gets the high half 0.
 """
 
 from __future__ import annotations
@@ -265,7 +265,10 @@ def _score_tile(
     # Candidates: valid (j <= jt), not forced (0, jt - 1, jt): 1 <= j <= jt - 2.
     j = j0 + tl.arange(0, BS)
     cand = tok_ok[:, None] & (j >= 1)[None, :] & (j[None, :] <= jt[:, None] - 2)
-    bits = score.to(tl.int32, bitcast=True).to(tl.int64)
+    # Finite scores shift up by one so that a NaN or +inf (high half 0) ranks below every
+    # finite score and above no candidate (docs/spec.md, "Non-finite values").
+    finite = score < float("inf")
+    bits = tl.where(finite, score.to(tl.int32, bitcast=True).to(tl.int64) + 1, 0)
     key = tl.where(cand, (bits << 32) | (j.to(tl.int64) ^ _LOW)[None, :], -1)
     # Merge only when some key beats the weakest kept one of its token.
     beats = tl.max(key, axis=1) > tl.min(run, axis=1)

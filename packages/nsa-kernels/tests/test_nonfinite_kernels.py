@@ -1,0 +1,322 @@
+"""NaN/Inf containment in the Triton kernels: a bad token reaches only the rows that see it.
+
+docs/spec.md, "Non-finite values". Each check injects NaN or +Inf at a random element of one
+token of q, k or v, and requires the kernel's non-finite rows to be exactly the rows whose
+softmax covers that token (for an Inf in q or k, where IEEE arithmetic may give a -Inf logit
+and weight 0, at most those rows); every other row must equal the kernel's clean run bit for
+bit. Runs on CPU under TRITON_INTERPRET=1 (CI) or on a CUDA GPU, in float32 on small tiles so
+that one tile holds rows that see different blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+import nsa_core.reference as ref
+from nsa_core import NSAConfig
+from nsa_core.blocks import num_cmp_blocks
+
+pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(
+        DEVICE is None, reason="needs a CUDA GPU or the Triton interpreter (TRITON_INTERPRET=1)"
+    ),
+]
+
+from nsa_kernels.compressed.triton_function import (  # noqa: E402
+    CmpConfig,
+    compressed_attention_triton,
+)
+from nsa_kernels.decode import DecodePlan, DecodeState, decode_step  # noqa: E402
+from nsa_kernels.decode.step import StepInputs  # noqa: E402
+from nsa_kernels.scoring.function import select_blocks_triton  # noqa: E402
+from nsa_kernels.selected.function import SelConfig, selected_attention_triton  # noqa: E402
+
+F32 = torch.float32
+NAN, INF = float("nan"), float("inf")
+BAD_VALUES = [NAN, INF]
+HQ, H, DK, DV = 4, 2, 16, 16
+L_CMP, D_CMP, L_SEL, N_SEL, WINDOW = 8, 4, 16, 3, 24
+CMP_TILES = CmpConfig(block_m=16, block_n=16)
+SEL_TILES = SelConfig()
+
+
+def seeded(request: pytest.FixtureRequest) -> torch.Generator:
+    """A generator seeded from the test id: fixed, and different for every case."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def dev() -> str:
+    assert DEVICE is not None
+    return DEVICE
+
+
+def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dev(), F32)
+
+
+def pick(gen: torch.Generator, high: int) -> int:
+    return int(torch.randint(high, (1,), generator=gen))
+
+
+def inject(
+    gen: torch.Generator, x: torch.Tensor, token: int, value: float
+) -> tuple[torch.Tensor, int, int]:
+    """x [B, T, heads, D] with ``value`` at one random (b, head, channel) of ``token``."""
+    b, head, channel = pick(gen, x.shape[0]), pick(gen, x.shape[2]), pick(gen, x.shape[3])
+    y = x.clone()
+    y[b, token, head, channel] = value
+    return y, b, head
+
+
+def row_nonfinite(o: torch.Tensor) -> torch.Tensor:
+    """o [B, T, HQ, dv] -> [B, T, HQ] on the host: rows with any non-finite channel."""
+    return ~torch.isfinite(o.cpu()).all(dim=-1)
+
+
+def check_rows(
+    bad: torch.Tensor, clean: torch.Tensor, expected: torch.Tensor, exact: bool, what: str
+) -> None:
+    """bad/clean kernel outputs [B, T, HQ, dv]; expected [B, T, HQ] rows that see the token."""
+    got = row_nonfinite(bad)
+    assert not row_nonfinite(clean).any(), f"{what}: the clean run is not finite"
+    assert not (got & ~expected).any(), (
+        f"{what}: rows that cannot see the bad token turned non-finite: "
+        f"{(got & ~expected).nonzero().tolist()}"
+    )
+    if exact:
+        assert torch.equal(got, expected), (
+            f"{what}: rows that see the bad token stayed finite: "
+            f"{(expected & ~got).nonzero().tolist()}"
+        )
+    unseeing = ~expected
+    assert torch.equal(bad.cpu()[unseeing], clean.cpu()[unseeing]), (
+        f"{what}: a row that cannot see the bad token changed"
+    )
+
+
+def group_rows(b: int, head: int, rows: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
+    """[B, T, HQ] true at (b, t, hq) for rows[t] and the query heads of kv head ``head``."""
+    out = torch.zeros(shape, dtype=torch.bool)
+    g = shape[2] // H
+    out[b, :, head * g : (head + 1) * g] = rows.cpu().unsqueeze(1)
+    return out
+
+
+def query_row(b: int, t: int, hq: int, sees_any: bool, shape: tuple[int, int, int]) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=torch.bool)
+    out[b, t, hq] = sees_any
+    return out
+
+
+@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["q", "k_cmp", "v_cmp"])
+def test_compressed(request: pytest.FixtureRequest, where: str, value: float) -> None:
+    gen = seeded(request)
+    length = 53
+    n = num_cmp_blocks(length, L_CMP, D_CMP)
+    q, k_cmp, v_cmp = (
+        randn(gen, 2, length, HQ, DK),
+        randn(gen, 2, n, H, DK),
+        randn(gen, 2, n, H, DV),
+    )
+
+    def run(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> torch.Tensor:
+        return compressed_attention_triton(q, k_cmp, v_cmp, L_CMP, D_CMP, config=CMP_TILES)
+
+    clean = run(q, k_cmp, v_cmp)
+    t = torch.arange(length)
+    for _ in range(2):
+        inputs = {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp}
+        s = pick(gen, inputs[where].shape[1])
+        inputs[where], b, head = inject(gen, inputs[where], s, value)
+        bad = run(inputs["q"], inputs["k_cmp"], inputs["v_cmp"])
+        if where == "q":
+            expected = query_row(b, s, head, s >= L_CMP - 1, (2, length, HQ))
+        else:
+            expected = group_rows(b, head, s * D_CMP + L_CMP - 1 <= t, (2, length, HQ))
+        exact = value != value or where == "v_cmp"
+        check_rows(bad, clean, expected, exact, f"compressed {where}[{b}, {s}, {head}] = {value}")
+
+
+def random_indices(gen: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    scores = torch.rand(batch, length, H, -(-length // L_SEL), generator=gen, dtype=torch.float64)
+    return ref.topn_blocks(scores, N_SEL, L_SEL)[0].to(dev())
+
+
+@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_selected(request: pytest.FixtureRequest, where: str, value: float) -> None:
+    gen = seeded(request)
+    length = 37
+    q, k, v = (
+        randn(gen, 2, length, HQ, DK),
+        randn(gen, 2, length, H, DK),
+        randn(gen, 2, length, H, DV),
+    )
+    indices = random_indices(gen, 2, length)
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return selected_attention_triton(q, k, v, indices, L_SEL, config=SEL_TILES)
+
+    clean = run(q, k, v)
+    t = torch.arange(length)
+    for _ in range(2):
+        s = pick(gen, length)
+        inputs = {"q": q, "k": k, "v": v}
+        inputs[where], b, head = inject(gen, inputs[where], s, value)
+        bad = run(inputs["q"], inputs["k"], inputs["v"])
+        if where == "q":
+            expected = query_row(b, s, head, True, (2, length, HQ))
+        else:
+            chosen = (indices[b, :, head].cpu() == s // L_SEL).any(dim=-1) & (s <= t)
+            expected = group_rows(b, head, chosen, (2, length, HQ))
+        exact = value != value or where == "v"
+        check_rows(bad, clean, expected, exact, f"selected {where}[{b}, {s}, {head}] = {value}")
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "q",
+        pytest.param(
+            "k_cmp",
+            marks=pytest.mark.xfail(
+                reason="the scoring kernel's normaliser pass does not carry a NaN logit (max "
+                "skips it), so only the blocks that meet the bad compressed block score NaN, "
+                "where the reference's whole row does: the chosen blocks differ",
+                strict=False,
+            ),
+        ),
+    ],
+)
+def test_select_blocks_keeps_forced_blocks(request: pytest.FixtureRequest, where: str) -> None:
+    """Rows whose scores are NaN choose as the reference does; other rows do not change."""
+    gen = seeded(request)
+    length, n = 70, 4
+    n_cmp = num_cmp_blocks(length, L_CMP, D_CMP)
+    q, k_cmp = randn(gen, 2, length, HQ, DK), randn(gen, 2, n_cmp, H, DK)
+
+    def run(q: torch.Tensor, k_cmp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return select_blocks_triton(q, k_cmp, L_CMP, D_CMP, L_SEL, n)
+
+    clean, _ = run(q, k_cmp)
+    for _ in range(2):
+        inputs = {"q": q, "k_cmp": k_cmp}
+        s = pick(gen, inputs[where].shape[1])
+        inputs[where], b, _ = inject(gen, inputs[where], s, NAN)
+        indices, counts = run(inputs["q"], inputs["k_cmp"])
+        scores = ref.block_scores(
+            inputs["q"].double().cpu(), inputs["k_cmp"].double().cpu(), L_CMP, D_CMP, L_SEL
+        )
+        ref_indices, ref_counts = ref.select_blocks(
+            inputs["q"].double().cpu(), inputs["k_cmp"].double().cpu(), L_CMP, D_CMP, L_SEL, n
+        )
+        bad = ~torch.isfinite(scores).all(dim=-1)  # [B, T, H]
+        what = f"select_blocks {where}[{b}, {s}] = nan"
+        assert bad.any(), f"{what}: no row met the bad value"
+        assert torch.equal(indices.cpu()[bad], ref_indices[bad]), f"{what}: fallback rows"
+        assert torch.equal(counts.cpu()[bad], ref_counts[bad]), f"{what}: fallback counts"
+        assert torch.equal(indices.cpu()[~bad], clean.cpu()[~bad]), f"{what}: a clean row changed"
+
+
+@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+def test_varlen_sequences_are_isolated(request: pytest.FixtureRequest, value: float) -> None:
+    """A bad token in one packed sequence leaves the others bit-identical in both kernels."""
+    gen = seeded(request)
+    cu = torch.tensor([0, 21, 50, 71], dtype=torch.int32)
+    length = int(cu[-1])
+    q, k, v = (
+        randn(gen, 1, length, HQ, DK),
+        randn(gen, 1, length, H, DK),
+        randn(gen, 1, length, H, DV),
+    )
+    cu_dev = cu.to(dev())
+    indices = torch.cat(
+        [random_indices(gen, 1, int(cu[i + 1] - cu[i])) for i in range(len(cu) - 1)], dim=1
+    )
+
+    def run(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        k_cmp = ref.compress(k, L_CMP, D_CMP, cu_seqlens=cu_dev)
+        v_cmp = ref.compress(v, L_CMP, D_CMP, cu_seqlens=cu_dev)
+        return {
+            "cmp": compressed_attention_triton(
+                q, k_cmp, v_cmp, L_CMP, D_CMP, cu_seqlens=cu_dev, config=CMP_TILES
+            ),
+            "slc": selected_attention_triton(
+                q, k, v, indices, L_SEL, cu_seqlens=cu_dev, config=SEL_TILES
+            ),
+        }
+
+    clean = run(k, v)
+    s = 30  # inside the second sequence, [21, 50)
+    bad_v, _, _ = inject(gen, v, s, value)
+    bad = run(k, bad_v)
+    for name, o in bad.items():
+        assert not row_nonfinite(o[:, :s]).any(), f"{name}: a row before {s} turned non-finite"
+        for start, end in ((0, 21), (50, 71)):
+            assert torch.equal(o[:, start:end], clean[name][:, start:end]), (
+                f"{name}: sequence [{start}, {end}) changed by a bad token at {s}"
+            )
+
+
+# One value per branch keeps the interpreter time down; each value meets two branches overall.
+@pytest.mark.parametrize(
+    ("branch", "value"), [("cmp", NAN), ("slc", INF), ("win", NAN)], ids=["cmp", "slc", "win"]
+)
+def test_decode_steps_follow_the_reference(
+    request: pytest.FixtureRequest, branch: str, value: float
+) -> None:
+    """A bad v token of one sequence: each step's non-finite heads are the reference's."""
+    gen = seeded(request)
+    cfg = NSAConfig(
+        num_q_heads=HQ, num_kv_heads=H, head_dim_qk=DK, head_dim_v=DV, cmp_block=L_CMP,
+        cmp_stride=D_CMP, sel_block=L_SEL, num_selected=4, window=WINDOW,
+    )  # fmt: skip
+    tokens, s, start = 44, 20, 12
+    q = randn(gen, 2, tokens, HQ, DK)
+    k = {name: randn(gen, 2, tokens, H, DK) for name in ("cmp", "slc", "win")}
+    v = {name: randn(gen, 2, tokens, H, DV) for name in ("cmp", "slc", "win")}
+    gates = torch.rand(2, tokens, HQ, 3, generator=gen).to(dev(), F32)
+    v[branch] = v[branch].clone()
+    v[branch][0, s, pick(gen, H), pick(gen, DV)] = value
+    state = DecodeState.from_prefixes(cfg, k, v, [start, start], 128)
+    plan = DecodePlan(state)
+    for t in range(start, tokens):
+        pos = torch.full((2,), t, device=dev())
+        seq = torch.arange(2, device=dev())
+        step = StepInputs(
+            q=q[seq, pos], k_cmp=k["cmp"][seq, pos], v_cmp=v["cmp"][seq, pos],
+            k_slc=k["slc"][seq, pos], v_slc=v["slc"][seq, pos], k_win=k["win"][seq, pos],
+            v_win=v["win"][seq, pos], gates=gates[seq, pos],
+        )  # fmt: skip
+        out = decode_step(state, step, plan=plan)
+        got = ~torch.isfinite(out.o.cpu()).all(dim=-1)  # [B, HQ]
+        assert not got[1].any(), f"step {t}: the clean sequence turned non-finite"
+        # The prefill path over sequence 0's prefix, with the kernel's blocks.
+        k0 = {name: x[:1, : t + 1].double().cpu() for name, x in k.items()}
+        v0 = {name: x[:1, : t + 1].double().cpu() for name, x in v.items()}
+        q0 = q[:1, t : t + 1].double().cpu()
+        k_cmp = ref.compress(k0["cmp"], L_CMP, D_CMP)
+        v_cmp = ref.compress(v0["cmp"], L_CMP, D_CMP)
+        idx = out.indices[:1].cpu().to(torch.int64).unsqueeze(1)
+        o_ref = ref.gated_combine(
+            ref.compressed_attention(q0, k_cmp, v_cmp, L_CMP, D_CMP, q_start=t),
+            ref.selected_attention(q0, k0["slc"], v0["slc"], idx, L_SEL, q_start=t),
+            ref.sliding_attention(q0, k0["win"], v0["win"], WINDOW, q_start=t),
+            gates[:1, t : t + 1].double().cpu(),
+        )
+        want = ~torch.isfinite(o_ref[0, 0]).all(dim=-1)
+        assert torch.equal(got[0], want), (
+            f"step {t}: non-finite heads {got[0].tolist()}, reference {want.tolist()}"
+        )
+        if t < s:
+            assert not got[0].any(), f"step {t}: a step before the bad token turned non-finite"
