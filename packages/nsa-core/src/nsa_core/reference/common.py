@@ -35,7 +35,9 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
-    return weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    # Only empty rows (denominator 0) divide by 1; a NaN denominator (a visible NaN or +inf
+    # logit) stays NaN, so the whole row is non-finite (docs/spec.md, "Non-finite values").
+    return weights / torch.where(denom == 0, torch.ones_like(denom), denom)
 
 
 def attend_visible(

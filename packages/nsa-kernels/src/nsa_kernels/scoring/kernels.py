@@ -422,8 +422,10 @@ def score_topn_kernel(
                 m_i, l_i, c0, q1, q2, k_head, stride_kt, t_row, n_vis, qk_scale,
                 DK, BK1, BK2, BL, CMP_BLOCK, CMP_STRIDE, True, DOT_PREC,
             )  # fmt: skip
-        # Rows that see no block keep l == 0: lse = -inf.
+        # Rows that see no block keep l == 0: lse = -inf. A NaN sum (a visible NaN or +inf
+        # logit) stays NaN, so the row scores NaN as the reference's softmax does.
         lse2 = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
+        lse2 = tl.where(l_i != l_i, l_i, lse2)
     # p = exp2(logit - lse2) is then exactly 0 on rows that are padding or see nothing.
     lse2 = tl.where(row_ok & (lse2 > float("-inf")), lse2, float("inf"))
 
