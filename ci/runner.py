@@ -413,7 +413,7 @@ def run_benches(out: Path, quick: bool, has_cuda: bool) -> list[StepResult]:
     iters = "8" if not has_cuda else "64"
     decode_csv = out / "decode.csv"
     print("[bench] decode", flush=True)
-    decode_args = ["decode", "--S_list", s_list, "--iters", iters, "--warmup", "2"]
+    decode_args = ["decode-module", "--S_list", s_list, "--iters", iters, "--warmup", "2"]
     results.append(run_bench("decode", [*decode_args, "--csv", str(decode_csv)], out))
     results.append(run_bench("decode_summary", ["summarize", str(decode_csv)], out))
     if has_cuda:

@@ -1,4 +1,4 @@
-"""``nsa-bench cmp``, ``score`` and ``decode-fused``: their host-side logic and tiny CPU runs.
+"""``nsa-bench cmp``, ``score`` and ``decode``: their host-side logic and tiny CPU runs.
 
 The Triton runs are marked ``triton``: on CPU they need the interpreter (TRITON_INTERPRET=1, the
 interpreter tier), on a GPU they compile.
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_bench import cmp_bench, decode_fused_bench, score_bench
+from nsa_bench import cmp_bench, decode_bench, score_bench
 from nsa_bench.cli import COMMANDS, build_parser
 from nsa_core.reference.compressed_attention import compressed_attention
 
@@ -26,9 +26,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_cli_lists_the_kernel_benches() -> None:
-    assert {"cmp", "score", "decode-fused"} <= set(COMMANDS)
-    args = build_parser().parse_args(["decode-fused", "--B", "2", "--S", "128"])
-    assert (args.B, args.S, args.command) == ("2", "128", "decode-fused")
+    assert {"cmp", "score", "decode", "decode-fused", "decode-module"} <= set(COMMANDS)
+    assert COMMANDS["decode-fused"][0] == COMMANDS["decode"][0]  # the deprecated name
+    args = build_parser().parse_args(["decode", "--B", "2", "--S", "128", "--no-graph"])
+    assert (args.B, args.S, args.command, args.graph) == ("2", "128", "decode", False)
+    assert build_parser().parse_args(["decode"]).graph is True
 
 
 def test_visible_pairs_is_the_sum_of_block_counts() -> None:
@@ -128,36 +130,52 @@ def test_score_triton_tiny(tmp_path: Path) -> None:
         assert float(row["tflops"]) == pytest.approx(rate)
 
 
-def test_decode_fused_kernel_config_and_sweep() -> None:
-    cfg = decode_fused_bench.parse_kernel_config("key_tile=32, warps=8")
+def test_decode_kernel_config_and_sweep() -> None:
+    cfg = decode_bench.parse_kernel_config("key_tile=32, warps=8")
     assert (cfg.key_tile, cfg.warps, cfg.stages) == (32, 8, 0)
     with pytest.raises(ValueError, match="unknown DecodeKernelConfig field 'tile'"):
-        decode_fused_bench.parse_kernel_config("tile=32")
-    grid = decode_fused_bench.SWEEP
-    configs = decode_fused_bench.sweep_configs(cfg, grid)
+        decode_bench.parse_kernel_config("tile=32")
+    grid = decode_bench.SWEEP
+    configs = decode_bench.sweep_configs(cfg, grid)
     assert len(configs) == math.prod(len(v) for v in grid.values())
     assert len(set(configs)) == len(configs)
     assert all(c.cmp_chunk_tiles == cfg.cmp_chunk_tiles for c in configs)
 
 
-def test_decode_fused_targets_judge_the_measured_rows() -> None:
+def test_decode_targets_judge_the_measured_rows() -> None:
     rows: list[dict[str, object]] = [
-        {"B": 1, "S": 4096, "ms_nsa": 0.02, "speedup": 1.5},
-        {"B": 1, "S": 65536, "ms_nsa": 0.025, "speedup": 2.5},
-        {"B": 32, "S": 65536, "ms_nsa": 0.2, "speedup": 5.0},
+        {"B": 1, "S": 4096, "ms_step": 0.02, "speedup": 1.5},
+        {"B": 1, "S": 65536, "ms_step": 0.025, "speedup": 2.5},
+        {"B": 32, "S": 65536, "ms_step": 0.2, "speedup": 5.0},
     ]
-    got = decode_fused_bench.targets(rows)
+    got = decode_bench.targets(rows)
     assert got["B32_S64k_speedup>=6.0"] == {"speedup": 5.0, "ok": False}
     assert got["B1_S64k_speedup>=2.0"] == {"speedup": 2.5, "ok": True}
     assert got["B1_growth_S4096_to_S65536<1.5"] == {"growth": 1.25, "ok": True}
-    assert decode_fused_bench.targets(rows[:1]) == {
+    assert decode_bench.targets(rows[:1]) == {
         "B32_S64k_speedup>=6.0": None,
         "B1_S64k_speedup>=2.0": None,
     }
 
 
-def test_decode_fused_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+def test_decode_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusal; this machine has a GPU")
-    assert decode_fused_bench.run(build_parser().parse_args(["decode-fused"])) == 2
+    assert decode_bench.run(build_parser().parse_args(["decode"])) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+    with pytest.warns(DeprecationWarning, match="use `nsa-bench decode`"):
+        assert decode_bench.run(build_parser().parse_args(["decode-fused"])) == 2
+
+
+def test_decode_markdown_and_failed_rows() -> None:
+    ok = {
+        "B": 1, "S": 4096, "ms_step": 0.03, "ms_layer": 0.05, "tokens_per_s": 20000.0,
+        "ms_sdpa": 0.06, "ms_fa2": None, "ms_dense_layer": 0.08, "speedup": 2.0,
+        "layer_speedup": 1.6, "reads_total": 1761.0, "reads_expected": 1761,
+    }  # fmt: skip
+    oom = {"B": 32, "S": 131072, "status": "oom: CUDA out of memory"}
+    table = decode_bench.markdown([ok, oom]).splitlines()
+    assert len(table) == 4
+    assert "| 1 | 4096 | 0.03 | 0.05 | 20000.0 | 0.06 | n/a | 0.08 | 2.0 | 1.6 |" in table[2]
+    assert table[3].startswith("| 32 | 131072 | oom: CUDA out of memory |")
+    assert decode_bench.targets([ok, oom])["B32_S64k_speedup>=6.0"] is None

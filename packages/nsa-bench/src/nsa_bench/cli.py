@@ -12,10 +12,14 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("nsa_bench.demo", "small NSA prefill + decode: routing and a reads table"),
     "cmp": ("nsa_bench.cmp_bench", "Triton compressed attention fwd/bwd over T vs its peers"),
-    "decode": ("nsa_bench.decode_bench", "decode step per context length, whole and per branch"),
-    "decode-fused": (
-        "nsa_bench.decode_fused_bench",
-        "fused Triton decode step (CUDA graph) vs dense SDPA decode, B x S",
+    "decode": (
+        "nsa_bench.decode_bench",
+        "fused decode step and layer step (CUDA graphs) vs dense decode, B x S, per branch",
+    ),
+    "decode-fused": ("nsa_bench.decode_bench", "deprecated name of `decode`"),
+    "decode-module": (
+        "nsa_bench.decode_module_bench",
+        "NSAAttention.decode (any device, CPU too) per context length, whole and per branch",
     ),
     "layer": ("nsa_bench.layer_bench", "whole NSA layer vs fla-core, SDPA, FA-2 over T; by step"),
     "fa2": ("nsa_bench.fa2_bench", "FA-2 vs its torch fallbacks per branch over T and D, cutoffs"),

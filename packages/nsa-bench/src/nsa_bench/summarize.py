@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("csv", help="a CSV written by `nsa-bench decode`")
+    parser.add_argument("csv", help="a CSV written by `nsa-bench decode-module`")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,7 @@ from decode_testlib import BOUND, Stream, check_step, rel_err, small_config
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")
 
-from nsa_core import NSAConfig, num_cmp_blocks  # noqa: E402
+from nsa_core import NSAAttention, NSAConfig, num_cmp_blocks  # noqa: E402
 from nsa_core.reference import (  # noqa: E402
     CompressMLP,
     compress,
@@ -33,6 +33,7 @@ from nsa_kernels.decode import (  # noqa: E402
     DecodeKernelConfig,
     DecodePlan,
     DecodeState,
+    LayerDecoder,
     StepInputs,
     block_phi,
     decode_step,
@@ -222,6 +223,35 @@ def test_small_shapes_on_gpu(request: pytest.FixtureRequest) -> None:
         positions = [n + s for n in lengths]
         out = decode_step(state, stream.inputs_at(positions), plan=plan)
         check_step(cfg, stream, positions, out, BOUND[torch.float32])
+
+
+def test_layer_graph_equals_eager_layer_and_module_decode(request: pytest.FixtureRequest) -> None:
+    """The whole layer step (projections, fused step, output projection) as one CUDA graph:
+    200 replays give the bits of 200 eager LayerDecoder steps, and the first steps equal
+    NSAAttention.decode on the prefill's cache within the bf16 bound."""
+    gen = _gen(request)
+    cfg = paper_config()
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = NSAAttention(cfg, hidden_size=1024).to("cuda", BF16)
+    prefix, steps = 1500, 200
+    x = torch.randn(2, prefix + steps, 1024, generator=gen).to("cuda", BF16)
+    _, graphed = LayerDecoder.prefill(layer, x[:, :prefix], prefix + steps, graph=True)
+    _, eager = LayerDecoder.prefill(layer, x[:, :prefix], prefix + steps)
+    assert graphed.graphed
+    assert graphed.state.lengths() == [prefix, prefix]
+    with torch.no_grad():
+        _, cache = layer.prefill(x[:, :prefix], capacity=prefix + steps)
+    for s in range(steps):
+        y, out = graphed.step(x[:, prefix + s])
+        y_eager, out_eager = eager.step(x[:, prefix + s])
+        assert torch.equal(y, y_eager), f"step {s}: outputs differ"
+        assert torch.equal(out.indices, out_eager.indices), f"step {s}: indices differ"
+        if s < 4:
+            with torch.no_grad():
+                y_ref, _ = layer.decode(x[:, prefix + s : prefix + s + 1], cache)
+            err = rel_err(y, y_ref[:, 0])
+            assert err <= BOUND[BF16], f"step {s}: rel err {err:.3g} against NSAAttention.decode"
+    assert graphed.state.lengths() == [prefix + steps] * 2
 
 
 def test_inputs_survive_a_graph_capture() -> None:

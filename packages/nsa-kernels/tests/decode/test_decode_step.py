@@ -34,7 +34,7 @@ from nsa_kernels.decode import (  # noqa: E402
     DecodeKernelConfig,
     DecodePlan,
     DecodeState,
-    StepInputs,
+    LayerDecoder,
     block_phi,
     decode_step,
 )
@@ -197,40 +197,30 @@ def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:
 
 
 def test_matches_layer_prefill_and_decode(request: pytest.FixtureRequest) -> None:
-    """From NSAAttention.prefill's cache (equal lengths): each step's projected output equals
-    NSAAttention.decode's and the reads equal its DecodeStats."""
+    """LayerDecoder from NSAAttention.prefill's cache (equal lengths): each step's output
+    equals NSAAttention.decode's (projections, RoPE at the device-side position, fused step,
+    output projection) and the reads equal its DecodeStats."""
     gen = _gen(request)
     cfg = small_config(2)
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
     layer = NSAAttention(cfg, hidden_size=32).to(DEV)
     x = torch.randn(2, 44, 32, generator=gen).to(DEV)
+    _, decoder = LayerDecoder.prefill(layer, x[:, :40], capacity=44, config=FAT)
     with torch.no_grad():
         _, cache = layer.prefill(x[:, :40], capacity=44)
-        state = DecodeState.from_cache(cache, capacity=44)
-        plan = DecodePlan(state, FAT)
-        for t in range(40, 44):
-            x_t = x[:, t : t + 1]
-            inp = layer.branch_inputs(x_t, torch.tensor([t], device=DEV))
-            step_in = StepInputs(
-                q=inp.q[:, 0],
-                k_cmp=inp.k["cmp"][:, 0],
-                v_cmp=inp.v["cmp"][:, 0],
-                k_slc=inp.k["slc"][:, 0],
-                v_slc=inp.v["slc"][:, 0],
-                k_win=inp.k["win"][:, 0],
-                v_win=inp.v["win"][:, 0],
-                gates=inp.gates[:, 0],
-            )
-            out = decode_step(state, step_in, plan=plan)
-            y = layer.o_proj(out.o.flatten(1))
+    for t in range(40, 44):
+        x_t = x[:, t : t + 1]
+        y, out = decoder.step(x_t[:, 0])
+        with torch.no_grad():
             y_ref, stats = layer.decode(x_t, cache)
-            err = rel_err(y, y_ref[:, 0])
-            assert err <= BOUND[F32], f"t={t}: rel err {err:.3g}"
-            assert torch.equal(out.reads_cmp.cpu(), stats.reads_cmp.cpu().int())
-            assert torch.equal(out.reads_slc.cpu(), stats.reads_slc.cpu().int())
-            assert torch.equal(out.reads_win.cpu(), stats.reads_win.cpu().int())
-            for b in range(2):
-                check_reads(cfg, out, b, t)
+        err = rel_err(y, y_ref[:, 0])
+        assert err <= BOUND[F32], f"t={t}: rel err {err:.3g}"
+        assert torch.equal(out.reads_cmp.cpu(), stats.reads_cmp.cpu().int())
+        assert torch.equal(out.reads_slc.cpu(), stats.reads_slc.cpu().int())
+        assert torch.equal(out.reads_win.cpu(), stats.reads_win.cpu().int())
+        for b in range(2):
+            check_reads(cfg, out, b, t)
+    assert decoder.state.lengths() == [44, 44]
 
 
 def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None:

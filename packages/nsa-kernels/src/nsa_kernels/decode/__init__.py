@@ -4,9 +4,12 @@
 - :func:`decode_step`: append, compress, score, top-n and the three branches with split-K, in
   five launches without host synchronisation (:class:`DecodePlan` holds tiles and workspace).
 - :class:`DecodeGraph`: one step captured as a CUDA graph, replayed token after token.
+- :class:`LayerDecoder`: the whole NSAAttention step (projections, fused step, output), with
+  an optional CUDA graph over all of it.
 """
 
 from nsa_kernels.decode.graph import DecodeGraph
+from nsa_kernels.decode.layer import LayerDecoder
 from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
 from nsa_kernels.decode.step import (
     TOPN_REL_GAP,
@@ -24,6 +27,7 @@ __all__ = [
     "DecodeKernelConfig",
     "DecodePlan",
     "DecodeState",
+    "LayerDecoder",
     "StepInputs",
     "StepOutputs",
     "block_phi",

@@ -3,7 +3,8 @@
 A step at each sequence's own position ``t = cache_seqlens[b]`` (docs/spec.md, "Decode"):
 
 1. ``append_kernel`` (update.py): the token's K/V go into every cache; a block completed by the
-   token is folded (phi); the lengths advance on the device.
+   token is folded (phi); the lengths advance on the device. One program per (sequence, kv
+   head, keys or values); the last of a sequence to read its counters advances them.
 2. ``cmp_window_kernel``: compressed attention split over chunks of compressed keys (leaving
    the band sums that score selection blocks) and sliding attention split over window chunks.
 3. ``score_topn_kernel``: selection scores of chunks of selection blocks, each chunk's n best.
@@ -288,6 +289,8 @@ class DecodePlan:
         self.tile_m = f32(bh, tiles, g)
         self.band = f32(bh, self.extra + 1, g, self.ranges)
         self.cand = torch.empty(bh, self.score_chunks, self.n_pad, device=device, dtype=torch.int64)
+        # The append kernel's per-sequence tickets: zero between steps (it resets them).
+        self.tickets = torch.zeros(state.batch, device=device, dtype=torch.int32)
 
     def matches(self, state: DecodeState) -> bool:
         return (
@@ -360,6 +363,7 @@ def decode_step(
         state,
         {"cmp": x["k_cmp"], "slc": x["k_slc"], "win": x["k_win"]},
         {"cmp": x["v_cmp"], "slc": x["v_slc"], "win": x["v_win"]},
+        plan.tickets,
         phi_k=phi_k,
         phi_v=phi_v,
     )

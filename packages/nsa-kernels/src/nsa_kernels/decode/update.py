@@ -20,18 +20,15 @@ from nsa_kernels.decode.state import BlockPhi, DecodeState
 
 
 @triton.jit
-def _put_rows(
-    new_ptr, buf_ptr, b, row, rows, put, H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr,
-    BD: tl.constexpr,
-):  # fmt: skip
-    """buf[b, row, :, :] = new[b, :, :] where ``put``; returns the new token [HP, BD]."""
-    head = tl.arange(0, HP)[:, None]
-    col = tl.arange(0, BD)[None, :]
-    inside = (head < H) & (col < D)
-    x = tl.load(new_ptr + (b * H + head) * D + col, mask=inside, other=0.0)
+def _put_row(new_ptr, buf_ptr, b, h, row, rows, put, H: tl.constexpr, D: tl.constexpr,
+             BD: tl.constexpr):  # fmt: skip
+    """buf[b, row, h, :] = new[b, h, :] where ``put``; returns the new token's row [BD]."""
+    col = tl.arange(0, BD)
+    inside = col < D
+    x = tl.load(new_ptr + (b * H + h) * D + col, mask=inside, other=0.0)
     # ``put`` as a block: triton 3.9's interpreter turns scalar & block into int32.
-    put_block = (put.to(tl.int32) + tl.zeros_like(head + col)) > 0
-    tl.store(buf_ptr + ((b * rows + row) * H + head) * D + col, x, mask=inside & put_block)
+    put_block = (put.to(tl.int32) + tl.zeros_like(col)) > 0
+    tl.store(buf_ptr + ((b * rows + row) * H + h) * D + col, x, mask=inside & put_block)
     return x
 
 
@@ -41,42 +38,51 @@ def _fold_block(
     raw_ptr,
     cmp_ptr,
     b,
+    h,
     raw_slot,
     cmp_row,
     cmp_rows,
     emit,
     H: tl.constexpr,
-    HP: tl.constexpr,
     D: tl.constexpr,
     BD: tl.constexpr,
     LCMP: tl.constexpr,
-    SC: tl.constexpr,
+    BL: tl.constexpr,
 ):
-    """k_cmp[b, cmp_row] = mean of the block that the new token x [HP, BD] completes, if ``emit``.
+    """cmp[b, cmp_row, h] = mean of the block that the new token x [BD] completes, if ``emit``.
 
-    The block's other l - 1 tokens come from the raw ring (SC rows per load, all loads
-    independent) and x from registers, so the program never reads back its own store.
+    The block's other l - 1 tokens come from the raw ring in one load and x from registers, so
+    the program never reads back its own store.
     """
-    head = tl.arange(0, HP)[None, :, None]
-    col = tl.arange(0, BD)[None, None, :]
-    inside = (head < H) & (col < D)
-    total = x.to(tl.float32)
-    for s0 in tl.static_range(0, LCMP, SC):
-        slot = s0 + tl.arange(0, SC)[:, None, None]
-        ring = tl.load(
-            raw_ptr + ((b * LCMP + slot) * H + head) * D + col,
-            mask=inside & (slot < LCMP) & (slot != raw_slot) & ((emit.to(tl.int32) + slot * 0) > 0),
-            other=0.0,
-        )
-        total += tl.sum(ring.to(tl.float32), axis=0)
-    mean = total / LCMP
-    head2 = tl.arange(0, HP)[:, None]
-    col2 = tl.arange(0, BD)[None, :]
-    tl.store(
-        cmp_ptr + ((b * cmp_rows + cmp_row) * H + head2) * D + col2,
-        mean.to(cmp_ptr.dtype.element_ty),
-        mask=(head2 < H) & (col2 < D) & ((emit.to(tl.int32) + head2 * 0) > 0),
+    slot = tl.arange(0, BL)[:, None]
+    col = tl.arange(0, BD)[None, :]
+    emit_block = (emit.to(tl.int32) + slot * 0) > 0
+    ring = tl.load(
+        raw_ptr + ((b * LCMP + slot) * H + h) * D + col,
+        mask=(col < D) & (slot < LCMP) & (slot != raw_slot) & emit_block,
+        other=0.0,
     )
+    mean = (x.to(tl.float32) + tl.sum(ring.to(tl.float32), axis=0)) / LCMP
+    col1 = tl.arange(0, BD)
+    tl.store(
+        cmp_ptr + ((b * cmp_rows + cmp_row) * H + h) * D + col1,
+        mean.to(cmp_ptr.dtype.element_ty),
+        mask=(col1 < D) & ((emit.to(tl.int32) + col1 * 0) > 0),
+    )
+
+
+@triton.jit
+def _append_kv(
+    new_slc, new_win, new_raw, slc, win, raw, cmp, b, h, pos, room, raw_slot, cmp_row, cmp_rows,
+    emit, capacity, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr,
+    LCMP: tl.constexpr, BL: tl.constexpr, AVG: tl.constexpr,
+):  # fmt: skip
+    """One head's keys (or values) of the new token into the three caches, the block folded."""
+    _put_row(new_slc, slc, b, h, pos, capacity, room, H, D, BD)
+    _put_row(new_win, win, b, h, pos % WINDOW, WINDOW, room, H, D, BD)
+    x = _put_row(new_raw, raw, b, h, raw_slot, LCMP, room, H, D, BD)
+    if AVG:
+        _fold_block(x, raw, cmp, b, h, raw_slot, cmp_row, cmp_rows, emit, H, D, BD, LCMP, BL)
 
 
 @triton.jit
@@ -98,29 +104,38 @@ def append_kernel(
     seqlens_ptr,
     num_cmp_ptr,
     overflow_ptr,
+    tickets_ptr,
     capacity,
     cmp_rows,
     H: tl.constexpr,
-    HP: tl.constexpr,
     DK: tl.constexpr,
     BK: tl.constexpr,
     DV: tl.constexpr,
     BV: tl.constexpr,
     WINDOW: tl.constexpr,
     LCMP: tl.constexpr,
-    SC: tl.constexpr,
+    BL: tl.constexpr,
     DSTRIDE: tl.constexpr,
     AVG: tl.constexpr,
 ):
-    """Append the token of sequence ``program_id(0)`` at its position and advance its counters.
+    """Append the token of sequence b = ``program_id(0) // H``, kv head h, keys (axis 1 = 0) or
+    values (1), at the sequence's position; the sequence's last program advances its counters.
 
-    The new token's K/V of each branch (all H heads at once) go to the selected rows (row L),
-    the window ring (row L % w) and the raw ring (row L % l). With AVG a block completed by the
-    token is folded (the mean) into row ``num_cmp[b]`` of k_cmp/v_cmp; without it (a learned
-    phi) only the counter moves and the caller writes the block. A sequence at capacity is left
-    as it was and flagged in ``overflow``.
+    The new token goes to the selected rows (row L), the window ring (row L % w) and the raw
+    ring (row L % l). With AVG a block completed by the token is folded (the mean) into row
+    ``num_cmp[b]`` of k_cmp/v_cmp; without it (a learned phi) only the counter moves and the
+    caller writes the block. A sequence at capacity is left as it was and flagged in
+    ``overflow``.
+
+    The 2H programs of a sequence each read its counters first, then take a ticket
+    (``tickets[b]``, an acq_rel atomic): the program that takes the last one knows every other
+    has read them, writes the new counters and resets the ticket. One program per sequence, as
+    before, left most of the GPU idle at small batches (the whole step is latency-bound there).
     """
-    b = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // H
+    h = pid % H
+    kind = tl.program_id(1)
     length = tl.load(seqlens_ptr + b)
     blocks = tl.load(num_cmp_ptr + b)
     room = length < capacity
@@ -129,25 +144,25 @@ def append_kernel(
     emit = room & (new_len >= LCMP) & ((new_len - LCMP) % DSTRIDE == 0)
     raw_slot = pos % LCMP
     cmp_row = blocks.to(tl.int64)
-    _put_rows(k_new_slc, k_slc, b, pos, capacity, room, H, HP, DK, BK)
-    _put_rows(v_new_slc, v_slc, b, pos, capacity, room, H, HP, DV, BV)
-    _put_rows(k_new_win, k_win, b, pos % WINDOW, WINDOW, room, H, HP, DK, BK)
-    _put_rows(v_new_win, v_win, b, pos % WINDOW, WINDOW, room, H, HP, DV, BV)
-    k_x = _put_rows(k_new_cmp, k_raw, b, raw_slot, LCMP, room, H, HP, DK, BK)
-    v_x = _put_rows(v_new_cmp, v_raw, b, raw_slot, LCMP, room, H, HP, DV, BV)
-    if AVG:
-        _fold_block(
-            k_x, k_raw, k_cmp, b, raw_slot, cmp_row, cmp_rows, emit, H, HP, DK, BK, LCMP, SC
-        )
-        _fold_block(
-            v_x, v_raw, v_cmp, b, raw_slot, cmp_row, cmp_rows, emit, H, HP, DV, BV, LCMP, SC
-        )
+    if kind == 0:
+        _append_kv(
+            k_new_slc, k_new_win, k_new_cmp, k_slc, k_win, k_raw, k_cmp, b, h, pos, room,
+            raw_slot, cmp_row, cmp_rows, emit, capacity, H, DK, BK, WINDOW, LCMP, BL, AVG,
+        )  # fmt: skip
+    else:
+        _append_kv(
+            v_new_slc, v_new_win, v_new_cmp, v_slc, v_win, v_raw, v_cmp, b, h, pos, room,
+            raw_slot, cmp_row, cmp_rows, emit, capacity, H, DV, BV, WINDOW, LCMP, BL, AVG,
+        )  # fmt: skip
     full = tl.load(overflow_ptr + b) | (length >= capacity).to(tl.int32)
-    # Every thread has read the counters before any thread overwrites them.
+    # Every thread of this program has read the counters before its ticket is taken.
     tl.debug_barrier()
-    tl.store(seqlens_ptr + b, tl.where(room, new_len, length))
-    tl.store(num_cmp_ptr + b, blocks + emit.to(tl.int32))
-    tl.store(overflow_ptr + b, full)
+    ticket = tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel")
+    last = ticket == 2 * H - 1
+    tl.store(seqlens_ptr + b, tl.where(room, new_len, length), mask=last)
+    tl.store(num_cmp_ptr + b, blocks + emit.to(tl.int32), mask=last)
+    tl.store(overflow_ptr + b, full, mask=last)
+    tl.store(tickets_ptr + b, 0, mask=last)
 
 
 def _pow2(x: int) -> int:
@@ -158,6 +173,7 @@ def append_token(
     state: DecodeState,
     k_new: dict[str, torch.Tensor],
     v_new: dict[str, torch.Tensor],
+    tickets: torch.Tensor,
     *,
     phi_k: BlockPhi | None = None,
     phi_v: BlockPhi | None = None,
@@ -167,20 +183,24 @@ def append_token(
     Args:
         k_new, v_new: per branch ("cmp", "slc", "win") the new token's keys [B, H, dk] and
             values [B, H, dv], contiguous, in the state's dtype ("cmp": raw, unfolded).
+        tickets: int32 [B], zeros between steps (the kernel leaves them so): the count of a
+            sequence's programs that have read its counters (see ``append_kernel``).
         phi_k, phi_v: a learned phi (``config.phi == "mlp"``): run on the device every step on
             the l newest raw tokens, the result written only where a block completed.
     """
     cfg = state.config
     h, dk, dv = cfg.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
     avg = cfg.phi == "avg"
-    append_kernel[(state.batch,)](
+    if tickets.shape != (state.batch,) or tickets.dtype != torch.int32:
+        raise ValueError(f"tickets must be int32 [B={state.batch}], got {tuple(tickets.shape)}")
+    append_kernel[(state.batch * h, 2)](
         k_new["slc"], v_new["slc"], k_new["win"], v_new["win"], k_new["cmp"], v_new["cmp"],
         state.k_slc, state.v_slc, state.k_win, state.v_win, state.k_raw, state.v_raw,
         state.k_cmp, state.v_cmp,
-        state.cache_seqlens, state.num_cmp, state.overflow,
+        state.cache_seqlens, state.num_cmp, state.overflow, tickets,
         state.capacity, state.k_cmp.shape[1],
-        H=h, HP=_pow2(h), DK=dk, BK=_pow2(dk), DV=dv, BV=_pow2(dv),
-        WINDOW=cfg.window, LCMP=cfg.cmp_block, SC=min(8, _pow2(cfg.cmp_block)),
+        H=h, DK=dk, BK=_pow2(dk), DV=dv, BV=_pow2(dv),
+        WINDOW=cfg.window, LCMP=cfg.cmp_block, BL=_pow2(cfg.cmp_block),
         DSTRIDE=cfg.cmp_stride, AVG=avg,
         num_warps=4,
     )  # fmt: skip

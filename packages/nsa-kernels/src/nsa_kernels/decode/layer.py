@@ -1,0 +1,146 @@
+"""The whole NSAAttention decode step on the GPU: projections, the fused step, the output.
+
+:class:`LayerDecoder` runs one token per sequence of an ``NSAAttention`` layer on a
+:class:`DecodeState`: the layer's own projections (q, per-branch K/V, gates, RoPE at each
+sequence's position read from ``cache_seqlens`` on the device), :func:`decode_step`, and the
+output projection. With ``graph=True`` all of it is captured once as a CUDA graph and every
+:meth:`LayerDecoder.step` replays it for the next token (no host-side position anywhere).
+
+The result equals ``NSAAttention.decode`` on the same cache within the spec's tolerances
+(docs/spec.md, "Decode"); the fused step's index contract is that of step.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_core import NSAAttention
+from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
+from nsa_kernels.decode.step import (
+    DecodeKernelConfig,
+    DecodePlan,
+    StepInputs,
+    StepOutputs,
+    decode_step,
+)
+
+
+class LayerDecoder:
+    """Decode steps of one NSAAttention layer over ``state`` (B sequences, own lengths).
+
+    Args:
+        module: the layer (its config must equal the state's; same device and dtype).
+        state: the caches, e.g. ``DecodeState.from_cache(module.prefill(x)[1], capacity)``.
+        config: the fused step's tiles and splits.
+        graph: capture projections + step + output projection as one CUDA graph (CUDA only).
+        warmup: eager steps before capture, undone afterwards (the first launch compiles).
+    """
+
+    def __init__(
+        self,
+        module: NSAAttention,
+        state: DecodeState,
+        *,
+        config: DecodeKernelConfig | None = None,
+        graph: bool = False,
+        warmup: int = 2,
+    ) -> None:
+        if not isinstance(module, NSAAttention):
+            raise TypeError(f"module must be an NSAAttention, got {type(module).__name__}")
+        if module.config != state.config:
+            raise ValueError("module.config differs from the state's config")
+        weight = module.q_proj.weight
+        if weight.device != state.device or weight.dtype != state.dtype:
+            raise ValueError(
+                f"module is {weight.dtype} on {weight.device} but the state is "
+                f"{state.dtype} on {state.device}"
+            )
+        if graph and state.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA state, got {state.device}")
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 (the first launch compiles), got {warmup}")
+        self.module = module
+        self.state = state
+        self.plan = DecodePlan(state, config)
+        self._phi_k: BlockPhi | None = None if module.phi_k is None else block_phi(module.phi_k)
+        self._phi_v: BlockPhi | None = None if module.phi_v is None else block_phi(module.phi_v)
+        self.x = torch.zeros(
+            state.batch, module.hidden_size, device=state.device, dtype=state.dtype
+        )
+        self._graph: torch.cuda.CUDAGraph | None = None
+        if graph:
+            self._capture(warmup)
+
+    @classmethod
+    def prefill(
+        cls,
+        module: NSAAttention,
+        x: torch.Tensor,
+        capacity: int,
+        *,
+        config: DecodeKernelConfig | None = None,
+        graph: bool = False,
+    ) -> tuple[torch.Tensor, LayerDecoder]:
+        """``module.prefill(x)`` (x [B, T, hidden]) and a decoder that continues from it."""
+        with torch.no_grad():
+            y, cache = module.prefill(x)
+        state = DecodeState.from_cache(cache, capacity)
+        return y, cls(module, state, config=config, graph=graph)
+
+    def _run(self) -> tuple[torch.Tensor, StepOutputs]:
+        """y [B, hidden] and the step's outputs for the token in :attr:`x`."""
+        module, state = self.module, self.state
+        with torch.no_grad():
+            positions = state.cache_seqlens.to(torch.int64)[:, None]  # [B, 1], on the device
+            inp = module.branch_inputs(self.x[:, None], positions)
+            step_inputs = StepInputs(
+                q=inp.q[:, 0],
+                k_cmp=inp.k["cmp"][:, 0],
+                v_cmp=inp.v["cmp"][:, 0],
+                k_slc=inp.k["slc"][:, 0],
+                v_slc=inp.v["slc"][:, 0],
+                k_win=inp.k["win"][:, 0],
+                v_win=inp.v["win"][:, 0],
+                gates=inp.gates[:, 0],
+            )
+            out = decode_step(
+                state, step_inputs, phi_k=self._phi_k, phi_v=self._phi_v, plan=self.plan
+            )
+            y: torch.Tensor = module.o_proj(out.o.flatten(1))
+        return y, out
+
+    def _capture(self, warmup: int) -> None:
+        state = self.state
+        saved = state.snapshot_counters()
+        side = torch.cuda.Stream(state.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(state.device))
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._run()
+                state.restore_counters(saved)
+        torch.cuda.current_stream(state.device).wait_stream(side)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._y, self._out = self._run()
+
+    @property
+    def graphed(self) -> bool:
+        return self._graph is not None
+
+    def step(self, x: torch.Tensor) -> tuple[torch.Tensor, StepOutputs]:
+        """One token per sequence: x [B, hidden] -> y [B, hidden]; advances every sequence.
+
+        With a graph the results live in the graph's memory and the next step overwrites them.
+        """
+        want = (self.state.batch, self.module.hidden_size)
+        if tuple(x.shape) != want:
+            raise ValueError(f"x {list(x.shape)} must be {list(want)}")
+        self.x.copy_(x)
+        return self.replay()
+
+    def replay(self) -> tuple[torch.Tensor, StepOutputs]:
+        """The step on the token already in :attr:`x` (graph replay, or eager without one)."""
+        if self._graph is None:
+            return self._run()
+        self._graph.replay()
+        return self._y, self._out
