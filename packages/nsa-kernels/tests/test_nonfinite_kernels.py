@@ -38,7 +38,11 @@ from nsa_kernels.compressed.triton_function import (  # noqa: E402
 from nsa_kernels.decode import DecodePlan, DecodeState, decode_step  # noqa: E402
 from nsa_kernels.decode.step import StepInputs  # noqa: E402
 from nsa_kernels.scoring.function import select_blocks_triton  # noqa: E402
-from nsa_kernels.selected.function import SelConfig, selected_attention_triton  # noqa: E402
+from nsa_kernels.selected.function import (  # noqa: E402
+    SelConfig,
+    selected_attention_triton,
+    tma_available,
+)
 
 F32 = torch.float32
 NAN, INF = float("nan"), float("inf")
@@ -152,9 +156,27 @@ def random_indices(gen: torch.Generator, batch: int, length: int) -> torch.Tenso
     return ref.topn_blocks(scores, N_SEL, L_SEL)[0].to(dev())
 
 
+# The forward loads K/V tiles through pointers with a mask (tma=2), or (tma=1) whole through TMA
+# descriptors: a whole tile also holds keys the row cannot see (later tokens of its block, the
+# next batch row's first tokens, block 0 under a -1 slot), whose V must still weigh exactly 0.
+# A bad K there only reaches logits that the visibility mask replaces, so TMA runs the v cases.
+SEL_POINTER, SEL_TMA = SelConfig(tma=2), SelConfig(tma=1)
+_NO_TMA = pytest.mark.skipif(
+    not tma_available(), reason="this triton has no host tensor descriptors (< 3.4)"
+)
+SEL_LOADS = [
+    pytest.param("q", SEL_POINTER, id="q-pointer"),
+    pytest.param("k", SEL_POINTER, id="k-pointer"),
+    pytest.param("v", SEL_POINTER, id="v-pointer"),
+    pytest.param("v", SEL_TMA, id="v-tma", marks=_NO_TMA),
+]
+
+
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
-@pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_selected(request: pytest.FixtureRequest, where: str, value: float) -> None:
+@pytest.mark.parametrize(("where", "tiles"), SEL_LOADS)
+def test_selected(
+    request: pytest.FixtureRequest, where: str, tiles: SelConfig, value: float
+) -> None:
     gen = seeded(request)
     length = 37
     q, k, v = (
@@ -165,7 +187,7 @@ def test_selected(request: pytest.FixtureRequest, where: str, value: float) -> N
     indices = random_indices(gen, 2, length)
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return selected_attention_triton(q, k, v, indices, L_SEL, config=SEL_TILES)
+        return selected_attention_triton(q, k, v, indices, L_SEL, config=tiles)
 
     clean = run(q, k, v)
     t = torch.arange(length)

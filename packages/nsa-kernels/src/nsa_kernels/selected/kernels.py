@@ -142,8 +142,8 @@ def sel_fwd_kernel(
     to keep K/V over the streamed q and o).
 
     TMA (NK == 1, BK == DK, BV == DV): K/V tiles come through tensor descriptors over
-    k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the causal mask applies to s), rows
-    past the end read as 0.
+    k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the visibility mask applies to s, and
+    selects zeros for V's invisible rows), rows past the end read as 0.
     """
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -231,7 +231,12 @@ def sel_fwd_kernel(
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if TMA:
+                # The whole tile arrives, keys the row cannot see included (later tokens of the
+                # block, the next sequence's first ones, block 0 under a -1 slot). Their p is 0,
+                # but 0 * NaN = NaN: select exact zeros so a bad V reaches only the rows that
+                # see it (docs/spec.md, "Non-finite values"), as the masked loads below do.
                 vt = v_desc.load([kv_row, (h * DV).to(tl.int32)])
+                vt = tl.where(live[:, None], vt, tl.zeros_like(vt))
             else:
                 vt = tl.load(
                     v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
