@@ -1,0 +1,30 @@
+"""Context parallelism: the NSA attention core on a sequence sharded over several ranks.
+
+- :mod:`~nsa_core.context_parallel.plan`: :class:`ShardPlan`, how T tokens are split
+  (contiguous or zigzag chunks) and the ``shard``/``unshard`` helpers.
+- :mod:`~nsa_core.context_parallel.work`: what each chunk computes and reads.
+- :mod:`~nsa_core.context_parallel.exchange`: autograd-aware all-gather and range fetches over
+  ``torch.distributed``, and :class:`CommTimer`.
+- :mod:`~nsa_core.context_parallel.attention`: :func:`context_parallel_nsa_attention`.
+
+docs/context_parallel.md describes the design and the data each branch exchanges.
+"""
+
+from nsa_core.context_parallel.attention import (
+    SLC_EXCHANGES,
+    SlcExchange,
+    context_parallel_nsa_attention,
+)
+from nsa_core.context_parallel.exchange import CommTimer
+from nsa_core.context_parallel.plan import LAYOUTS, Chunk, Layout, ShardPlan
+
+__all__ = [
+    "LAYOUTS",
+    "SLC_EXCHANGES",
+    "Chunk",
+    "CommTimer",
+    "Layout",
+    "ShardPlan",
+    "SlcExchange",
+    "context_parallel_nsa_attention",
+]
