@@ -1,0 +1,412 @@
+"""Context-parallel NSA attention (gloo on CPU) against the single-process core.
+
+One spawn per world size (2 and 4 processes) runs every case: each rank computes its rows of
+the output and its gradients and saves them; the test unshards them and compares with
+:func:`nsa_core.nsa_attention` on the whole sequence, forward and gradients of q, k, v, gates
+and phi's parameters, within docs/spec.md's float32 bounds (1e-5, gradients 2e-5). T is never a
+multiple of the world size; the cases cover G in {1, 4}, contiguous and zigzag shards, one K/V
+shared by the branches or one per branch, the mean and the learned phi, varlen with empty and
+cut sequences, chunks shorter than the window and the compressed block (halos that span several
+chunks), and both selected-branch exchanges.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nsa_core import CompressMLP, NSAConfig, nsa_attention
+from nsa_core.blocks import num_cmp_blocks
+from nsa_core.context_parallel import CommTimer, ShardPlan, context_parallel_nsa_attention
+from nsa_core.context_parallel.attention import block_layout
+from nsa_core.context_parallel.work import Sequences, plan_work
+
+BRANCHES = ("cmp", "slc", "win")
+FWD_BOUND = 1e-5  # docs/spec.md, float32 path
+GRAD_BOUND = 2e-5
+# phi_k's output bias shifts every compressed key of a head by the same vector: each query's
+# logits move by one constant and its softmax does not change, so this gradient is exactly zero
+# and both sides hold rounding noise, on which a relative error means nothing.
+SHIFT_ONLY = "grad_phi_k.fc2.bias"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: geometry, sharding and what the inputs look like."""
+
+    name: str
+    tokens: int
+    groups: int
+    layout: str
+    per_branch_kv: bool = False
+    phi: str = "avg"
+    cu_seqlens: tuple[int, ...] | None = None
+    slc_exchange: str = "all_gather"
+    batch: int = 1
+    window: int = 8
+    repeat: bool = False  # run twice and require bit-equal results
+
+    def config(self) -> NSAConfig:
+        return NSAConfig(
+            num_q_heads=2 * self.groups,
+            num_kv_heads=2,
+            head_dim_qk=8,
+            head_dim_v=4,
+            cmp_block=8,
+            cmp_stride=4,
+            sel_block=8,
+            num_selected=4,
+            window=self.window,
+            phi="mlp" if self.phi == "mlp" else "avg",
+        )
+
+
+CASES = (
+    Case("dense-g1-contiguous-shared", 45, 1, "contiguous", batch=2, repeat=True),
+    Case("dense-g4-zigzag-branches-mlp", 45, 4, "zigzag", per_branch_kv=True, phi="mlp"),
+    Case("dense-g4-zigzag-shared-prefix", 37, 4, "zigzag", slc_exchange="prefix", window=16),
+    Case(
+        "varlen-g1-zigzag-branches-prefix",
+        45,
+        1,
+        "zigzag",
+        per_branch_kv=True,
+        cu_seqlens=(0, 3, 20, 20, 31, 45),
+        slc_exchange="prefix",
+    ),
+    Case(
+        "varlen-g4-contiguous-shared-mlp",
+        45,
+        4,
+        "contiguous",
+        phi="mlp",
+        cu_seqlens=(0, 13, 14, 45),
+    ),
+)
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor
+    k: dict[str, torch.Tensor]
+    v: dict[str, torch.Tensor]
+    gates: torch.Tensor
+    grad_out: torch.Tensor
+    phi_k: CompressMLP | None
+    phi_v: CompressMLP | None
+
+
+def make_inputs(case: Case, seed: int) -> Inputs:
+    """The global inputs of a case, the same in the test process and in every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = case.config()
+    b, t = case.batch, case.tokens
+    hq, h, dk, dv = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    q = rand(b, t, hq, dk)
+    if case.per_branch_kv:
+        k = {br: rand(b, t, h, dk) for br in BRANCHES}
+        v = {br: rand(b, t, h, dv) for br in BRANCHES}
+    else:
+        k_all, v_all = rand(b, t, h, dk), rand(b, t, h, dv)
+        k = dict.fromkeys(BRANCHES, k_all)
+        v = dict.fromkeys(BRANCHES, v_all)
+    gates = torch.rand(b, t, hq, 3, generator=gen)
+    grad_out = rand(b, t, hq, dv)
+    phis: list[CompressMLP | None] = [None, None]
+    if case.phi == "mlp":
+        phis = [CompressMLP(dk, cfg.cmp_block), CompressMLP(dv, cfg.cmp_block)]
+        for phi in phis:
+            assert phi is not None
+            with torch.no_grad():
+                for p in phi.parameters():
+                    p.copy_(rand(*p.shape) / p.shape[-1] ** 0.5)
+    return Inputs(q, k, v, gates, grad_out, phis[0], phis[1])
+
+
+def leaves(
+    case: Case,
+    q: torch.Tensor,
+    k: dict[str, torch.Tensor],
+    v: dict[str, torch.Tensor],
+    gates: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The tensors that take gradients, by name (one k/v when the branches share it)."""
+    named = {"q": q, "gates": gates}
+    for br in BRANCHES if case.per_branch_kv else ("slc",):
+        named[f"k_{br}"] = k[br]
+        named[f"v_{br}"] = v[br]
+    return named
+
+
+def _with_grad(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().clone().requires_grad_()
+
+
+def _branch_args(
+    case: Case, k: dict[str, torch.Tensor], v: dict[str, torch.Tensor]
+) -> tuple[object, object]:
+    """k/v as the core takes them: one shared tensor, or the per-branch mapping."""
+    if case.per_branch_kv:
+        return k, v
+    return k["slc"], v["slc"]
+
+
+def run_rank(case: Case, seed: int, plan: ShardPlan, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's output rows and gradients for one case."""
+    inp = make_inputs(case, seed)
+    q = _with_grad(plan.shard(inp.q, rank))
+    gates = _with_grad(plan.shard(inp.gates, rank))
+    if case.per_branch_kv:
+        k = {br: _with_grad(plan.shard(inp.k[br], rank)) for br in BRANCHES}
+        v = {br: _with_grad(plan.shard(inp.v[br], rank)) for br in BRANCHES}
+    else:
+        k_one, v_one = (
+            _with_grad(plan.shard(inp.k["slc"], rank)),
+            _with_grad(plan.shard(inp.v["slc"], rank)),
+        )
+        k, v = dict.fromkeys(BRANCHES, k_one), dict.fromkeys(BRANCHES, v_one)
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    k_arg, v_arg = _branch_args(case, k, v)
+    timer = CommTimer()
+    out = context_parallel_nsa_attention(
+        q,
+        k_arg,  # type: ignore[arg-type]
+        v_arg,  # type: ignore[arg-type]
+        gates,
+        case.config(),
+        plan,
+        phi_k=inp.phi_k,
+        phi_v=inp.phi_v,
+        cu_seqlens=cu,
+        slc_exchange=case.slc_exchange,  # type: ignore[arg-type]
+        timer=timer,
+    )
+    out.backward(plan.shard(inp.grad_out, rank))
+    result = {"out": out.detach()}
+    for name, x in leaves(case, q, k, v, gates).items():
+        assert x.grad is not None
+        result[f"grad_{name}"] = x.grad
+    for name, phi in (("phi_k", inp.phi_k), ("phi_v", inp.phi_v)):
+        if phi is not None:
+            for pname, p in phi.named_parameters():
+                assert p.grad is not None
+                result[f"grad_{name}.{pname}"] = p.grad
+    # Every exchange ran forward and backward (the timer counts each once per call).
+    assert all(timer.calls.get(f"{d}:cmp_blocks_k") == 1 for d in ("fwd", "bwd")), timer.calls
+    return result
+
+
+def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
+    """One rank: every case, its results saved under ``out_dir``."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    try:
+        for index, case in enumerate(CASES):
+            plan = ShardPlan(case.tokens, world, case.layout)  # type: ignore[arg-type]
+            result = run_rank(case, index, plan, rank)
+            if case.repeat:
+                again = run_rank(case, index, plan, rank)
+                result["repeat_equal"] = torch.tensor(
+                    all(torch.equal(result[n], again[n]) for n in result)
+                )
+            torch.save(result, os.path.join(out_dir, f"{case.name}-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def reference(case: Case, seed: int) -> dict[str, torch.Tensor]:
+    """Single-process output and gradients of the whole sequence."""
+    inp = make_inputs(case, seed)
+    q, gates = _with_grad(inp.q), _with_grad(inp.gates)
+    if case.per_branch_kv:
+        k = {br: _with_grad(inp.k[br]) for br in BRANCHES}
+        v = {br: _with_grad(inp.v[br]) for br in BRANCHES}
+    else:
+        k_one, v_one = _with_grad(inp.k["slc"]), _with_grad(inp.v["slc"])
+        k, v = dict.fromkeys(BRANCHES, k_one), dict.fromkeys(BRANCHES, v_one)
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    k_arg, v_arg = _branch_args(case, k, v)
+    out = nsa_attention(
+        q,
+        k_arg,
+        v_arg,
+        gates,
+        case.config(),
+        phi_k=inp.phi_k,
+        phi_v=inp.phi_v,
+        cu_seqlens=cu,  # type: ignore[arg-type]
+    )
+    out.backward(inp.grad_out)
+    result = {"out": out.detach()}
+    for name, x in leaves(case, q, k, v, gates).items():
+        assert x.grad is not None
+        result[f"grad_{name}"] = x.grad
+    for name, phi in (("phi_k", inp.phi_k), ("phi_v", inp.phi_v)):
+        if phi is not None:
+            for pname, p in phi.named_parameters():
+                assert p.grad is not None
+                result[f"grad_{name}.{pname}"] = p.grad
+    return result
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
+    mp.spawn(
+        worker,
+        args=(world, str(tmp_path / "store"), str(tmp_path)),
+        nprocs=world,
+        join=True,
+    )
+    for index, case in enumerate(CASES):
+        plan = ShardPlan(case.tokens, world, case.layout)  # type: ignore[arg-type]
+        parts = [torch.load(tmp_path / f"{case.name}-{r}.pt") for r in range(world)]
+        ref = reference(case, index)
+        for name, expected in ref.items():
+            where = f"{case.name} W={world}: {name}"
+            if name == SHIFT_ONLY:
+                # Exactly zero (see SHIFT_ONLY): the ranks' shares must cancel to rounding.
+                shares = [p[name] for p in parts]
+                scale = sum(float(x.norm()) for x in shares)
+                residue = float(sum(shares, torch.zeros_like(expected)).norm())
+                assert residue <= GRAD_BOUND * scale, f"{where}: {residue:.2e} of {scale:.2e}"
+                continue
+            if name.startswith("grad_phi"):
+                # Each rank holds its share of phi's gradient: the group's sum is the whole.
+                got = sum((p[name] for p in parts), torch.zeros_like(expected))
+            else:
+                got = plan.unshard([p[name] for p in parts])
+            assert expected.norm() > 0, f"{where} is all zero, the check is empty"
+            bound = FWD_BOUND if name == "out" else GRAD_BOUND
+            err = rel_err(got, expected)
+            assert err <= bound, f"{where} rel err {err:.2e} > {bound:.0e}"
+        if case.repeat:
+            assert all(bool(p["repeat_equal"]) for p in parts), f"{case.name}: not bit-reproducible"
+
+
+# ------------------------------------------------------------------------ plan and work (no ranks)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize(("tokens", "world"), [(45, 2), (45, 4), (8, 4), (1001, 3)])
+def test_plan_tiles_the_sequence(layout: str, tokens: int, world: int) -> None:
+    plan = ShardPlan(tokens, world, layout)  # type: ignore[arg-type]
+    chunks = plan.chunks()
+    assert chunks[0].start == 0
+    assert chunks[-1].end == tokens
+    assert all(a.end == b.start for a, b in itertools.pairwise(chunks))
+    lengths = [c.length for c in chunks]
+    assert max(lengths) - min(lengths) <= 1
+    assert min(lengths) >= 1
+    if layout == "zigzag":
+        for r in range(world):
+            assert [c.index for c in plan.chunks_of(r)] == [r, 2 * world - 1 - r]
+    x = torch.arange(2 * tokens).view(2, tokens)
+    parts = [plan.shard(x, r) for r in range(world)]
+    assert sum(p.shape[1] for p in parts) == tokens
+    assert torch.equal(plan.unshard(parts), x)
+    for r in range(world):
+        assert torch.equal(plan.positions(r), plan.shard(torch.arange(tokens)[None], r)[0])
+
+
+def test_plan_refuses_empty_chunks() -> None:
+    with pytest.raises(ValueError, match="total_tokens"):
+        ShardPlan(7, 4, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        ShardPlan(64, 2, "striped")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="world_size"):
+        ShardPlan(64, 2.0, "zigzag")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("cu", [None, (0, 3, 20, 20, 31, 45), (0, 45)])
+def test_owned_blocks_tile_and_halos_are_bounded(layout: str, cu: tuple[int, ...] | None) -> None:
+    config = CASES[0].config()
+    bounds = (0, 45) if cu is None else cu
+    seqs = Sequences.build(bounds, config, varlen=cu is not None)
+    plan = ShardPlan(45, 4, layout)  # type: ignore[arg-type]
+    works = plan_work(plan, seqs, config)
+    layout_blocks = block_layout(works, plan.world_size)
+    expected = sum(
+        num_cmp_blocks(b - a, config.cmp_block, config.cmp_stride)
+        for a, b in itertools.pairwise(bounds)
+    )
+    assert layout_blocks.total == expected == seqs.cmp_bounds[-1]
+    for work in works:
+        s = work.chunk.start
+        assert s - work.win_halo_start <= config.window - 1
+        if work.owned_blocks[1] > work.owned_blocks[0]:
+            assert s - work.cmp_raw_start <= config.cmp_block - 1
+        rows = [(seg.start, seg.end) for seg in work.segments]
+        assert rows[0][0] == s
+        assert rows[-1][1] == work.chunk.end
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(rows))
+
+
+# ---------------------------------------------------------------- one process: W = 1 and bad input
+
+
+@pytest.fixture
+def single_rank_group(tmp_path: Path):  # type: ignore[no-untyped-def]
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store1"), 1), rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_equals_single_process(single_rank_group: None) -> None:
+    case = CASES[3]
+    ref = reference(case, 3)
+    got = run_rank(case, 3, ShardPlan(case.tokens, 1, "zigzag"), 0)
+    for name, expected in ref.items():
+        if name == SHIFT_ONLY:
+            continue  # exactly zero: see SHIFT_ONLY
+        bound = FWD_BOUND if name == "out" else GRAD_BOUND
+        assert rel_err(got[name], expected) <= bound, name
+
+
+def test_bad_arguments(single_rank_group: None) -> None:
+    case = CASES[0]
+    inp = make_inputs(case, 0)
+    cfg = case.config()
+    args = (inp.q, inp.k["slc"], inp.v["slc"], inp.gates, cfg)
+    with pytest.raises(TypeError, match="plan must be a ShardPlan"):
+        context_parallel_nsa_attention(*args, (45, 1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="plan is for 2 ranks"):
+        context_parallel_nsa_attention(*args, ShardPlan(45, 2))
+    with pytest.raises(ValueError, match="must hold rank 0's 44 tokens"):
+        context_parallel_nsa_attention(*args, ShardPlan(44, 1))
+    with pytest.raises(ValueError, match="slc_exchange"):
+        context_parallel_nsa_attention(*args, ShardPlan(45, 1), slc_exchange="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cu_seqlens must end at T=45"):
+        context_parallel_nsa_attention(
+            inp.q[:1],
+            inp.k["slc"][:1],
+            inp.v["slc"][:1],
+            inp.gates[:1],
+            cfg,
+            ShardPlan(45, 1),
+            cu_seqlens=torch.tensor([0, 40], dtype=torch.int32),
+        )
