@@ -13,9 +13,9 @@ import torch
 
 from nsa_core import registry
 from nsa_core.debug_log import reset_log_state
+from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
-from nsa_core.reference.selection import select_blocks_impl
 from nsa_core.reference.sliding_attention import sliding_attention_impl
 from nsa_core.registry import (
     OPS,
@@ -31,10 +31,12 @@ from nsa_core.toggles import Toggles
 
 # The reference bodies each op's "reference" backend runs (after the public op validated).
 REFERENCE_FNS: dict[str, Callable[..., Any]] = {
-    "select_blocks": select_blocks_impl,
+    # select_blocks_impl behind the keyword lse, which the reference does not read.
+    "select_blocks": registry.select_blocks_reference,
     "compressed_attention": compressed_attention_impl,
     "selected_attention": selected_attention_impl,
     "sliding_attention": sliding_attention_impl,
+    "gated_combine": gated_combine_impl,
 }
 
 

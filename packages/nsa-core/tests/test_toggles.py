@@ -35,6 +35,7 @@ DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
     "NSA_WIN_BACKEND": "auto",
     "NSA_WIN_FA2": True,
     "NSA_WIN_FA2_MIN_LEN": 16,
+    "NSA_COMBINE_BACKEND": "auto",
     "NSA_DEBUG_LOG": False,
     "NSA_DEBUG_LOG_LIMIT": 10,
     "NSA_DEBUG_TIMING": False,
@@ -68,7 +69,7 @@ BLOCK_TOGGLES = {
     "NSA_SEL_TRITON_BLOCK_L": "block_l",
     "NSA_SEL_TRITON_BLOCK_DV": "block_dv",
 }
-STEPS = ("SCORE", "CMP", "SEL", "WIN", "DECODE", "DEBUG")
+STEPS = ("SCORE", "CMP", "SEL", "WIN", "COMBINE", "DECODE", "DEBUG")
 
 
 @pytest.fixture

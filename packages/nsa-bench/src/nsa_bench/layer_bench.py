@@ -62,8 +62,8 @@ MODES = ("fwd", "fwdbwd")
 # Step of the core forward -> the public nsa_core function and the registry op that routes it.
 STEPS: tuple[tuple[str, str], ...] = (
     ("compress", "compress"),
-    ("select_blocks", "select_blocks"),
     ("compressed", "compressed_attention"),
+    ("select_blocks", "select_blocks"),
     ("selected", "selected_attention"),
     ("sliding", "sliding_attention"),
     ("combine", "gated_combine"),
@@ -570,7 +570,7 @@ def bench_fa2(
 # What each step of the core forward reads from the steps before it.
 STEP_NEEDS: dict[str, tuple[str, ...]] = {
     "compress": (),
-    "select_blocks": ("compress",),
+    "select_blocks": ("compress", "compressed"),
     "compressed": ("compress",),
     "selected": ("select_blocks",),
     "sliding": (),
@@ -602,16 +602,21 @@ def bench_steps(shape: Shape, inp: Inputs, timer: Timer, device: torch.device) -
         k_cmp = nsa_core.compress(inp.k, cmp_block, cmp_stride)
         return k_cmp, nsa_core.compress(inp.v, cmp_block, cmp_stride)
 
+    # As the core runs them: the compressed branch first, its lse (where its backend yields
+    # one) handed to block scoring.
+    def compressed() -> Any:
+        k_cmp, v_cmp = done["compress"]
+        return nsa_core.compressed_attention_with_lse(
+            inp.q, k_cmp, v_cmp, cmp_block, cmp_stride, scale
+        )
+
     def select_blocks() -> Any:
         k_cmp, _ = done["compress"]
         indices, _counts = nsa_core.select_blocks(
-            inp.q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale
-        )
+            inp.q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale,
+            lse=done["compressed"][1],
+        )  # fmt: skip
         return indices
-
-    def compressed() -> Any:
-        k_cmp, v_cmp = done["compress"]
-        return nsa_core.compressed_attention(inp.q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
 
     def selected() -> Any:
         indices = done["select_blocks"]
@@ -621,7 +626,7 @@ def bench_steps(shape: Shape, inp: Inputs, timer: Timer, device: torch.device) -
         return nsa_core.sliding_attention(inp.q, inp.k, inp.v, window, scale)
 
     def combine() -> Any:
-        o_cmp, o_slc, o_win = done["compressed"], done["selected"], done["sliding"]
+        o_cmp, o_slc, o_win = done["compressed"][0], done["selected"], done["sliding"]
         return nsa_core.gated_combine(o_cmp, o_slc, o_win, inp.gates)
 
     calls: dict[str, Callable[[], Any]] = {

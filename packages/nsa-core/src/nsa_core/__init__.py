@@ -12,6 +12,8 @@ from nsa_core.cache import NSACache
 from nsa_core.config import NSAConfig
 from nsa_core.ops import (
     compressed_attention,
+    compressed_attention_with_lse,
+    gated_combine,
     select_blocks,
     selected_attention,
     sliding_attention,
@@ -22,7 +24,6 @@ from nsa_core.reference import (
     block_scores,
     compress,
     compress_avg,
-    gated_combine,
     split_blocks,
     topn_blocks,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "compress",
     "compress_avg",
     "compressed_attention",
+    "compressed_attention_with_lse",
     "expected_reads",
     "gated_combine",
     "get_toggles",

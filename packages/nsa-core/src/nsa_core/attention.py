@@ -22,7 +22,6 @@ from nsa_core.checks import (
 )
 from nsa_core.config import NSAConfig
 from nsa_core.reads import expected_reads
-from nsa_core.reference.combine import gated_combine
 from nsa_core.reference.compress import CompressMLP, compress
 from nsa_core.reference.compressed_attention import cmp_visible
 from nsa_core.reference.selected_attention import selected_visibility
@@ -96,9 +95,23 @@ def branch_outputs(
 
     q [B, Tq, HQ, dk] at positions ``q_start + r``; k_slc/v_slc hold every token from 0;
     k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
+    Block scoring takes the compressed branch's log-sum-exp when its backend yields one
+    (:func:`nsa_core.ops.compressed_attention_with_lse`), detached.
     """
     cfg = config
     scale = cfg.softmax_scale
+    # The compressed branch runs first: where its backend yields the softmax's log-sum-exp,
+    # block scoring reuses it instead of recomputing the normaliser (same q, k_cmp and scale).
+    o_cmp, lse = ops.compressed_attention_with_lse(
+        q,
+        k_cmp,
+        v_cmp,
+        cfg.cmp_block,
+        cfg.cmp_stride,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+    )
     indices, _ = ops.select_blocks(
         q,
         k_cmp,
@@ -109,16 +122,7 @@ def branch_outputs(
         scale,
         q_start=q_start,
         cu_seqlens=cu_seqlens,
-    )
-    o_cmp = ops.compressed_attention(
-        q,
-        k_cmp,
-        v_cmp,
-        cfg.cmp_block,
-        cfg.cmp_stride,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
+        lse=lse,
     )
     o_slc = ops.selected_attention(
         q, k_slc, v_slc, indices, cfg.sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
@@ -223,7 +227,7 @@ def nsa_attention(
         vs["win"],
         cu_seqlens=cu_seqlens,
     )
-    return gated_combine(o_cmp, o_slc, o_win, gates)
+    return ops.gated_combine(o_cmp, o_slc, o_win, gates)
 
 
 class NSAAttention(nn.Module):
@@ -359,7 +363,7 @@ class NSAAttention(nn.Module):
             inp.v["win"],
             cu_seqlens=cu_seqlens,
         )
-        o = gated_combine(o_cmp, o_slc, o_win, inp.gates)
+        o = ops.gated_combine(o_cmp, o_slc, o_win, inp.gates)
         y: torch.Tensor = self.o_proj(o.flatten(2))
         return y
 
@@ -375,7 +379,7 @@ class NSAAttention(nn.Module):
         o_cmp, o_slc, o_win, _ = self.branch_outputs(
             inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"]
         )
-        y = self.o_proj(gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
+        y = self.o_proj(ops.gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
         cache = NSACache.empty(
             cfg, batch, capacity=max(capacity, t), device=x.device, dtype=x.dtype
         )
@@ -433,7 +437,7 @@ class NSAAttention(nn.Module):
             q_start=t,
             win_start=cache.k_win.shape[1] - 1,
         )
-        y = self.o_proj(gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
+        y = self.o_proj(ops.gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
         # Count the keys each branch's softmax actually covered, from the masks the ops use.
         slc = selected_visibility(indices, cfg.sel_block, t, t + 1)[:, 0].sum(-1)  # [B, H]
         cmp = cmp_visible(positions, cache.num_cmp, cfg.cmp_block, cfg.cmp_stride).sum(-1)

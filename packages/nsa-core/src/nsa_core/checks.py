@@ -329,9 +329,12 @@ def check_select_blocks(
     *,
     q_start: object = 0,
     cu_seqlens: torch.Tensor | None = None,
+    lse: object = None,
 ) -> None:
-    """Every rule of ``select_blocks`` (d must divide l' as well as l)."""
+    """Every rule of ``select_blocks`` (d must divide l' as well as l; lse None or float32
+    [B, Tq, HQ] on q's device)."""
     check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
+    check_lse(lse, q)
     l_cmp, d = check_cmp_geometry(cmp_block, cmp_stride)
     l_sel = check_int("sel_block", sel_block, 1)
     if l_sel % d != 0:
@@ -342,6 +345,20 @@ def check_select_blocks(
         "select_blocks", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
     _check_cmp_keys("select_blocks", q, k_cmp, l_cmp, d, start, cu_seqlens)
+
+
+def check_lse(lse: object, q: torch.Tensor) -> None:
+    """``lse`` is None or the compressed softmax's normaliser: float32 [B, Tq, HQ] like q."""
+    if lse is None:
+        return
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse must be a float32 tensor [B, Tq, HQ], got {type(lse).__name__}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"lse must be float32, got {lse.dtype}")
+    if tuple(lse.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"lse {shape(lse)} must be [B, Tq, HQ] matching q {shape(q)}")
+    if lse.device != q.device:
+        raise ValueError(f"lse is on {lse.device} but q is on {q.device}")
 
 
 def check_block_scores(

@@ -35,6 +35,7 @@ OPS = (
     "compressed_attention",
     "selected_attention",
     "sliding_attention",
+    "gated_combine",
 )
 ENTRY_POINT_GROUP = "nsa.backends"
 
@@ -79,6 +80,14 @@ class Backend:
     ``fn`` takes the public op's arguments, already validated by the op's ``check_<op>`` in
     :mod:`nsa_core.checks`, plus the keyword ``toggles``: the toggles the routing decision that
     chose it was made with (a backend never re-reads the environment).
+
+    ``fn_with_lse`` (``compressed_attention`` only, optional) takes the same arguments and
+    returns ``(o, lse)``: the output ``fn`` gives, bit for bit, and the natural-log normaliser
+    of its softmax, float32 [B, Tq, HQ], ``log sum_i exp(scale * q . k_cmp[i])`` over the
+    visible blocks, -inf on rows that see none. The attention core hands that lse to
+    ``select_blocks``, which then skips its own normaliser pass (docs/spec.md, "Block scoring on
+    a GPU"). ``select_blocks`` backends take the keyword ``lse`` (None or that tensor, detached)
+    and may ignore it.
     """
 
     op: str
@@ -87,6 +96,7 @@ class Backend:
     supports: Supports
     priority: int = 0
     requested_by: Callable[[Toggles], bool] = field(default=lambda toggles: False)
+    fn_with_lse: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -169,6 +179,17 @@ def resolve_fn(op: str, ctx: OpContext, toggles: Toggles) -> Callable[..., Any]:
     return with_debug_hooks(op, backend.name, backend.fn, reference.fn, toggles)
 
 
+def resolve_fn_with_lse(op: str, ctx: OpContext, toggles: Toggles) -> Callable[..., Any] | None:
+    """The ``fn_with_lse`` of the backend :func:`resolve` picks, or None.
+
+    None when that backend has none, and whenever a debug hook is on: the hooks observe ``fn``,
+    so the caller then runs :func:`resolve_fn` and goes without the lse.
+    """
+    if toggles.debug_hooks:
+        return None
+    return resolve(op, ctx, toggles).backend.fn_with_lse
+
+
 def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Resolution:
     """The backend NSA_<STEP>_BACKEND names: it serves, or the call fails with its reason."""
     toggle = "NSA_" + BACKEND_TOGGLE[op].upper()
@@ -206,18 +227,49 @@ def _without_toggles(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def select_blocks_reference(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    sel_block: int,
+    num_selected: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference select_blocks as a backend: it computes its own softmax, so ``lse`` is
+    not read (the spec defines the scores from the reference's compressed softmax)."""
+    from nsa_core.reference.selection import select_blocks_impl
+
+    return select_blocks_impl(
+        q,
+        k_cmp,
+        cmp_block,
+        cmp_stride,
+        sel_block,
+        num_selected,
+        scale,
+        q_start=q_start,
+        cu_seqlens=cu_seqlens,
+    )
+
+
 def register_reference_backends() -> None:
     """Register nsa-core's reference bodies (priority 0, accept every call)."""
+    from nsa_core.reference.combine import gated_combine_impl
     from nsa_core.reference.compressed_attention import compressed_attention_impl
     from nsa_core.reference.selected_attention import selected_attention_impl
-    from nsa_core.reference.selection import select_blocks_impl
     from nsa_core.reference.sliding_attention import sliding_attention_impl
 
     for op, fn in (
-        ("select_blocks", select_blocks_impl),
+        ("select_blocks", select_blocks_reference),
         ("compressed_attention", compressed_attention_impl),
         ("selected_attention", selected_attention_impl),
         ("sliding_attention", sliding_attention_impl),
+        ("gated_combine", gated_combine_impl),
     ):
         register_backend(
             Backend(op=op, name="reference", fn=_without_toggles(fn), supports=_always, priority=0)

@@ -1,8 +1,8 @@
 """The one place that reads the ``NSA_*`` environment toggles.
 
-Every toggle is named ``NSA_<STEP>_<KNOB>`` with STEP one of SCORE, CMP, SEL, WIN, DECODE,
-DEBUG, parsed here, typed, and documented; a malformed value raises ``ValueError`` naming the
-toggle. Other modules call :func:`get_toggles` and never read ``os.environ``.
+Every toggle is named ``NSA_<STEP>_<KNOB>`` with STEP one of SCORE, CMP, SEL, WIN, COMBINE,
+DECODE, DEBUG, parsed here, typed, and documented; a malformed value raises ``ValueError`` naming
+the toggle. Other modules call :func:`get_toggles` and never read ``os.environ``.
 
 | toggle | type | default | meaning |
 |---|---|---|---|
@@ -21,6 +21,7 @@ toggle. Other modules call :func:`get_toggles` and never read ``os.environ``.
 | NSA_WIN_BACKEND | str | auto | sliding branch: ``auto`` or a backend name |
 | NSA_WIN_FA2 | bool | 1 | FlashAttention-2 for the sliding branch, if installed |
 | NSA_WIN_FA2_MIN_LEN | int | 16 | shortest sequence routed to FA-2 for the sliding branch |
+| NSA_COMBINE_BACKEND | str | auto | gated combine of the branches: ``auto`` or a backend name |
 | NSA_DEBUG_LOG | bool | 0 | structured debug logs on the ``nsa`` logger |
 | NSA_DEBUG_LOG_LIMIT | int | 10 | how many times one log tag is emitted before it goes quiet |
 | NSA_DEBUG_TIMING | bool | 0 | time every op call (``debug.timing``; synchronizes on CUDA: slow) |
@@ -152,6 +153,7 @@ class Toggles:
     win_backend: str = "auto"
     win_fa2: bool = True
     win_fa2_min_len: int = 16
+    combine_backend: str = "auto"
     debug_log: bool = False
     debug_log_limit: int = 10
     debug_timing: bool = False
@@ -264,6 +266,7 @@ BACKEND_TOGGLE = {
     "compressed_attention": "cmp_backend",
     "selected_attention": "sel_backend",
     "sliding_attention": "win_backend",
+    "gated_combine": "combine_backend",
 }
 
 

@@ -8,6 +8,7 @@ One folder per NSA step, each with one table of its backends and their prioritie
 | compressed branch | ``compressed_attention`` | :mod:`nsa_kernels.compressed.backends` |
 | selected branch | ``selected_attention`` | :mod:`nsa_kernels.selected.backends` |
 | sliding branch | ``sliding_attention`` | :mod:`nsa_kernels.sliding.backends` |
+| gated combine | ``gated_combine`` | :mod:`nsa_kernels.combine.backends` |
 
 Each backend decides per call whether it applies (device, dtype, shapes, toggles) and says why
 not; registering is cheap and imports no kernel compiler: Triton kernels compile on first use,
@@ -26,6 +27,7 @@ STEP_TABLES = (
     "nsa_kernels.compressed.backends",
     "nsa_kernels.selected.backends",
     "nsa_kernels.sliding.backends",
+    "nsa_kernels.combine.backends",
 )
 
 

@@ -17,8 +17,19 @@ def gated_combine(
         gates: [B, T, HQ, 3] in (0, 1), ordered (cmp, slc, win).
 
     Returns:
-        [B, T, HQ, dv].
+        [B, T, HQ, dv] in the inputs' dtype. Every product is taken, so a non-finite branch
+        value stays non-finite whatever its gate (0 x NaN = NaN).
     """
     check_gated_combine(o_cmp, o_slc, o_win, gates)
+    return gated_combine_impl(o_cmp, o_slc, o_win, gates)
+
+
+def gated_combine_impl(
+    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
+) -> torch.Tensor:
+    """:func:`gated_combine` on arguments that passed ``check_gated_combine``.
+
+    In the inputs' dtype, left to right: ``(g0 * o_cmp + g1 * o_slc) + g2 * o_win``.
+    """
     g = gates.unsqueeze(-1)
     return g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win

@@ -8,6 +8,7 @@ The registry asks them from the highest priority down; the first whose ``support
 | 30 | ``fa2`` | NSA_CMP_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_CMP_FA2_MIN_LEN tokens |
 | 25 | ``triton_cmp`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 (forward and backward) |
+| | | (also yields its log-sum-exp, which block scoring reuses) |
 | 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA, when none of the above accepted |
@@ -53,6 +54,15 @@ def compressed_attention_triton_backend(
     return out
 
 
+def compressed_attention_triton_lse_backend(
+    *args: Any, toggles: Toggles, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered ``fn_with_lse``: the same kernels, and the lse their forward writes."""
+    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+
+    return compressed_attention_triton_with_lse(*args, **kwargs)
+
+
 def backends() -> list[Backend]:
     """The compressed branch's backends, highest priority first."""
     return [
@@ -70,6 +80,7 @@ def backends() -> list[Backend]:
             fn=compressed_attention_triton_backend,
             supports=triton_cmp_supports,
             priority=TRITON_PRIORITY,
+            fn_with_lse=compressed_attention_triton_lse_backend,
         ),
         Backend(
             op=OP,

@@ -248,6 +248,7 @@ def select_blocks_triton(
         scale,
         q_start=q_start,
         cu_seqlens=cu_seqlens,
+        lse=lse,
     )
     batch, tq, hq, dk = q.shape
     h = k_cmp.shape[2]
@@ -255,8 +256,6 @@ def select_blocks_triton(
         raise TypeError(f"Triton block scoring supports {SUPPORTED_DTYPES}, got {q.dtype}")
     if dk > MAX_HEAD_DIM:
         raise ValueError(f"head dim dk={dk} exceeds {MAX_HEAD_DIM}")
-    if lse is not None:
-        _check_lse(lse, q)
     indices = torch.empty(batch, tq, h, num_selected, dtype=torch.int32, device=q.device)
     counts = torch.empty(batch, tq, h, dtype=torch.int32, device=q.device)
     if tq == 0:
@@ -312,17 +311,6 @@ def select_blocks_triton(
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return indices, counts
-
-
-def _check_lse(lse: torch.Tensor, q: torch.Tensor) -> None:
-    if not isinstance(lse, torch.Tensor):
-        raise TypeError(f"lse must be a float32 tensor [B, Tq, HQ], got {type(lse).__name__}")
-    if lse.dtype != torch.float32:
-        raise TypeError(f"lse must be float32, got {lse.dtype}")
-    if tuple(lse.shape) != tuple(q.shape[:3]):
-        raise ValueError(f"lse must be [B, Tq, HQ] = {list(q.shape[:3])}, got {list(lse.shape)}")
-    if lse.device != q.device:
-        raise ValueError(f"lse is on {lse.device} but q is on {q.device}")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

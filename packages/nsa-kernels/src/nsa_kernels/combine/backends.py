@@ -1,0 +1,54 @@
+"""The backends of the gated combine (``gated_combine``) and their priorities.
+
+The registry asks them from the highest priority down; the first whose ``supports`` returns
+``None`` serves, and nsa-core's reference (priority 0: the combine in plain torch, in the
+inputs' dtype) serves whatever they all decline: CPU, float64, ``NSA_COMBINE_BACKEND=reference``.
+
+| priority | backend | serves when |
+|---|---|---|
+| 20 | ``triton_combine`` | CUDA and triton, fp16/bf16/fp32 (forward and backward, any dv) |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nsa_core.registry import Backend, OpContext
+from nsa_core.toggles import Toggles
+from nsa_kernels.common.triton_routing import TRITON_DTYPES, triton_available
+
+OP = "gated_combine"
+TRITON_PRIORITY = 20
+
+
+def triton_combine_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    """Why the Triton combine cannot serve ``ctx``, or None (it loops over dv: no head-dim cap)."""
+    if ctx.device.type != "cuda":
+        return f"Triton kernels run on CUDA (device is {ctx.device.type})"
+    if not triton_available():
+        return "triton is not installed"
+    if ctx.dtype not in TRITON_DTYPES:
+        return f"needs float16, bfloat16 or float32, got {ctx.dtype} (float64 runs the reference)"
+    return None
+
+
+def gated_combine_triton_backend(*args: Any, toggles: Toggles, **kwargs: Any) -> torch.Tensor:
+    """The registered ``fn``: :func:`nsa_kernels.combine.function.gated_combine_triton`."""
+    from nsa_kernels.combine.function import gated_combine_triton
+
+    return gated_combine_triton(*args, **kwargs)
+
+
+def backends() -> list[Backend]:
+    """The gated combine's backends, highest priority first."""
+    return [
+        Backend(
+            op=OP,
+            name="triton_combine",
+            fn=gated_combine_triton_backend,
+            supports=triton_combine_supports,
+            priority=TRITON_PRIORITY,
+        )
+    ]

@@ -1,0 +1,159 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""The gated-combine kernels: one pass forward, one pass backward, float32 inside.
+
+A *row* is one (b, t, head) of o [B, T, HQ, dv]; row r = (b * T + t) * HQ + head. A program
+takes BR rows and walks their dv channels in chunks of BD (one chunk when dv <= BD). Every
+tensor is addressed through its own (b, t, head) strides with unit stride along dv, so the
+branch outputs need not be contiguous.
+
+Forward: ``o = g0 * o_cmp + g1 * o_slc + g2 * o_win`` with the gates and branch values read in
+float32 and o rounded once to its dtype. Backward, for the upstream ``do``: ``d o_c = g_c * do``
+per channel and ``d g_c = sum over dv of do * o_c`` per row, all four in the same pass. Every
+product is taken, as in the reference (docs/spec.md, "Non-finite values"): a gate of 0 times a
+NaN branch value is NaN. Masked loads (channels past dv, rows past the end) read 0 and are
+never stored.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_offsets(rows, T, HQ, stride_b, stride_t, stride_h):
+    """int64 [BR] offsets of rows r = (b * T + t) * HQ + head in a tensor of these strides."""
+    head = rows % HQ
+    t = (rows // HQ) % T
+    b = rows // (HQ * T)
+    return b * stride_b + t * stride_t + head * stride_h
+
+
+@triton.jit
+def combine_fwd_kernel(
+    cmp_ptr,
+    slc_ptr,
+    win_ptr,
+    g_ptr,
+    o_ptr,
+    s_cmp_b,
+    s_cmp_t,
+    s_cmp_h,
+    s_slc_b,
+    s_slc_t,
+    s_slc_h,
+    s_win_b,
+    s_win_t,
+    s_win_h,
+    s_g_b,
+    s_g_t,
+    s_g_h,
+    s_g_c,
+    s_o_b,
+    s_o_t,
+    s_o_h,
+    n_rows,
+    T,
+    HQ,
+    DV: tl.constexpr,
+    BR: tl.constexpr,
+    BD: tl.constexpr,
+):
+    """o [B, T, HQ, DV] for BR rows: the gated sum of the three branch outputs."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    row_ok = rows < n_rows
+    g_rows = g_ptr + _row_offsets(rows, T, HQ, s_g_b, s_g_t, s_g_h)
+    g0 = tl.load(g_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(g_rows + s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(g_rows + 2 * s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    cmp_rows = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
+    slc_rows = slc_ptr + _row_offsets(rows, T, HQ, s_slc_b, s_slc_t, s_slc_h)
+    win_rows = win_ptr + _row_offsets(rows, T, HQ, s_win_b, s_win_t, s_win_h)
+    o_rows = o_ptr + _row_offsets(rows, T, HQ, s_o_b, s_o_t, s_o_h)
+    for d0 in range(0, DV, BD):
+        cols = d0 + tl.arange(0, BD)
+        ok = row_ok[:, None] & (cols < DV)[None, :]
+        a = tl.load(cmp_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(slc_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(win_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        o = g0 * a + g1 * b + g2 * c
+        tl.store(o_rows[:, None] + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def combine_bwd_kernel(
+    do_ptr,
+    cmp_ptr,
+    slc_ptr,
+    win_ptr,
+    g_ptr,
+    dcmp_ptr,
+    dslc_ptr,
+    dwin_ptr,
+    dg_ptr,
+    s_do_b,
+    s_do_t,
+    s_do_h,
+    s_cmp_b,
+    s_cmp_t,
+    s_cmp_h,
+    s_slc_b,
+    s_slc_t,
+    s_slc_h,
+    s_win_b,
+    s_win_t,
+    s_win_h,
+    s_g_b,
+    s_g_t,
+    s_g_h,
+    s_g_c,
+    n_rows,
+    T,
+    HQ,
+    DV: tl.constexpr,
+    BR: tl.constexpr,
+    BD: tl.constexpr,
+    WRITE_DO: tl.constexpr,
+    WRITE_DG: tl.constexpr,
+):
+    """d o_cmp, d o_slc, d o_win [B, T, HQ, DV] (contiguous) and d gates [B, T, HQ, 3]
+    (contiguous) for BR rows. WRITE_DO / WRITE_DG: whether the branch / gate gradients are
+    wanted (the others are neither computed nor stored)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    row_ok = rows < n_rows
+    do_rows = do_ptr + _row_offsets(rows, T, HQ, s_do_b, s_do_t, s_do_h)
+    g_rows = g_ptr + _row_offsets(rows, T, HQ, s_g_b, s_g_t, s_g_h)
+    g0 = tl.load(g_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(g_rows + s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(g_rows + 2 * s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    cmp_rows = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
+    slc_rows = slc_ptr + _row_offsets(rows, T, HQ, s_slc_b, s_slc_t, s_slc_h)
+    win_rows = win_ptr + _row_offsets(rows, T, HQ, s_win_b, s_win_t, s_win_h)
+    out_rows = rows * DV
+    dg0 = tl.zeros([BR], dtype=tl.float32)
+    dg1 = tl.zeros([BR], dtype=tl.float32)
+    dg2 = tl.zeros([BR], dtype=tl.float32)
+    for d0 in range(0, DV, BD):
+        cols = d0 + tl.arange(0, BD)
+        ok = row_ok[:, None] & (cols < DV)[None, :]
+        do = tl.load(do_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        if WRITE_DO:
+            dst = out_rows[:, None] + cols[None, :]
+            tl.store(dcmp_ptr + dst, (g0 * do).to(dcmp_ptr.dtype.element_ty), mask=ok)
+            tl.store(dslc_ptr + dst, (g1 * do).to(dslc_ptr.dtype.element_ty), mask=ok)
+            tl.store(dwin_ptr + dst, (g2 * do).to(dwin_ptr.dtype.element_ty), mask=ok)
+        if WRITE_DG:
+            a = tl.load(cmp_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            b = tl.load(slc_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            c = tl.load(win_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            dg0 += tl.sum(do * a, axis=1)
+            dg1 += tl.sum(do * b, axis=1)
+            dg2 += tl.sum(do * c, axis=1)
+    if WRITE_DG:
+        dg_rows = dg_ptr + rows * 3
+        kind = dg_ptr.dtype.element_ty
+        tl.store(dg_rows, dg0.to(kind), mask=row_ok)
+        tl.store(dg_rows + 1, dg1.to(kind), mask=row_ok)
+        tl.store(dg_rows + 2, dg2.to(kind), mask=row_ok)
