@@ -12,6 +12,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("nsa_bench.demo", "small NSA prefill + decode: routing and a reads table"),
     "cmp": ("nsa_bench.cmp_bench", "Triton compressed attention fwd/bwd over T vs its peers"),
+    "cp": ("nsa_bench.cp_bench", "context-parallel NSA fwd+bwd per world size, comm apart"),
     "decode": (
         "nsa_bench.decode_bench",
         "fused decode step and layer step (CUDA graphs) vs dense decode, B x S, per branch",

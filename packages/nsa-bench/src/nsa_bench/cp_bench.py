@@ -1,0 +1,571 @@
+"""``nsa-bench cp``: context-parallel NSA forward + backward per world size, with comm apart.
+
+For each world size W (``--world-sizes``, default 1,2,4,8; on CUDA those above the visible GPU
+count become ``skipped`` rows) and each length T (``--seqlens``, default 128k..1M, ascending),
+every rank holds its shard of random q, k, v (one K/V shared by the three branches) and gates
+(B=1, HQ=64, H=4, dk=192, dv=128, l=32, d=16, l'=64, n=16, w=512, bf16 on CUDA by default) and
+runs :func:`nsa_core.context_parallel.context_parallel_nsa_attention` forward and backward.
+Methods: ``cp`` (the sharded core, for each ``--slc-exchanges`` mode and ``--layout``) and, at
+W=1, ``single`` (plain :func:`nsa_core.nsa_attention`, the baseline of ``vs_single``).
+
+Per row: ``step_ms`` the median over ``--iters`` steps of the slowest rank's forward + backward
+(all ranks start together after a barrier), ``tokens_per_s`` = B*T / step, ``vs_single`` = the
+single-GPU step at that T over this row's (> 1 is faster). The exchanges are timed apart in
+``--comm-iters`` more steps with a :class:`~nsa_core.context_parallel.CommTimer`, which
+synchronizes around each exchange: ``comm_fwd_ms`` and ``comm_bwd_ms`` (slowest rank, mean per
+step), ``comm_share`` their sum over that run's step time (``timed_step_ms``). ``peak_mib`` is
+the largest per-rank peak (``torch.cuda.max_memory_allocated`` on CUDA; the process's peak RSS
+on CPU, ``memory`` says which) and ``peak_mib_ranks`` every rank's, ``;``-separated.
+
+Launch: by default the command spawns W processes per world size itself (one spawn per W,
+lengths ascending: a failure, e.g. out of memory, ends that W's spawn and the longer lengths
+become ``skipped`` rows). Under ``torchrun`` (``WORLD_SIZE`` set) it runs on that group only.
+Process groups are NCCL on CUDA and gloo on CPU. Under ``--out`` (default
+``artifacts/bench/cp/``): ``cp.csv`` and ``cp.json`` (one schema, the environment as ``env_*``
+in every row), rewritten after every world size, and the Markdown table printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.spawn import spawn
+
+from nsa_bench.layer_bench import failure_status, parse_length, parse_pairs
+from nsa_core import NSAConfig, nsa_attention
+from nsa_core.context_parallel import (
+    LAYOUTS,
+    SLC_EXCHANGES,
+    CommTimer,
+    Layout,
+    ShardPlan,
+    SlcExchange,
+    context_parallel_nsa_attention,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MIB = 1 << 20
+
+
+@dataclass
+class Row:
+    """One timed (W, T, method, exchange); ``status`` is ``ok`` or why there is no time."""
+
+    world_size: int
+    T: int
+    method: str
+    slc_exchange: str
+    layout: str
+    dtype: str
+    device: str
+    status: str = "ok"
+    step_ms: float = math.nan
+    tokens_per_s: float = math.nan
+    vs_single: float = math.nan
+    comm_fwd_ms: float = math.nan
+    comm_bwd_ms: float = math.nan
+    timed_step_ms: float = math.nan
+    comm_share: float = math.nan
+    peak_mib: float = math.nan
+    peak_mib_ranks: str = ""
+    memory: str = ""
+    iters: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+ROW_COLUMNS = [f.name for f in fields(Row) if f.name != "env"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every rank of one world size runs (picklable for the spawned processes)."""
+
+    seqlens: tuple[int, ...]
+    batch: int
+    heads: tuple[int, int]
+    head_dims: tuple[int, int]
+    config: NSAConfig
+    dtype: str
+    device: str
+    layout: Layout
+    slc_exchanges: tuple[SlcExchange, ...]
+    iters: int
+    warmup: int
+    comm_iters: int
+    seed: int
+    timeout_s: float
+
+
+# ------------------------------------------------------------------------------------- one rank
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_mib(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / MIB, "cuda_max_allocated"
+    # ru_maxrss is in KiB on Linux: the process's peak, imports included.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "cpu_max_rss"
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _local_inputs(
+    s: Settings, plan: ShardPlan, rank: int, device: torch.device
+) -> list[torch.Tensor]:
+    """This rank's q, k, v, gates and output gradient, [B, T_local, ...], drawn on the device."""
+    gen = torch.Generator(device=device).manual_seed(s.seed * 1009 + rank)
+    dtype = DTYPES[s.dtype]
+    t_local = plan.local_tokens(rank)
+    (hq, h), (dk, dv) = s.heads, s.head_dims
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    gates = torch.rand(s.batch, t_local, hq, 3, generator=gen, device=device, dtype=dtype)
+    tensors = [
+        rand(s.batch, t_local, hq, dk),
+        rand(s.batch, t_local, h, dk),
+        rand(s.batch, t_local, h, dv),
+        gates,
+    ]
+    return [*(t.requires_grad_() for t in tensors), rand(s.batch, t_local, hq, dv)]
+
+
+def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(x) for x in t.tolist()]
+
+
+def _gather_floats(value: float, world: int, device: torch.device) -> list[float]:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    out = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(out, t)
+    return [float(x.item()) for x in out]
+
+
+def time_case(
+    s: Settings,
+    T: int,
+    exchange: SlcExchange | None,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> Row:
+    """One row (``exchange`` None: the single-process baseline); every rank runs it and gets
+    the complete row."""
+    plan = ShardPlan(T, world, s.layout)
+    method = "cp" if exchange is not None else "single"
+    row = Row(world, T, method, exchange or "-", s.layout, s.dtype, device.type, iters=s.iters)
+    _reset_peak(device)
+    q, k, v, gates, grad_out = _local_inputs(s, plan, rank, device)
+    leaves = (q, k, v, gates)
+
+    def step(timer: CommTimer | None) -> None:
+        for t in leaves:
+            t.grad = None
+        if exchange is None:
+            out = nsa_attention(q, k, v, gates, s.config)
+        else:
+            out = context_parallel_nsa_attention(
+                q,
+                k,
+                v,
+                gates,
+                s.config,
+                plan,
+                slc_exchange=exchange,
+                timer=timer,
+            )
+        torch.autograd.backward(out, grad_out)
+
+    def timed(timer: CommTimer | None) -> float:
+        _sync(device)
+        dist.barrier()
+        start = time.perf_counter()
+        step(timer)
+        _sync(device)
+        return (time.perf_counter() - start) * 1e3
+
+    for _ in range(s.warmup):
+        timed(None)
+    steps = [timed(None) for _ in range(s.iters)]
+    steps = _max_over_ranks(steps, device)  # a step lasts as long as its slowest rank
+    row.step_ms = statistics.median(steps)
+    row.tokens_per_s = s.batch * T / (row.step_ms / 1e3)
+    if exchange is not None and s.comm_iters > 0:
+        timer = CommTimer()
+        timed_steps = [timed(timer) for _ in range(s.comm_iters)]
+        fwd, bwd, whole = _max_over_ranks(
+            [
+                timer.total("fwd:") / s.comm_iters * 1e3,
+                timer.total("bwd:") / s.comm_iters * 1e3,
+                statistics.mean(timed_steps),
+            ],
+            device,
+        )
+        row.comm_fwd_ms, row.comm_bwd_ms, row.timed_step_ms = fwd, bwd, whole
+        row.comm_share = (fwd + bwd) / whole
+    peak, row.memory = _peak_mib(device)
+    peaks = _gather_floats(peak, world, device)
+    row.peak_mib = max(peaks)
+    row.peak_mib_ranks = ";".join(f"{p:.0f}" for p in peaks)
+    return row
+
+
+def _cases(s: Settings, world: int) -> list[tuple[int, SlcExchange | None]]:
+    """(T, exchange) in run order: lengths ascending, the baseline (None) first at W=1."""
+    cases: list[tuple[int, SlcExchange | None]] = []
+    for T in sorted(s.seqlens):
+        if world == 1:
+            cases.append((T, None))
+        cases += [(T, exchange) for exchange in s.slc_exchanges]
+    return cases
+
+
+def _case_key(exchange: SlcExchange | None) -> tuple[str, str]:
+    """(method, slc_exchange) as the rows write them."""
+    return ("single", "-") if exchange is None else ("cp", exchange)
+
+
+def run_ranks(rank: int, world: int, s: Settings, rows_path: str, device: torch.device) -> None:
+    """One rank of one world size: every case, rows appended to ``rows_path`` by rank 0.
+
+    On a failure the rank records it (``<rows_path>.failed.<rank>``) and re-raises: its peers
+    are stuck in a collective, so the launcher ends the whole world size.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("run_ranks needs an initialized process group")
+    for T, exchange in _cases(s, world):
+        try:
+            row = time_case(s, T, exchange, rank, world, device)
+        except BaseException as exc:
+            with open(f"{rows_path}.failed.{rank}", "w") as f:
+                json.dump({"T": T, "exchange": exchange, "status": failure_status(exc)}, f)
+            raise
+        if rank == 0:
+            with open(rows_path, "a") as f:
+                f.write(json.dumps(asdict(row)) + "\n")
+            _log(_progress(row))
+
+
+def spawned_rank(rank: int, world: int, s: Settings, store_path: str, rows_path: str) -> None:
+    """One rank of :func:`run_world`: a spawned process, or this one when ``world == 1``."""
+    backend = "nccl" if s.device == "cuda" else "gloo"
+    device = torch.device("cpu") if s.device == "cpu" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{store_path}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=s.timeout_s),
+    )
+    try:
+        dist.barrier()  # the communicator exists before the first point-to-point exchange
+        run_ranks(rank, world, s, rows_path, device)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ launcher
+
+
+def _read_rows(rows_path: Path) -> list[Row]:
+    if not rows_path.exists():
+        return []
+    rows = []
+    for line in rows_path.read_text().splitlines():
+        rec = json.loads(line)
+        rows.append(Row(**rec))
+    return rows
+
+
+def _failure_rows(s: Settings, world: int, done: list[Row], rows_path: Path, why: str) -> list[Row]:
+    """Rows for the cases a failed world size left: the failing one with its status, then
+    ``skipped`` for the rest."""
+    failures = sorted(rows_path.parent.glob(rows_path.name + ".failed.*"))
+    status = why
+    if failures:
+        status = json.loads(failures[0].read_text())["status"]
+    finished = {(r.T, r.method, r.slc_exchange) for r in done}
+    rows = []
+    for T, exchange in _cases(s, world):
+        method, name = _case_key(exchange)
+        if (T, method, name) in finished:
+            continue
+        row = Row(world, T, method, name, s.layout, s.dtype, s.device, status=status)
+        rows.append(row)
+        status = "skipped: an earlier case of this world size failed"
+    return rows
+
+
+def run_world(s: Settings, world: int) -> list[Row]:
+    """Run ``world`` ranks on this host and return their rows (failures become rows).
+
+    ``world == 1`` runs in this process (a group of one); more ranks are spawned processes.
+    """
+    if s.device == "cuda" and world > torch.cuda.device_count():
+        why = f"skipped: needs {world} GPUs, {torch.cuda.device_count()} visible"
+        return [
+            Row(world, T, *_case_key(e), s.layout, s.dtype, s.device, status=why)
+            for T, e in _cases(s, world)
+        ]
+    with tempfile.TemporaryDirectory(prefix="nsa-cp-") as tmp:
+        rows_path = Path(tmp) / "rows.jsonl"
+        args = (world, s, str(Path(tmp) / "store"), str(rows_path))
+        try:
+            if world == 1:
+                spawned_rank(0, *args)
+            else:
+                spawn(spawned_rank, args=args, nprocs=world, join=True)  # type: ignore[no-untyped-call]
+        except Exception as exc:  # a rank failed: keep what finished, say why for the rest
+            done = _read_rows(rows_path)
+            first = str(exc).strip().splitlines()
+            why = "error: " + (first[-1] if first else type(exc).__name__)[:300]
+            return done + _failure_rows(s, world, done, rows_path, why)
+        return _read_rows(rows_path)
+
+
+def add_ratios(rows: Sequence[Row]) -> None:
+    """vs_single: the single-process step at the same T over the row's step."""
+    single = {r.T: r.step_ms for r in rows if r.method == "single" and r.ok}
+    for row in rows:
+        if row.ok and row.T in single:
+            row.vs_single = single[row.T] / row.step_ms
+
+
+# --------------------------------------------------------------------------------------- output
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return ""
+    return value
+
+
+def records(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """One flat dict per row: the row's columns, then every ``env_*`` key, sorted."""
+    env_keys = sorted({k for row in rows for k in row.env})
+    keys = ROW_COLUMNS + env_keys
+    out = []
+    for row in rows:
+        flat = {k: _cell(v) for k, v in asdict(row).items() if k != "env"}
+        flat.update(row.env)
+        out.append({k: flat.get(k, "") for k in keys})
+    return out
+
+
+def write_tables(rows: Sequence[Row], out: Path) -> tuple[Path, Path]:
+    """cp.csv and cp.json under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    csv_path, json_path = out / "cp.csv", out / "cp.json"
+    recs = records(rows)
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(recs[0]) if recs else ROW_COLUMNS)
+        writer.writeheader()
+        writer.writerows(recs)
+    with json_path.open("w") as f:
+        json.dump(recs, f, indent=1)
+    return csv_path, json_path
+
+
+def _fmt(value: float, spec: str) -> str:
+    return format(value, spec) if math.isfinite(value) else "-"
+
+
+def table(rows: Sequence[Row]) -> list[str]:
+    """The Markdown table of every row."""
+    lines = [
+        "| W | T | method | slc exchange | step ms | tokens/s | vs single | comm fwd ms "
+        "| comm bwd ms | comm share | peak MiB/rank | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.world_size} | {r.T} | {r.method} | {r.slc_exchange} | "
+            f"{_fmt(r.step_ms, '.2f')} | {_fmt(r.tokens_per_s, '.0f')} | "
+            f"{_fmt(r.vs_single, '.2f')} | {_fmt(r.comm_fwd_ms, '.2f')} | "
+            f"{_fmt(r.comm_bwd_ms, '.2f')} | {_fmt(r.comm_share, '.1%')} | "
+            f"{_fmt(r.peak_mib, '.0f')} | {r.status} |"
+        )
+    return lines
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _progress(row: Row) -> str:
+    return (
+        f"[cp] W={row.world_size} T={row.T:<8d} {row.method:6s} {row.slc_exchange:10s} "
+        f"{_fmt(row.step_ms, '10.2f')} ms  comm {_fmt(row.comm_fwd_ms, '.2f')}+"
+        f"{_fmt(row.comm_bwd_ms, '.2f')} ms  peak {_fmt(row.peak_mib, '.0f')} MiB  {row.status}"
+    )
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--world-sizes", default="1,2,4,8", help="ranks per run, comma-separated (spawned here)"
+    )
+    parser.add_argument(
+        "--seqlens", default="128k,256k,512k,1m", help="lengths T (131072, 128k or 1m)"
+    )
+    parser.add_argument("--batch", type=int, default=1, help="B")
+    parser.add_argument("--heads", default="64/4", help="HQ/H, query and kv heads")
+    parser.add_argument("--head-dims", default="192/128", help="dk/dv")
+    parser.add_argument("--cmp-block", type=int, default=32, help="l")
+    parser.add_argument("--cmp-stride", type=int, default=16, help="d")
+    parser.add_argument("--sel-block", type=int, default=64, help="l'")
+    parser.add_argument("--num-selected", type=int, default=16, help="n")
+    parser.add_argument("--window", type=int, default=512, help="w")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="bf16 on CUDA, fp32 on CPU by default"
+    )
+    parser.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="how T is split")
+    parser.add_argument(
+        "--slc-exchanges",
+        default="all_gather",
+        help=f"selected-branch K/V exchanges to time, comma-separated: {', '.join(SLC_EXCHANGES)}",
+    )
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--iters", type=int, default=5, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument(
+        "--comm-iters", type=int, default=2, help="more steps with the exchanges timed apart"
+    )
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="artifacts/bench/cp/", help="output folder")
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """The run's settings from the command line (validated)."""
+    ((hq, h),) = parse_pairs(args.heads)
+    ((dk, dv),) = parse_pairs(args.head_dims)
+    names = [x.strip() for x in args.slc_exchanges.split(",") if x.strip()]
+    exchanges = tuple(x for x in SLC_EXCHANGES if x in names)
+    if not exchanges or len(exchanges) != len(set(names)):
+        raise argparse.ArgumentTypeError(f"--slc-exchanges: choose from {SLC_EXCHANGES}")
+    layout = next(x for x in LAYOUTS if x == args.layout)
+    config = NSAConfig(
+        num_q_heads=hq,
+        num_kv_heads=h,
+        head_dim_qk=dk,
+        head_dim_v=dv,
+        cmp_block=args.cmp_block,
+        cmp_stride=args.cmp_stride,
+        sel_block=args.sel_block,
+        num_selected=args.num_selected,
+        window=args.window,
+    )
+    return Settings(
+        seqlens=tuple(parse_length(x) for x in args.seqlens.split(",") if x.strip()),
+        batch=args.batch,
+        heads=(hq, h),
+        head_dims=(dk, dv),
+        config=config,
+        dtype=args.dtype or ("bf16" if args.device == "cuda" else "fp32"),
+        device=args.device,
+        layout=layout,
+        slc_exchanges=exchanges,
+        iters=args.iters,
+        warmup=args.warmup,
+        comm_iters=args.comm_iters,
+        seed=args.seed,
+        timeout_s=args.timeout_s,
+    )
+
+
+def _env() -> dict[str, str]:
+    from nsa_bench.env import collect
+
+    return {f"env_{k}": v for k, v in collect().items()}
+
+
+def _finish(rows: list[Row], out: Path) -> None:
+    add_ratios(rows)
+    env = _env()
+    for row in rows:
+        row.env = env
+    csv_path, json_path = write_tables(rows, out)
+    print("\n".join(table(rows)))
+    _log(f"[cp] wrote {csv_path} and {json_path}")
+
+
+def run(args: argparse.Namespace) -> int:
+    s = settings(args)
+    out = Path(args.out)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return _run_under_torchrun(s, out)
+    worlds = [int(x) for x in args.world_sizes.split(",") if x.strip()]
+    rows: list[Row] = []
+    for world in worlds:
+        _log(f"[cp] world size {world}: {', '.join(str(t) for t in sorted(s.seqlens))}")
+        rows += run_world(s, world)
+        _finish(rows, out)
+    return 0 if all(r.ok or r.status.startswith(("skipped", "oom")) for r in rows) else 1
+
+
+def _run_under_torchrun(s: Settings, out: Path) -> int:
+    """One world size: the group torchrun made (env:// rendezvous)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cpu") if s.device == "cpu" else torch.device("cuda", local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if s.device == "cuda" else "gloo",
+        timeout=datetime.timedelta(seconds=s.timeout_s),
+    )
+    try:
+        dist.barrier()
+        with tempfile.TemporaryDirectory(prefix="nsa-cp-") as tmp:
+            rows_path = Path(tmp) / "rows.jsonl"
+            try:
+                run_ranks(rank, world, s, str(rows_path), device)
+            except Exception:
+                traceback.print_exc()
+                raise
+            if rank == 0:
+                _finish(_read_rows(rows_path), out)
+    finally:
+        dist.destroy_process_group()
+    return 0
