@@ -11,9 +11,9 @@ the gates (and its share of phi's parameters). Per call, in this order:
    branch shares the selected branch's K/V tensors its halos are read from that exchange;
 2. each chunk compresses the blocks whose last token it holds, and one all-gather shares the
    compressed blocks (N_cmp(T) of them, T/d);
-3. each chunk runs nsa_core's public ops (:func:`nsa_core.attention.branch_outputs`) with
-   ``q_start`` = its offset in its sequence, so the backend the registry picks serves the local
-   work, then the gated combine.
+3. each chunk runs nsa_core's public ops (:func:`nsa_core.attention.branch_outputs`, then
+   :func:`nsa_core.ops.gated_combine`) with ``q_start`` = its offset in its sequence, so the
+   backends the registry picks serve all the local work.
 
 docs/context_parallel.md gives the volumes per rank.
 """
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nsa_core import ops
 from nsa_core.attention import BRANCHES, branch_outputs, check_nsa_attention
 from nsa_core.checks import check_cu_seqlens, shape
 from nsa_core.config import NSAConfig
@@ -42,7 +43,6 @@ from nsa_core.context_parallel.exchange import (
 )
 from nsa_core.context_parallel.plan import ShardPlan
 from nsa_core.context_parallel.work import ChunkWork, Sequences, plan_work
-from nsa_core.reference.combine import gated_combine
 from nsa_core.reference.compress import compress
 
 SlcExchange = Literal["all_gather", "prefix"]
@@ -326,7 +326,7 @@ def context_parallel_nsa_attention(
                 win_start=None if varlen_cu is not None else seg.start - seg.win_start,
                 cu_seqlens=varlen_cu,
             )
-            out_parts.append(gated_combine(o_cmp, o_slc, o_win, gates.narrow(1, *rows)))
+            out_parts.append(ops.gated_combine(o_cmp, o_slc, o_win, gates.narrow(1, *rows)))
     return anchor(torch.cat(out_parts, dim=1), link)
 
 
