@@ -280,6 +280,9 @@ def run_ranks(rank: int, world: int, s: Settings, rows_path: str, device: torch.
 
 def spawned_rank(rank: int, world: int, s: Settings, store_path: str, rows_path: str) -> None:
     """One rank of :func:`run_world`: a spawned process, or this one when ``world == 1``."""
+    from nsa_bench.cli import register_kernels
+
+    register_kernels()  # a spawned process starts with only the entry points' backends
     backend = "nccl" if s.device == "cuda" else "gloo"
     device = torch.device("cpu") if s.device == "cpu" else torch.device("cuda", rank)
     if device.type == "cuda":
