@@ -183,12 +183,14 @@ def reference_at(
     return RefStep(o=o[0, 0], indices=ref_idx[0, 0], scores=scores[0, 0])
 
 
-def _as(module: torch.nn.Module | None, dtype: torch.dtype) -> torch.nn.Module | None:
+def _as(
+    module: torch.nn.Module | None, dtype: torch.dtype, device: str | None = None
+) -> torch.nn.Module | None:
     if module is None:
         return None
     import copy
 
-    return copy.deepcopy(module).to(dtype)
+    return copy.deepcopy(module).to(device=device, dtype=dtype)
 
 
 def forced_blocks(t: int, sel_block: int) -> set[int]:
@@ -295,8 +297,9 @@ class ReferenceDecoder:
     ) -> None:
         self.cfg = cfg
         self.stream = stream
-        self.phi_k = _as(phi_k, torch.float64)
-        self.phi_v = _as(phi_v, torch.float64)
+        # The reference caches live on the CPU in float64, and so do their copies of phi.
+        self.phi_k = _as(phi_k, torch.float64, "cpu")
+        self.phi_v = _as(phi_v, torch.float64, "cpu")
         self.caches = []
         for b, n in enumerate(lengths):
             cache = NSACache.empty(cfg, 1, capacity=n, device="cpu", dtype=torch.float64)

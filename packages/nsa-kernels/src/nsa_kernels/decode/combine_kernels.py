@@ -17,52 +17,29 @@ import triton.language as tl
 
 
 @triton.jit
-def _merge_branch(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    part_n_ptr,
-    bh,
-    heads,
-    head_ok,
-    first,
-    count,
-    slots,
-    G: tl.constexpr,
-    HB: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    KT: tl.constexpr,
-):
-    """(o [HB, BV] float32, keys read) of ``heads`` [HB] over slots ``[first, first + count)``."""
-    vcol = tl.arange(0, BV)
-    m_run = tl.full([KT, HB], -1.0e30, dtype=tl.float32)
-    for k0 in range(0, count, KT):
-        k = k0 + tl.arange(0, KT)
-        row = (bh * slots + first + k[:, None]) * G + heads[None, :]
-        have = (k < count)[:, None] & head_ok[None, :]
-        m_run = tl.maximum(m_run, tl.load(part_m_ptr + row, mask=have, other=-1.0e30))
-    m_all = tl.max(m_run, axis=0)  # [HB]
-    l_sum = tl.zeros([KT, HB], dtype=tl.float32)
-    reads = tl.zeros([KT], dtype=tl.int32)
-    acc = tl.zeros([HB, BV], dtype=tl.float32)
-    for k0 in range(0, count, KT):
-        k = k0 + tl.arange(0, KT)
-        row = (bh * slots + first + k[:, None]) * G + heads[None, :]
-        have = (k < count)[:, None] & head_ok[None, :]
-        w = tl.exp2(tl.load(part_m_ptr + row, mask=have, other=-1.0e30) - m_all[None, :])
-        l_sum += w * tl.load(part_l_ptr + row, mask=have, other=0.0)
-        reads += tl.load(part_n_ptr + bh * slots + first + k, mask=k < count, other=0)
-        part = tl.load(
-            part_acc_ptr + row[:, :, None] * DV + vcol[None, None, :],
-            mask=have[:, :, None] & (vcol < DV)[None, None, :],
-            other=0.0,
-        )
-        acc += tl.sum(w[:, :, None] * part, axis=0)
-    total = tl.sum(l_sum, axis=0)
-    seen = total > 0.0
-    o = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
-    return o, tl.sum(reads, axis=0)
+def _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots):
+    """Branch of partial-state slot k [KT]: 0 compressed, 1 window, 2 selected, -1 unused.
+
+    Compressed slots past the n_cmp_used chunks that hold blocks were not written this step.
+    """
+    win_end = cmp_chunks + win_chunks
+    return tl.where(
+        k < n_cmp_used,
+        0,
+        tl.where(
+            (k >= cmp_chunks) & (k < win_end), 1, tl.where((k >= win_end) & (k < slots), 2, -1)
+        ),
+    )
+
+
+@triton.jit
+def _online_max_sum(M, L, m, denom, mine):
+    """Running (max, sum of exp2(m - max) * denom) [HB] of one branch over a tile's slots
+    ``mine``: m and denom [KT, HB] are the slots' partial maxima and softmax denominators."""
+    tile_max = tl.max(tl.where(mine[:, None], m, -1.0e30), axis=0)
+    new_max = tl.maximum(M, tile_max)
+    w = tl.where(mine[:, None], tl.exp2(m - new_max[None, :]), 0.0)
+    return new_max, L * tl.exp2(M - new_max) + tl.sum(w * denom, axis=0)
 
 
 @triton.jit
@@ -84,7 +61,6 @@ def combine_kernel(
     slots,
     cmp_chunks,
     win_chunks,
-    sel_splits,
     cmp_chunk,
     DV: tl.constexpr,
     BV: tl.constexpr,
@@ -95,8 +71,13 @@ def combine_kernel(
     Grid: (B*H, ceil(G / HPC)); program (bh, c) serves heads ``[c*HPC, (c+1)*HPC)`` of group h
     (HB = HPC rounded up to a power of two). gates ``[B, HQ, 3]`` and o ``[B, HQ, dv]``
     contiguous. Program c == 0 also writes the keys each branch read, ``reads [3, B, H]``
-    (cmp, slc, win), summed from the partials. Compressed slots past ceil(N_cmp / cmp_chunk)
-    were not written this step and are not read.
+    (cmp, slc, win), summed from the partials.
+
+    Two passes over all slots of the three branches together, KT slots a tile (one tile when
+    KT >= slots, the usual case): the first reads only the small (m, l, n) and gives each
+    branch's max M and sum L; the second weighs every slot's acc by
+    ``g_branch * exp2(m - M_branch) / L_branch`` and sums, so the step's latency is two rounds
+    of loads whatever the number of branches. A branch with L = 0 saw no key and gives 0.
     """
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -105,32 +86,70 @@ def combine_kernel(
     hh = tl.arange(0, HB)
     heads = c * HPC + hh
     head_ok = (hh < HPC) & (heads < G)
-    n_cmp = tl.load(num_cmp_ptr + b)
-    o_cmp, n_cmp_read = _merge_branch(
-        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, heads, head_ok,
-        0, tl.cdiv(n_cmp, cmp_chunk), slots, G, HB, DV, BV, KT,
-    )  # fmt: skip
-    o_win, n_win_read = _merge_branch(
-        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, heads, head_ok,
-        cmp_chunks, win_chunks, slots, G, HB, DV, BV, KT,
-    )  # fmt: skip
-    o_slc, n_slc_read = _merge_branch(
-        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, heads, head_ok,
-        cmp_chunks + win_chunks, sel_splits, slots, G, HB, DV, BV, KT,
-    )  # fmt: skip
-    row = b * HQ + h * G + heads  # [HB] query-head rows
-    gate = gates_ptr + row * 3
-    g_cmp = tl.load(gate + 0, mask=head_ok, other=0.0).to(tl.float32)[:, None]
-    g_slc = tl.load(gate + 1, mask=head_ok, other=0.0).to(tl.float32)[:, None]
-    g_win = tl.load(gate + 2, mask=head_ok, other=0.0).to(tl.float32)[:, None]
-    o = g_cmp * o_cmp + g_slc * o_slc + g_win * o_win
+    row_q = b * HQ + h * G + heads  # [HB] query-head rows
+    gate = gates_ptr + row_q * 3
+    g_cmp = tl.load(gate + 0, mask=head_ok, other=0.0).to(tl.float32)
+    g_slc = tl.load(gate + 1, mask=head_ok, other=0.0).to(tl.float32)
+    g_win = tl.load(gate + 2, mask=head_ok, other=0.0).to(tl.float32)
+    n_cmp_used = tl.cdiv(tl.load(num_cmp_ptr + b), cmp_chunk)
+
+    m_cmp = tl.full([HB], -1.0e30, dtype=tl.float32)
+    m_win = tl.full([HB], -1.0e30, dtype=tl.float32)
+    m_slc = tl.full([HB], -1.0e30, dtype=tl.float32)
+    l_cmp = tl.zeros([HB], dtype=tl.float32)
+    l_win = tl.zeros([HB], dtype=tl.float32)
+    l_slc = tl.zeros([HB], dtype=tl.float32)
+    reads = tl.zeros([KT], dtype=tl.int32)
+    reads_cmp = tl.zeros([KT], dtype=tl.int32)
+    reads_win = tl.zeros([KT], dtype=tl.int32)
+    for k0 in range(0, slots, KT):
+        k = k0 + tl.arange(0, KT)
+        branch = _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots)
+        row = (bh * slots + k[:, None]) * G + heads[None, :]
+        have = (branch >= 0)[:, None] & head_ok[None, :]
+        m = tl.load(part_m_ptr + row, mask=have, other=-1.0e30)
+        denom = tl.load(part_l_ptr + row, mask=have, other=0.0)
+        n = tl.load(part_n_ptr + bh * slots + k, mask=branch >= 0, other=0)
+        m_cmp, l_cmp = _online_max_sum(m_cmp, l_cmp, m, denom, branch == 0)
+        m_win, l_win = _online_max_sum(m_win, l_win, m, denom, branch == 1)
+        m_slc, l_slc = _online_max_sum(m_slc, l_slc, m, denom, branch == 2)
+        reads += n
+        reads_cmp += tl.where(branch == 0, n, 0)
+        reads_win += tl.where(branch == 1, n, 0)
+
+    # Per branch: g / L where the branch saw a key, else 0 (its output is 0, never NaN).
+    s_cmp = tl.where(l_cmp > 0.0, g_cmp / tl.where(l_cmp > 0.0, l_cmp, 1.0), 0.0)
+    s_win = tl.where(l_win > 0.0, g_win / tl.where(l_win > 0.0, l_win, 1.0), 0.0)
+    s_slc = tl.where(l_slc > 0.0, g_slc / tl.where(l_slc > 0.0, l_slc, 1.0), 0.0)
     vcol = tl.arange(0, BV)
+    o = tl.zeros([HB, BV], dtype=tl.float32)
+    for k0 in range(0, slots, KT):
+        k = k0 + tl.arange(0, KT)
+        branch = _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots)
+        row = (bh * slots + k[:, None]) * G + heads[None, :]
+        have = (branch >= 0)[:, None] & head_ok[None, :]
+        m = tl.load(part_m_ptr + row, mask=have, other=-1.0e30)
+        part = tl.load(
+            part_acc_ptr + row[:, :, None] * DV + vcol[None, None, :],
+            mask=have[:, :, None] & (vcol < DV)[None, None, :],
+            other=0.0,
+        )
+        is_cmp = (branch == 0)[:, None]
+        is_win = (branch == 1)[:, None]
+        top = tl.where(is_cmp, m_cmp[None, :], tl.where(is_win, m_win[None, :], m_slc[None, :]))
+        scale = tl.where(is_cmp, s_cmp[None, :], tl.where(is_win, s_win[None, :], s_slc[None, :]))
+        weight = tl.where(have, scale * tl.exp2(m - top), 0.0)  # [KT, HB]
+        o += tl.sum(weight[:, :, None] * part, axis=0)
     tl.store(
-        o_ptr + row[:, None] * DV + vcol[None, :],
+        o_ptr + row_q[:, None] * DV + vcol[None, :],
         o.to(o_ptr.dtype.element_ty),
         mask=head_ok[:, None] & (vcol < DV)[None, :],
     )
     first = c == 0
+    n_cmp_read = tl.sum(reads_cmp, axis=0)
+    n_win_read = tl.sum(reads_win, axis=0)
     tl.store(reads_ptr + bh, n_cmp_read, mask=first)
-    tl.store(reads_ptr + batch * H + bh, n_slc_read, mask=first)
+    tl.store(
+        reads_ptr + batch * H + bh, tl.sum(reads, axis=0) - n_cmp_read - n_win_read, mask=first
+    )
     tl.store(reads_ptr + 2 * batch * H + bh, n_win_read, mask=first)

@@ -271,8 +271,11 @@ class DecodePlan:
         self.n_pad = _pow2(n)
 
         self.slots = self.cmp_chunks + self.window_chunks + self.sel_splits
-        self.combine_tile = kc.combine_tile or 16
+        # All slots in one tile where that fits (the combine is two rounds of loads then).
+        self.combine_tile = kc.combine_tile or min(64, _pow2(self.slots))
         self.combine_heads = min(kc.combine_heads or 1, self.group)
+        combine_floats = self.combine_tile * _pow2(self.combine_heads) * self.block_v
+        self.combine_warps = 4 if combine_floats > 4096 else 2
         self.warps = kc.warps or 4
         self.stages = kc.stages or 2
         self.dot_precision = "ieee" if state.dtype == torch.float32 else "tf32"
@@ -405,9 +408,9 @@ def decode_step(
     )  # fmt: skip
     combine_kernel[(batch * h, _cdiv(p.group, p.combine_heads))](
         p.part_m, p.part_l, p.part_acc, p.part_n, x["gates"], o, state.num_cmp, reads,
-        batch, cmp_chunks=p.cmp_chunks, win_chunks=p.window_chunks, sel_splits=p.sel_splits,
+        batch, cmp_chunks=p.cmp_chunks, win_chunks=p.window_chunks,
         cmp_chunk=p.cmp_chunk, HQ=hq, HPC=p.combine_heads, HB=_pow2(p.combine_heads),
-        DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=2,
+        DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=p.combine_warps,
         H=h, G=p.group, slots=p.slots,
     )  # fmt: skip
     return StepOutputs(o=o, indices=indices, reads=reads)
