@@ -223,6 +223,31 @@ def test_matches_layer_prefill_and_decode(request: pytest.FixtureRequest) -> Non
     assert decoder.state.lengths() == [44, 44]
 
 
+def test_layer_projections_equal_branch_inputs(request: pytest.FixtureRequest) -> None:
+    """LayerDecoder's stacked GEMM and single RoPE call give NSAAttention.branch_inputs, with
+    biases and per-sequence positions."""
+    gen = _gen(request)
+    cfg = small_config(3)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = NSAAttention(cfg, hidden_size=24, bias=True).to(DEV)
+    state = DecodeState.empty(cfg, 2, 64, device=DEV, dtype=F32)
+    decoder = LayerDecoder(layer, state)
+    x = torch.randn(2, 24, generator=gen).to(DEV)
+    positions = torch.tensor([[5], [41]], device=DEV)
+    got = decoder.project(x, positions)
+    with torch.no_grad():
+        want = layer.branch_inputs(x[:, None], positions)
+    pairs = {
+        "q": want.q,
+        "gates": want.gates,
+        **{f"k_{b}": want.k[b] for b in ("cmp", "slc", "win")},
+        **{f"v_{b}": want.v[b] for b in ("cmp", "slc", "win")},
+    }
+    for name, ref in pairs.items():
+        err = rel_err(getattr(got, name), ref[:, 0])
+        assert err <= BOUND[F32], f"{name}: rel err {err:.3g}"
+
+
 def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None:
     """A sequence at capacity is not advanced and is flagged; the others go on."""
     gen = _gen(request)

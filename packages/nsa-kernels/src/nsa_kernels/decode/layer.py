@@ -8,13 +8,20 @@ output projection. With ``graph=True`` all of it is captured once as a CUDA grap
 
 The result equals ``NSAAttention.decode`` on the same cache within the spec's tolerances
 (docs/spec.md, "Decode"); the fused step's index contract is that of step.py.
+
+The projections that read x (q, the six branch K/V, the gate MLP's first layer) run as one
+GEMM over their weights stacked at construction, and RoPE turns q and the three branch keys in
+one call: at one token per sequence the step is latency-bound, and every launch counts. The
+stacked weights are a copy: build a new decoder after changing the layer's weights.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from nsa_core import NSAAttention
+from nsa_core.rope import apply_rope
 from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
 from nsa_kernels.decode.step import (
     DecodeKernelConfig,
@@ -64,6 +71,7 @@ class LayerDecoder:
         self.plan = DecodePlan(state, config)
         self._phi_k: BlockPhi | None = None if module.phi_k is None else block_phi(module.phi_k)
         self._phi_v: BlockPhi | None = None if module.phi_v is None else block_phi(module.phi_v)
+        self._w_in, self._b_in, self._splits = self._stack_input_projections(module)
         self.x = torch.zeros(
             state.batch, module.hidden_size, device=state.device, dtype=state.dtype
         )
@@ -87,22 +95,60 @@ class LayerDecoder:
         state = DecodeState.from_cache(cache, capacity)
         return y, cls(module, state, config=config, graph=graph)
 
+    @staticmethod
+    def _stack_input_projections(
+        module: NSAAttention,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """W [q; k_cmp; k_slc; k_win; v_cmp; v_slc; v_win; gate_in] [rows, hidden], its bias
+        (zeros where a projection has none) and the rows of each part."""
+        layers: list[torch.nn.Linear] = [
+            module.q_proj,
+            *(_linear(module.k_proj[b]) for b in ("cmp", "slc", "win")),
+            *(_linear(module.v_proj[b]) for b in ("cmp", "slc", "win")),
+            _linear(module.gate[0]),
+        ]
+        with torch.no_grad():
+            weight = torch.cat([layer.weight for layer in layers]).contiguous()
+            bias = torch.cat(
+                [
+                    layer.bias
+                    if layer.bias is not None
+                    else layer.weight.new_zeros(layer.weight.shape[0])
+                    for layer in layers
+                ]
+            )
+        return weight, bias, [layer.weight.shape[0] for layer in layers]
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> StepInputs:
+        """The step's inputs for x [B, hidden] at ``positions`` [B, 1]: NSAAttention's
+        ``branch_inputs`` (same math) in one GEMM and one RoPE call."""
+        cfg = self.module.config
+        batch, hq, h = x.shape[0], cfg.num_q_heads, cfg.num_kv_heads
+        dk, dv = cfg.head_dim_qk, cfg.head_dim_v
+        parts = torch.split(F.linear(x, self._w_in, self._b_in), self._splits, dim=-1)
+        q, k_cmp, k_slc, k_win, v_cmp, v_slc, v_win, gate_in = parts
+        keys = torch.cat([q, k_cmp, k_slc, k_win], dim=-1).view(batch, 1, hq + 3 * h, dk)
+        keys = apply_rope(keys, positions, cfg.rope_theta)[:, 0]  # [B, HQ + 3H, dk]
+        q_rot, k_cmp, k_slc, k_win = torch.split(keys, [hq, h, h, h], dim=1)
+        gate = self.module.gate
+        gates = torch.sigmoid(gate[2](gate[1](gate_in))).view(batch, hq, 3)
+        return StepInputs(
+            q=q_rot,
+            k_cmp=k_cmp,
+            v_cmp=v_cmp.reshape(batch, h, dv),
+            k_slc=k_slc,
+            v_slc=v_slc.reshape(batch, h, dv),
+            k_win=k_win,
+            v_win=v_win.reshape(batch, h, dv),
+            gates=gates,
+        )
+
     def _run(self) -> tuple[torch.Tensor, StepOutputs]:
         """y [B, hidden] and the step's outputs for the token in :attr:`x`."""
         module, state = self.module, self.state
         with torch.no_grad():
             positions = state.cache_seqlens.to(torch.int64)[:, None]  # [B, 1], on the device
-            inp = module.branch_inputs(self.x[:, None], positions)
-            step_inputs = StepInputs(
-                q=inp.q[:, 0],
-                k_cmp=inp.k["cmp"][:, 0],
-                v_cmp=inp.v["cmp"][:, 0],
-                k_slc=inp.k["slc"][:, 0],
-                v_slc=inp.v["slc"][:, 0],
-                k_win=inp.k["win"][:, 0],
-                v_win=inp.v["win"][:, 0],
-                gates=inp.gates[:, 0],
-            )
+            step_inputs = self.project(self.x, positions)
             out = decode_step(
                 state, step_inputs, phi_k=self._phi_k, phi_v=self._phi_v, plan=self.plan
             )
@@ -144,3 +190,9 @@ class LayerDecoder:
             return self._run()
         self._graph.replay()
         return self._y, self._out
+
+
+def _linear(module: torch.nn.Module) -> torch.nn.Linear:
+    if not isinstance(module, torch.nn.Linear):
+        raise TypeError(f"expected an nn.Linear projection, got {type(module).__name__}")
+    return module
