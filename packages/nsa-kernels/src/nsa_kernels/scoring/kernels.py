@@ -34,6 +34,9 @@ in the same order; the shifts only move values, exactly), so equal inputs give b
 wherever they sit. A score and its block pack into one int64 key
 ``(bits(S) + 1) << 32 | (2^31-1-j)`` (S >= 0, so its bits order like its value): sorting keys
 descending orders by score, ties to the lower j. A NaN or +inf score gets the high half 0.
+A NaN logit among the blocks a row sees makes every score of its group NaN (the softmax's
+denominator is NaN): such a token keeps its forced blocks and takes the lowest valid j for the
+rest, whatever the normaliser (the lse argument, or the first pass) says.
 """
 
 from __future__ import annotations
@@ -227,7 +230,8 @@ def _score_tile(
     previous tile carries into this one (its blocks spill into this tile's first ones): for
     Q <= 1 its spill sums [BT, BS] (the weights w[1] applied), else its group-summed
     probabilities [BT, RP, BS]. lse2 [BM]: base-2 normalisers, +inf on rows that must give
-    p = 0. MASKED: some row does not see some block of the tile. Returns (run, the carry).
+    p = 0. MASKED: some row does not see some block of the tile. Returns (run, the carry, and
+    [BM] int32: 1 on rows with a NaN logit among the blocks they see).
     """
     cols = tl.arange(0, RP * BS)
     col_m = cols // BS
@@ -239,7 +243,14 @@ def _score_tile(
     p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
         last = blk * CMP_STRIDE + CMP_BLOCK - 1
-        p = tl.where(load_ok[None, :] & (last[None, :] <= t_row[:, None]), p, 0.0)
+        seen = load_ok[None, :] & (last[None, :] <= t_row[:, None])
+        p = tl.where(seen, p, 0.0)
+    else:
+        seen = (col_m < R)[None, :]
+    # A NaN logit among the blocks a row sees makes its softmax's denominator NaN: every
+    # probability of the row, hence every score of its group, is NaN (docs/spec.md,
+    # "Non-finite values"). Flagged here, applied to the top-n at the end.
+    nan_rows = tl.max(((s != s) & seen).to(tl.int32), axis=1)
     p4 = tl.reshape(p, (BT, GP, RP, BS))
     L: tl.constexpr = CMP_BLOCK // CMP_STRIDE
     w_own = _phase_weights(0, R, RP, L)[None, None, :, None]
@@ -280,7 +291,7 @@ def _score_tile(
         # run is descending, top ascending: their elementwise max holds the NP largest of
         # both and is bitonic, so one merge sorts it.
         run = _bitonic(tl.maximum(run, top), LOG_BT, LOG_NP, 1, True)
-    return run, carry
+    return run, carry, nan_rows
 
 
 @triton.jit
@@ -440,18 +451,21 @@ def score_topn_kernel(
     # Selection tiles whose owned blocks every row sees, then the rest up to the last jt.
     seen_by_all = n_vis_first // R // BS * BS
     sel_end = tl.where(n_rows > 0, t_last // SEL + 1, 0)
+    nan_rows = tl.zeros([BM], dtype=tl.int32)
     for j0 in range(0, seen_by_all, BS):
-        run, p_prev = _score_tile(
+        run, p_prev, tile_nan = _score_tile(
             j0, run, p_prev, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt, n_vis,
             qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
             LOG_BT, LOG_BS, LOG_NP, False, USE_GATHER, DOT_PREC,
         )  # fmt: skip
+        nan_rows = tl.maximum(nan_rows, tile_nan)
     for j0 in range(seen_by_all, sel_end, BS):
-        run, p_prev = _score_tile(
+        run, p_prev, tile_nan = _score_tile(
             j0, run, p_prev, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt, n_vis,
             qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
             LOG_BT, LOG_BS, LOG_NP, True, USE_GATHER, DOT_PREC,
         )  # fmt: skip
+        nan_rows = tl.maximum(nan_rows, tile_nan)
 
     # Forced blocks {0, jt - 1, jt} as a set (jt = 0: {0}; jt = 1: {0, 1}); the first
     # min(n, |F|) of them, then the n - |F| best candidates.
@@ -461,6 +475,14 @@ def score_topn_kernel(
     rank = tl.arange(0, NP)[None, :]
     from_run = (rank < free[:, None]) & (run >= 0)
     run_j = ((run & _LOW) ^ _LOW).to(tl.int32)
+    # A token whose group has a row with a NaN normaliser scores NaN on every block: the
+    # non-finite rule ranks them by ascending j, so its free slots take the lowest candidates
+    # 1, 2, ..., jt - 2 (padding rows, which read zeros for q, are left out).
+    nan_tok = tl.max(tl.reshape(tl.where(row_ok, nan_rows, 0), (BT, GP)), axis=1) > 0
+    lowest = rank + 1
+    from_lowest = (rank < free[:, None]) & (lowest <= jt[:, None] - 2)
+    from_run = tl.where(nan_tok[:, None], from_lowest, from_run)
+    run_j = tl.where(nan_tok[:, None], lowest, run_j)
     nth = rank - free[:, None]
     second = tl.where(jt >= 2, jt - 1, jt)[:, None]
     forced_j = tl.where(nth == 0, 0, tl.where(nth == 1, second, jt[:, None]))
