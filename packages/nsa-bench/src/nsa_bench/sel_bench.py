@@ -376,77 +376,6 @@ def make_problem(
 
 
 # ---------------------------------------------------------------------------------------------
-# Gather probe: the forward's K/V reads without its attention math (the bandwidth ceiling)
-
-
-def run_probe(
-    p: Problem,
-    bench: Callable[[Callable[[], object]], float],
-    variants: Sequence[tuple[int, int, int, int, int]],
-) -> list[tuple[str, float, float]]:
-    """(variant, ms, K/V GB/s) of the gather probe for (num_warps, num_stages, BL, DOT, TMA)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from nsa_kernels.selected.kernels import gather_probe_kernel as kernel
-
-    batch, t, h, dk = p.k.shape
-    dv = p.v.shape[-1]
-    if batch != 1:
-        raise ValueError("the probe runs B == 1")
-    out = torch.empty(t, h, dk + dv, device=p.k.device, dtype=torch.float32)
-    blocks = int((p.idx >= 0).sum())
-    kv = blocks * p.sel_block * (dk + dv) * p.k.element_size()
-    results = []
-    k2, v2 = p.k.reshape(t, h * dk), p.v.reshape(t, h * dv)
-    for warps, stages, bl, dot, tma in variants:
-        descs = [
-            TensorDescriptor(x, list(x.shape), list(x.stride()), [bl, d]) if tma else x
-            for x, d in ((k2, dk), (v2, dv))
-        ]
-
-        def launch(
-            warps: int = warps,
-            stages: int = stages,
-            bl: int = bl,
-            dot: int = dot,
-            tma: int = tma,
-            descs: list[Any] = descs,
-        ) -> None:
-            kernel[(t, h)](
-                p.k,
-                p.v,
-                p.idx,
-                out,
-                descs[0],
-                descs[1],
-                p.k.stride(1),
-                p.v.stride(1),
-                p.idx.stride(1),
-                p.idx.shape[-1],
-                H=h,
-                DK=dk,
-                DV=dv,
-                SEL=p.sel_block,
-                BL=bl,
-                ROWS=16,
-                DOT=bool(dot),
-                TMA=bool(tma),
-                num_warps=warps,
-                num_stages=stages,
-            )
-
-        name = f"{'dot' if dot else 'sum'}/w{warps}/s{stages}/bl{bl}{'/tma' if tma else ''}"
-        try:
-            launch()
-            ms = bench(launch)
-        except Exception as exc:  # report and go on
-            results.append((f"{name}: {type(exc).__name__}", math.nan, math.nan))
-            continue
-        results.append((name, ms, kv / (ms * 1e6)))
-    return results
-
-
-# ---------------------------------------------------------------------------------------------
 # Threshold
 
 
@@ -711,17 +640,10 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
             "nsa",
             args.seed,
         )
-        variants = [
-            (4, 2, 64, 1, 0),
-            (4, 3, 64, 1, 0),
-            (4, 4, 32, 1, 0),
-            (4, 2, 64, 1, 1),
-            (4, 3, 64, 1, 1),
-            (4, 4, 32, 1, 1),
-            (8, 3, 64, 1, 1),
-            (4, 3, 64, 0, 1),
-        ]
-        for name, ms, gbps in run_probe(p, bench, variants):
+        # The probe's kernel needs triton (and TMA descriptors): imported only when asked for.
+        from nsa_bench.gather_probe import run_probe
+
+        for name, ms, gbps in run_probe(p.k, p.v, p.idx, p.sel_block, bench):
             row = Row(
                 "probe",
                 "fwd",

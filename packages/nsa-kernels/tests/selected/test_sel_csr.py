@@ -10,12 +10,13 @@ import torch
 pytest.importorskip("triton")
 
 from nsa_kernels.selected.csr import (
+    RED_FIELDS,
+    SEG_FIELDS,
     BlockCSR,
     build_block_csr,
     build_dkv_work,
     default_segment_tokens,
 )
-from nsa_kernels.selected.kernels import RED_FIELDS, SEG_FIELDS
 
 
 def _gen(request: pytest.FixtureRequest) -> torch.Generator:

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nsa_kernels.selected.kernels import RED_FIELDS, SEG_FIELDS
+# Integer fields of one dk/dv work segment (the rows of the int64 table build_dkv_work makes,
+# read by the dk/dv kernel of backward.py).
+SEG_B, SEG_H, SEG_KROW0, SEG_KEND, SEG_POS0, SEG_START, SEG_END, SEG_PART, SEG_TSHIFT = range(9)
+SEG_FIELDS = 9
+# Fields of one multi-segment block for the reduction: b, h, key row 0, key end, first part, parts.
+RED_FIELDS = 6
 
 
 @dataclass(frozen=True)

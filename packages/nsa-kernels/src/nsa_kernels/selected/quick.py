@@ -1,23 +1,31 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
 """Quick-sanity entry points of the Triton selection kernel: plain attention over given keys.
 
 Each row n owns a set of keys and its H query heads attend to all of them in one softmax, with
 no causal mask: ``sel_attn_fwd_dense`` gives every row its own L keys, ``sel_attn_fwd_varlen``
-gives row n the packed range ``K[cu[n]:cu[n+1]]`` (an empty range gives 0).
+gives row n the packed range ``K[cu[n]:cu[n+1]]`` (an empty range gives 0). One kernel,
+``quick_fwd_kernel``, serves both.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
 import itertools
 
 import torch
+import triton
+import triton.language as tl
 
-from nsa_kernels.selected.kernels import LOG2E, quick_fwd_kernel
+from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.selected.row_walk import LOG2E
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _pow2(x: int) -> int:
-    return max(16, 1 << max(0, (x - 1).bit_length()))
+def _tile(x: int) -> int:
+    """A tl.dot extent for x: the next power of two, at least 16."""
+    return max(16, pow2(x))
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rank: int) -> None:
@@ -36,6 +44,87 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rank: int) -> No
         raise ValueError(f"K {tuple(k.shape)} and V {tuple(v.shape)} differ in keys")
     if not (q.device == k.device == v.device):
         raise ValueError("Q, K and V must be on one device")
+
+
+@triton.jit
+def quick_fwd_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    cu_ptr,
+    stride_qn,
+    stride_qh,
+    stride_kn,
+    stride_kl,
+    stride_vn,
+    stride_vl,
+    stride_on,
+    stride_oh,
+    num_keys,
+    qk_scale,
+    H: tl.constexpr,
+    BH: tl.constexpr,
+    D: tl.constexpr,
+    BD: tl.constexpr,
+    DV: tl.constexpr,
+    BDV: tl.constexpr,
+    BL: tl.constexpr,
+    VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """o [H, DV] of row n: its H heads attend, unmasked, to the keys of row n's range."""
+    n = tl.program_id(0).to(tl.int64)
+    if VARLEN:
+        lo = tl.load(cu_ptr + n).to(tl.int64)
+        hi = tl.load(cu_ptr + n + 1).to(tl.int64)
+        k_row = k_ptr
+        v_row = v_ptr
+    else:
+        lo = n * 0
+        hi = lo + num_keys
+        k_row = k_ptr + n * stride_kn
+        v_row = v_ptr + n * stride_vn
+    offs_h = tl.arange(0, BH)
+    offs_d = tl.arange(0, BD)
+    offs_v = tl.arange(0, BDV)
+    offs_l = tl.arange(0, BL)
+    h_mask = offs_h < H
+    q = tl.load(
+        q_ptr + n * stride_qn + offs_h[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & (offs_d < D)[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BH], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, BDV], dtype=tl.float32)
+    for start in range(lo, hi, BL):
+        keys = start + offs_l
+        live = keys < hi
+        kt = tl.load(
+            k_row + keys[:, None] * stride_kl + offs_d[None, :],
+            mask=live[:, None] & (offs_d < D)[None, :],
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(
+            v_row + keys[:, None] * stride_vl + offs_v[None, :],
+            mask=live[:, None] & (offs_v < DV)[None, :],
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        m_i = m_new
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=h_mask[:, None] & (offs_v < DV)[None, :],
+    )
 
 
 def _launch(
@@ -63,7 +152,7 @@ def _launch(
         0 if varlen else v.stride(0), v.stride(-2),
         o.stride(0), o.stride(1),
         num_keys, qk_scale,
-        H=h, BH=_pow2(h), D=d, BD=_pow2(d), DV=dv, BDV=_pow2(dv), BL=block_l,
+        H=h, BH=_tile(h), D=d, BD=_tile(d), DV=dv, BDV=_tile(dv), BL=block_l,
         VARLEN=varlen, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return o

@@ -1,0 +1,60 @@
+"""Typed tile configs of the Triton kernels: the parsing, printing and checks they share.
+
+A kernel's tiles and launch parameters are a frozen dataclass of int fields deriving from
+:class:`TileConfig`, where 0 means "choose" (each kernel's ``resolve_config`` fills it in). They
+reach the kernels only as ``config=`` arguments; benches and tests write them as text,
+``"block_l=64,fwd_warps=4"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TypeVar
+
+ConfigT = TypeVar("ConfigT", bound="TileConfig")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Base of the kernels' tile configs (subclasses add int fields, 0 = choose)."""
+
+    @classmethod
+    def parse(cls: type[ConfigT], text: str) -> ConfigT:
+        """``"name=value,..."`` -> the config; unnamed fields keep 0 (choose).
+
+        Raises ValueError naming the field for an unknown name or a value that is not an int.
+        """
+        values: dict[str, int] = {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, _, raw = item.partition("=")
+            name = name.strip()
+            if name not in names:
+                raise ValueError(
+                    f"unknown {cls.__name__} field {name!r} in {text!r}; known: {sorted(names)}"
+                )
+            try:
+                values[name] = int(raw)
+            except ValueError:
+                raise ValueError(
+                    f"{cls.__name__} field {name!r} needs an int, got {raw!r} in {text!r}"
+                ) from None
+        return cls(**values)
+
+    def describe(self) -> str:
+        """``"name=value,..."`` over every field, the text :meth:`parse` reads back."""
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def check_pow2_tiles(config: TileConfig, names: Iterable[str]) -> None:
+    """Raise ValueError unless each named field of ``config`` is 0 or a power of two >= 16."""
+    for name in names:
+        value = getattr(config, name)
+        if value and (value < 16 or value & (value - 1)):
+            raise ValueError(f"{name}={value} must be 0 or a power of two >= 16")

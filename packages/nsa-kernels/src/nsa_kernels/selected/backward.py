@@ -1,0 +1,406 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""The selected branch's backward: its kernels and their launch, :func:`backward`.
+
+- ``sel_bwd_dq_kernel``: the forward's walk (:mod:`nsa_kernels.selected.row_walk`), recomputing
+  p from lse; writes dq and delta = rowsum(o * do).
+- ``sel_bwd_dkv_kernel``: one program per work segment of one (key block, kv head): a slice of the
+  queries that selected the block (the CSR of :mod:`nsa_kernels.selected.csr`), gathered TPI
+  tokens x G heads at a time.
+- ``sel_dkv_reduce_kernel``: sums the fp32 partials of blocks split over several segments, in a
+  fixed order, so gradients are bitwise reproducible (no atomics anywhere).
+"""
+
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
+import torch
+import triton
+import triton.language as tl
+
+from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.selected.csr import (
+    RED_FIELDS,
+    SEG_FIELDS,
+    BlockCSR,
+    build_block_csr,
+    build_dkv_work,
+    default_segment_tokens,
+)
+from nsa_kernels.selected.launch import (
+    Launch,
+    SelConfig,
+    dot_precision,
+    kv_hint,
+    num_sms,
+    varlen_args,
+)
+from nsa_kernels.selected.row_walk import LOG2E, LOG2E_CONST, query_row, selected_tile
+
+
+@triton.jit
+def sel_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_db, stride_dt, stride_dh,
+    stride_lb, stride_lt,
+    stride_ib, stride_it, stride_ih,
+    n_rows, tq, q_start, nsel, qk_scale, scale,
+    G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
+    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """dq [BG, BK] and delta [BG] of one query row for HPP heads of one kv head's group.
+
+    q, dq [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o, do [B, Tq, HQ, dv],
+    lse, delta [B, Tq, HQ], idx [B, Tq, H, n]. ``q``/``dq`` share strides, as do ``o``/``do``,
+    and ``lse``/``delta``. Grid: (ceil(rows / RPP), H * NCH).
+    """
+    pid_h = tl.program_id(1)
+    # RPP consecutive rows per program: rows of one query block share their forced blocks
+    # (0, jt-1, jt), which the second row then finds in L1.
+    for rr in range(RPP):
+        b, r, t, tok0, h, heads, g_mask, idx_row = query_row(
+            tl.program_id(0).to(tl.int64) * RPP + rr, pid_h, n_rows, tq, q_start,
+            seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
+            G=G, HPP=HPP, BG=BG, VARLEN=VARLEN,
+        )  # fmt: skip
+        offs_k = tl.arange(0, BK)
+        k_mask = offs_k < DK
+        offs_v = tl.arange(0, BV)
+        v_mask = offs_v < DV
+
+        q_rows = (
+            q_ptr + b * stride_qb + r * stride_qt + heads[:, None] * stride_qh + offs_k[None, :]
+        )
+        q = tl.load(q_rows, mask=g_mask[:, None] & k_mask[None, :], other=0.0)
+        o_rows = b * stride_ob + r * stride_ot + heads[:, None] * stride_oh + offs_v[None, :]
+        ov_mask = g_mask[:, None] & v_mask[None, :]
+        do = tl.load(do_ptr + o_rows, mask=ov_mask, other=0.0)
+        o = tl.load(o_ptr + o_rows, mask=ov_mask, other=0.0)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+        stat = b * stride_lb + r * stride_lt + heads
+        tl.store(delta_ptr + stat, delta, mask=g_mask)
+        lse = tl.load(lse_ptr + stat, mask=g_mask, other=0.0)
+        # Rows that saw nothing (lse = -inf) have no visible key below; keep the arithmetic finite.
+        lse2 = tl.where(lse > float("-inf"), lse * LOG2E_CONST, 0.0)
+
+        k_head = k_ptr + b * stride_kb + tok0 * stride_kt + h * stride_kh
+        v_head = v_ptr + b * stride_vb + tok0 * stride_vt + h * stride_vh
+
+        dq = tl.zeros([BG, BK], dtype=tl.float32)
+        for it in range(nsel * NSUB):
+            pos, live, _ = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
+            pos64 = pos.to(tl.int64)
+            kt = tl.load(
+                k_head + pos64[:, None] * stride_kt + offs_k[None, :],
+                mask=live[:, None] & k_mask[None, :],
+                other=0.0,
+                eviction_policy=KV_HINT,
+            )
+            vt = tl.load(
+                v_head + pos64[:, None] * stride_vt + offs_v[None, :],
+                mask=live[:, None] & v_mask[None, :],
+                other=0.0,
+                eviction_policy=KV_HINT,
+            )
+            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
+            p = tl.where(live[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
+            ds = p * (dp - delta[:, None])
+            dq = tl.dot(ds.to(kt.dtype), kt, dq, input_precision=DOT_PREC)
+
+        tl.store(
+            dq_ptr + b * stride_qb + r * stride_qt + heads[:, None] * stride_qh + offs_k[None, :],
+            (dq * scale).to(dq_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & k_mask[None, :],
+        )
+
+
+@triton.jit
+def key_rows(j, krow0, kend, SEL: tl.constexpr, BL: tl.constexpr):
+    """(in_blk [BL], krow [BL], kvalid [BL]) of key sub-tile ``j`` of a block whose first key
+    sits on row ``krow0`` of k's T axis and whose sequence ends at row ``kend``."""
+    in_blk = j * BL + tl.arange(0, BL)
+    krow = krow0 + in_blk
+    kvalid = (in_blk < SEL) & (krow < kend)
+    return in_blk, krow, kvalid
+
+
+@triton.jit
+def store_key_grads(
+    dk_ptr, dv_ptr, dk, dv, b, h, krow, kvalid,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """Store dk [BL, BK], dv [BL, BV] (float32) to the rows ``krow`` of dk [B, Tk, H, dk] and
+    dv [B, Tk, H, dv] of kv head h, in their dtypes, where ``kvalid``."""
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    tl.store(
+        dk_ptr + b * stride_kb + krow[:, None] * stride_kt + h * stride_kh + offs_k[None, :],
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=kvalid[:, None] & (offs_k < DK)[None, :],
+    )
+    tl.store(
+        dv_ptr + b * stride_vb + krow[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=kvalid[:, None] & (offs_v < DV)[None, :],
+    )
+
+
+@triton.jit
+def sel_bwd_dkv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
+    seg_ptr, csr_ptr,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    qk_scale, scale,
+    G: tl.constexpr, R: tl.constexpr, TPI: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, SELP: tl.constexpr, SEG_FIELDS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """dk, dv [BL, *] of key sub-tile ``program_id(1)`` of one segment's block.
+
+    q [B, Tq, HQ, dk], k, dk [B, Tk, H, dk], v, dv [B, Tk, H, dv], do [B, Tq, HQ, dv],
+    lse, delta [B, Tq, HQ]; ``k``/``dk`` share strides, as do ``v``/``dv``.
+    A segment is a slice ``[start, end)`` of the CSR rows of one (batch, kv head, key block); its
+    query rows are processed TPI at a time as R = TPI * G (padded) rows of one ``tl.dot``. ``dk``
+    go to k's and v's layout, or, when the block is split over several segments, to the fp32
+    partials ``dk_part [P, SELP, BK]`` / ``dv_part [P, SELP, BV]`` at row ``part``.
+    """
+    seg = seg_ptr + tl.program_id(0).to(tl.int64) * SEG_FIELDS
+    j = tl.program_id(1)
+    b = tl.load(seg + 0)
+    h = tl.load(seg + 1)
+    krow0 = tl.load(seg + 2)
+    kend = tl.load(seg + 3)
+    pos0 = tl.load(seg + 4)
+    start = tl.load(seg + 5)
+    end = tl.load(seg + 6)
+    part = tl.load(seg + 7)
+    tshift = tl.load(seg + 8)
+
+    in_blk, krow, kvalid = key_rows(j, krow0, kend, SEL=SEL, BL=BL)
+    kpos = pos0 + in_blk
+    offs_k = tl.arange(0, BK)
+    k_mask = offs_k < DK
+    offs_v = tl.arange(0, BV)
+    v_mask = offs_v < DV
+    kt = tl.load(
+        k_ptr + b * stride_kb + krow[:, None] * stride_kt + h * stride_kh + offs_k[None, :],
+        mask=kvalid[:, None] & k_mask[None, :],
+        other=0.0,
+    )
+    vt = tl.load(
+        v_ptr + b * stride_vb + krow[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
+        mask=kvalid[:, None] & v_mask[None, :],
+        other=0.0,
+    )
+
+    rr = tl.arange(0, R)
+    tok = rr // G
+    heads = h * G + (rr - tok * G)
+    dk = tl.zeros([BL, BK], dtype=tl.float32)
+    dv = tl.zeros([BL, BV], dtype=tl.float32)
+    for base in range(start, end, TPI):
+        slot = base + tok
+        rvalid = (tok < TPI) & (slot < end)
+        qrow = tl.load(csr_ptr + slot, mask=rvalid, other=0).to(tl.int64)
+        t = qrow + tshift
+        q_off = b * stride_qb + qrow * stride_qt + heads * stride_qh
+        qt = tl.load(
+            q_ptr + q_off[:, None] + offs_k[None, :],
+            mask=rvalid[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        o_off = b * stride_ob + qrow * stride_ot + heads * stride_oh
+        dot_ = tl.load(
+            do_ptr + o_off[:, None] + offs_v[None, :],
+            mask=rvalid[:, None] & v_mask[None, :],
+            other=0.0,
+        )
+        stat = b * stride_lb + qrow * stride_lt + heads
+        lse2 = tl.load(lse_ptr + stat, mask=rvalid, other=0.0) * LOG2E_CONST
+        delta = tl.load(delta_ptr + stat, mask=rvalid, other=0.0)
+
+        st = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC) * qk_scale
+        vis = kvalid[:, None] & rvalid[None, :] & (kpos[:, None] <= t[None, :])
+        pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
+        dv = tl.dot(pt.to(dot_.dtype), dot_, dv, input_precision=DOT_PREC)
+        dpt = tl.dot(vt, tl.trans(dot_), input_precision=DOT_PREC)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(qt.dtype), qt, dk, input_precision=DOT_PREC)
+    dk = dk * scale
+
+    if part < 0:
+        store_key_grads(
+            dk_ptr, dv_ptr, dk, dv, b, h, krow, kvalid,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            DK=DK, BK=BK, DV=DV, BV=BV,
+        )  # fmt: skip
+    else:
+        tl.store(
+            dk_part_ptr + (part * SELP + in_blk)[:, None] * BK + offs_k[None, :],
+            dk,
+            mask=(in_blk < SEL)[:, None],
+        )
+        tl.store(
+            dv_part_ptr + (part * SELP + in_blk)[:, None] * BV + offs_v[None, :],
+            dv,
+            mask=(in_blk < SEL)[:, None],
+        )
+
+
+@triton.jit
+def sel_dkv_reduce_kernel(
+    dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr, red_ptr,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, SELP: tl.constexpr, RED_FIELDS: tl.constexpr,
+):  # fmt: skip
+    """Sum, in part order, the fp32 partials ``dk_part [P, SELP, BK]``, ``dv_part [P, SELP, BV]``
+    of one block split over several segments into dk [B, Tk, H, dk] and dv [B, Tk, H, dv]."""
+    red = red_ptr + tl.program_id(0).to(tl.int64) * RED_FIELDS
+    j = tl.program_id(1)
+    b = tl.load(red + 0)
+    h = tl.load(red + 1)
+    krow0 = tl.load(red + 2)
+    kend = tl.load(red + 3)
+    first = tl.load(red + 4)
+    count = tl.load(red + 5)
+    in_blk, krow, kvalid = key_rows(j, krow0, kend, SEL=SEL, BL=BL)
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.arange(0, BV)
+    dk = tl.zeros([BL, BK], dtype=tl.float32)
+    dv = tl.zeros([BL, BV], dtype=tl.float32)
+    for part in range(first, first + count):
+        rows = part * SELP + in_blk
+        dk += tl.load(
+            dk_part_ptr + rows[:, None] * BK + offs_k[None, :], mask=kvalid[:, None], other=0.0
+        )
+        dv += tl.load(
+            dv_part_ptr + rows[:, None] * BV + offs_v[None, :], mask=kvalid[:, None], other=0.0
+        )
+    store_key_grads(
+        dk_ptr, dv_ptr, dk, dv, b, h, krow, kvalid,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        DK=DK, BK=BK, DV=DV, BV=BV,
+    )  # fmt: skip
+
+
+def backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    idx: torch.Tensor,
+    sel_block: int,
+    info: Launch,
+    cfg: SelConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq [B, Tq, HQ, dk], dk [B, Tk, H, dk], dv [B, Tk, H, dv] for the upstream gradient
+    ``do [B, Tq, HQ, dv]``, from the forward's o and lse and its index rows as sets ``idx``."""
+    dq = torch.zeros_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    if info.rows == 0 or info.n == 0:
+        return dq, dk, dv
+    do = do.contiguous()
+    o = o.contiguous()
+    seq_ids, cu = varlen_args(info, q.device)
+    prec = dot_precision(q.dtype)
+    bk = pow2(max(info.dk, 16))
+    bv = pow2(max(info.dv, 16))
+    nsub = -(-sel_block // cfg.block_l)
+    hpp = cfg.heads_per_prog
+    nch = -(-info.group // hpp)
+    delta = torch.empty_like(lse)
+    sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
+        q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        lse.stride(0), lse.stride(1),
+        idx.stride(0), idx.stride(1), idx.stride(2),
+        info.rows, info.tq, info.q_start, info.n, info.scale * LOG2E, info.scale,
+        G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
+        DK=info.dk, BK=bk, DV=info.dv, BV=bv,
+        SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
+        RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
+        VARLEN=info.seq_ids is not None, DOT_PREC=prec,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )  # fmt: skip
+    csr = build_block_csr(
+        idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens
+    )
+    dkv_backward(q, k, v, do, lse, delta, dk, dv, csr, sel_block, info.scale, cfg, prec)
+    return dq, dk, dv
+
+
+def dkv_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    csr: BlockCSR,
+    sel_block: int,
+    scale: float,
+    cfg: SelConfig,
+    prec: str,
+) -> None:
+    """Write dk [B, Tk, H, dk] and dv [B, Tk, H, dv] (zero-filled by the caller) from the CSR."""
+    group = q.shape[2] // k.shape[2]
+    num_pairs = int(csr.rows.numel())
+    if num_pairs == 0:
+        return
+    seg_tokens = cfg.segment_tokens or default_segment_tokens(num_pairs, num_sms(q.device))
+    work = build_dkv_work(csr, seg_tokens)
+    bk = pow2(max(k.shape[3], 16))
+    bv = pow2(max(v.shape[3], 16))
+    nsub = -(-sel_block // cfg.block_l)
+    selp = nsub * cfg.block_l
+    parts = max(work.num_parts, 1)
+    dk_part = torch.empty(parts, selp, bk, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty(parts, selp, bv, dtype=torch.float32, device=q.device)
+    rows = cfg.dkv_rows
+    sel_bwd_dkv_kernel[(work.segments.shape[0], nsub)](
+        q, k, v, do, lse, delta, dk, dv, dk_part, dv_part, work.segments, csr.rows,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        lse.stride(0), lse.stride(1),
+        scale * LOG2E, scale,
+        G=group, R=rows, TPI=rows // group,
+        DK=k.shape[3], BK=bk, DV=v.shape[3], BV=bv,
+        SEL=sel_block, BL=cfg.block_l, SELP=selp, SEG_FIELDS=SEG_FIELDS,
+        DOT_PREC=prec, num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages,
+    )  # fmt: skip
+    if work.reductions.shape[0]:
+        sel_dkv_reduce_kernel[(work.reductions.shape[0], nsub)](
+            dk, dv, dk_part, dv_part, work.reductions,
+            dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2),
+            DK=k.shape[3], BK=bk, DV=v.shape[3], BV=bv,
+            SEL=sel_block, BL=cfg.block_l, SELP=selp, RED_FIELDS=RED_FIELDS,
+            num_warps=8,
+        )  # fmt: skip

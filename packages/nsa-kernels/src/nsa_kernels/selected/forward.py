@@ -1,0 +1,216 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""The selected branch's forward: ``sel_fwd_kernel`` and its launch, :func:`forward`.
+
+One program per (query row, kv head[, head chunk][, dv chunk]) walks the row's selected blocks
+(:mod:`nsa_kernels.selected.row_walk`) with an online softmax; it loads each selected K/V tile
+once for all G heads of the group (rows padded to BG >= 16 for ``tl.dot``).
+"""
+
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.selected.launch import (
+    Launch,
+    SelConfig,
+    dot_precision,
+    kv_hint,
+    tma_misfit,
+    use_tma,
+    varlen_args,
+)
+from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_tile
+
+
+@triton.jit
+def sel_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, k_desc, v_desc,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    stride_ib, stride_it, stride_ih,
+    n_rows, tq, tk, q_start, nsel, qk_scale,
+    G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
+    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o [B, Tq, HQ, dv], lse [B, Tq, HQ],
+    idx [B, Tq, H, n] (index rows as sets, :mod:`nsa_kernels.selected.indices`).
+    Grid: (ceil(rows / RPP), H * ceil(G / HPP), ceil(DV / BV)). Axis 0 varies fastest, so the
+    programs in flight share one kv head and its K/V stays in L2 (KV_HINT="evict_last" asks L2
+    to keep K/V over the streamed q and o).
+
+    TMA (NK == 1, BK == DK, BV == DV): K/V tiles come through tensor descriptors over
+    k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the visibility mask applies to s, and
+    selects zeros for V's invisible rows), rows past the end read as 0.
+    """
+    pid_h = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    # RPP consecutive rows per program: rows of one query block share their forced blocks
+    # (0, jt-1, jt), which the second row then finds in L1.
+    for rr in range(RPP):
+        b, r, t, tok0, h, heads, g_mask, idx_row = query_row(
+            tl.program_id(0).to(tl.int64) * RPP + rr, pid_h, n_rows, tq, q_start,
+            seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
+            G=G, HPP=HPP, BG=BG, VARLEN=VARLEN,
+        )  # fmt: skip
+        offs_v = pid_v * BV + tl.arange(0, BV)
+        v_mask = offs_v < DV
+        offs_k = tl.arange(0, BK)
+
+        q_row = q_ptr + b * stride_qb + r * stride_qt + heads[:, None] * stride_qh
+        k_head = k_ptr + b * stride_kb + tok0 * stride_kt + h * stride_kh
+        v_head = v_ptr + b * stride_vb + tok0 * stride_vt + h * stride_vh
+
+        if NK == 1:
+            q = tl.load(
+                q_row + offs_k[None, :], mask=g_mask[:, None] & (offs_k < DK)[None, :], other=0.0
+            )
+
+        m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BG], dtype=tl.float32)
+        acc = tl.zeros([BG, BV], dtype=tl.float32)
+        for it in range(nsel * NSUB):
+            pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
+            k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
+            if TMA:
+                kv_row = (b * tk + tok0 + first).to(tl.int32)
+                kt = k_desc.load([kv_row, (h * DK).to(tl.int32)])
+                s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)
+            elif NK == 1:
+                kt = tl.load(
+                    k_rows + offs_k[None, :],
+                    mask=live[:, None] & (offs_k < DK)[None, :],
+                    other=0.0,
+                    eviction_policy=KV_HINT,
+                )
+                s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)
+            else:
+                s = tl.zeros([BG, BL], dtype=tl.float32)
+                for kc in tl.static_range(NK):
+                    dk_offs = kc * BK + offs_k
+                    dk_mask = dk_offs < DK
+                    qc = tl.load(
+                        q_row + dk_offs[None, :], mask=g_mask[:, None] & dk_mask[None, :], other=0.0
+                    )
+                    kc_t = tl.load(
+                        k_rows + dk_offs[None, :],
+                        mask=live[:, None] & dk_mask[None, :],
+                        other=0.0,
+                        eviction_policy=KV_HINT,
+                    )
+                    s += tl.dot(qc, tl.trans(kc_t), input_precision=DOT_PREC)
+            s = tl.where(live[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if TMA:
+                # The whole tile arrives, keys the row cannot see included (later tokens of the
+                # block, the next sequence's first ones, block 0 under a -1 slot). Their p is 0,
+                # but 0 * NaN = NaN: select exact zeros so a bad V reaches only the rows that
+                # see it (docs/spec.md, "Non-finite values"), as the masked loads below do.
+                vt = v_desc.load([kv_row, (h * DV).to(tl.int32)])
+                vt = tl.where(live[:, None], vt, tl.zeros_like(vt))
+            else:
+                vt = tl.load(
+                    v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                    mask=live[:, None] & v_mask[None, :],
+                    other=0.0,
+                    eviction_policy=KV_HINT,
+                )
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+            m_i = m_new
+
+        # A row that sees no token keeps l == 0: its output is 0 and its lse is -inf.
+        seen = l_i > 0.0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
+        tl.store(
+            o_rows + offs_v[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & v_mask[None, :],
+        )
+        if pid_v == 0:
+            lse = tl.where(
+                seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2_CONST, float("-inf")
+            )
+            tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
+
+
+def kv_descriptors(
+    k: torch.Tensor, v: torch.Tensor, cfg: SelConfig, info: Launch
+) -> tuple[Any, Any]:
+    """TMA descriptors over k [B, Tk, H, dk] and v as [B * Tk, H * d] with [block_l, d] boxes."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    misfit = tma_misfit(cfg, info)
+    if misfit:
+        raise ValueError(misfit)
+    out = []
+    for x, d in ((k, info.dk), (v, info.dv)):
+        flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * d)
+        out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [cfg.block_l, d]))
+    return out[0], out[1]
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    sel_block: int,
+    info: Launch,
+    cfg: SelConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log, -inf on rows that
+    see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32."""
+    o = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(info.batch, info.tq, info.hq, dtype=torch.float32, device=q.device)
+    if info.rows == 0:
+        return o, lse
+    if info.n == 0:
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return o, lse
+    seq_ids, cu = varlen_args(info, q.device)
+    hpp = cfg.heads_per_prog
+    nch = -(-info.group // hpp)
+    nv = -(-info.dv // cfg.block_dv)
+    nsub = -(-sel_block // cfg.block_l)
+    grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
+    tma = use_tma(cfg, info, q.device)
+    k_desc: Any = k
+    v_desc: Any = v
+    if tma:
+        k_desc, v_desc = kv_descriptors(k, v, cfg, info)
+    sel_fwd_kernel[grid](
+        q, k, v, o, lse, idx, seq_ids, cu, k_desc, v_desc,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        idx.stride(0), idx.stride(1), idx.stride(2),
+        info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
+        G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
+        DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
+        DV=info.dv, BV=cfg.block_dv,
+        SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
+        RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
+        VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )  # fmt: skip
+    return o, lse

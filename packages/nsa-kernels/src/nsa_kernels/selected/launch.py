@@ -1,0 +1,256 @@
+"""Launch configuration of the selected-branch kernels: tiles, checks, and the facts of a call.
+
+:class:`SelConfig` holds the tiles and launch parameters (0 = choose), :func:`resolve_config`
+fills them in, :func:`prepare` validates a call like the reference op and collects the
+:class:`Launch` facts every kernel of the call shares, and :func:`use_tma` decides the
+forward's K/V loads. Plain Python and torch: no triton import here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, replace
+
+import torch
+
+from nsa_core.checks import (
+    check_attention_args,
+    check_block_indices,
+    check_cu_seqlens,
+    check_q_start,
+)
+from nsa_core.toggles import Toggles, get_toggles
+from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class SelConfig(TileConfig):
+    """Tiles and launch parameters; 0 means "choose" (see :func:`resolve_config`).
+
+    Attributes:
+        block_l: keys per tile, a power of two >= 16 (a selected block is walked in
+            ceil(l' / block_l) tiles).
+        block_d: dk per ``tl.dot`` in the forward (a power of two >= 16; < dk splits q.k).
+        block_dv: dv per forward program (< dv splits the output over programs, each reloading K).
+        heads_per_prog: query heads one program serves (default: the whole group, G).
+        fwd_warps, fwd_stages: forward launch.
+        dq_warps, dq_stages: dq launch.
+        dkv_warps, dkv_stages: dk/dv launch.
+        dkv_rows: rows (query tokens x G heads) per ``tl.dot`` of the dk/dv kernel.
+        segment_tokens: most queries one dk/dv program takes from one block.
+        rows_per_prog: query rows one forward / dq program walks in turn (consecutive rows share
+            their forced blocks, found in L1 by the later rows).
+        kv_hint: L2 eviction hint of the K/V loads of forward and dq: 1 "evict_last" (keep K/V
+            over the streamed q and o), 2 none.
+        tma: forward K/V loads: 1 through TMA tensor descriptors (dk and dv powers of two in one
+            tile each), 2 pointer loads; 0 chooses TMA on GPUs with SM >= 9.0 where it applies
+            (3-6% faster at the paper's shapes on an H100, docs/selection.md).
+    """
+
+    block_l: int = 0
+    block_d: int = 0
+    block_dv: int = 0
+    heads_per_prog: int = 0
+    fwd_warps: int = 0
+    fwd_stages: int = 0
+    dq_warps: int = 0
+    dq_stages: int = 0
+    dkv_warps: int = 0
+    dkv_stages: int = 0
+    dkv_rows: int = 0
+    segment_tokens: int = 0
+    rows_per_prog: int = 0
+    kv_hint: int = 0
+    tma: int = 0
+
+
+def parse_config(text: str) -> SelConfig:
+    """``"block_l=64,fwd_warps=4"`` -> SelConfig (unnamed fields keep 0 = choose)."""
+    return SelConfig.parse(text)
+
+
+def resolve_config(
+    config: SelConfig | None,
+    group: int,
+    dk: int,
+    dv: int,
+    sel_block: int,
+    toggles: Toggles | None = None,
+) -> SelConfig:
+    """Fill the zeros of ``config`` with the defaults (``toggles`` default: :func:`get_toggles`).
+
+    Defaults (tuned on an H100 at the paper's shapes, docs/selection.md): one key tile per
+    selected block up to 64 keys (larger blocks are walked 64 at a time), the whole dk and dv in
+    one tile (next power of two, masked), the whole group per program (NSA_SEL_TRITON_GROUP=0:
+    one head per program); forward: 4 warps, 2 pipeline stages (more stages cost occupancy);
+    dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
+    ``tma`` stays 0 here: the launch decides it from the device (:func:`use_tma`).
+    """
+    cfg = config or SelConfig()
+    toggles = get_toggles() if toggles is None else toggles
+    cfg = replace(
+        cfg, heads_per_prog=cfg.heads_per_prog or (group if toggles.sel_triton_group else 1)
+    )
+    check_pow2_tiles(cfg, ("block_l", "block_d", "block_dv"))
+    heads = min(cfg.heads_per_prog, group)
+    rows = max(32, pow2(min(group, 64)))
+    return replace(
+        cfg,
+        block_l=cfg.block_l or max(16, min(64, pow2(sel_block))),
+        block_d=min(cfg.block_d or pow2(max(dk, 16)), pow2(max(dk, 16))),
+        block_dv=min(cfg.block_dv or pow2(max(dv, 16)), pow2(max(dv, 16))),
+        heads_per_prog=heads,
+        fwd_warps=cfg.fwd_warps or 4,
+        fwd_stages=cfg.fwd_stages or 2,
+        dq_warps=cfg.dq_warps or 4,
+        dq_stages=cfg.dq_stages or 3,
+        dkv_warps=cfg.dkv_warps or 4,
+        dkv_stages=cfg.dkv_stages or 2,
+        dkv_rows=max(cfg.dkv_rows or rows, pow2(max(group, 16))),
+        rows_per_prog=cfg.rows_per_prog or 1,
+        kv_hint=cfg.kv_hint or 1,
+    )
+
+
+def kv_hint(cfg: SelConfig) -> str:
+    """The ``eviction_policy`` of the forward's and dq's K/V loads for ``cfg.kv_hint``."""
+    if cfg.kv_hint not in (1, 2):
+        raise ValueError(f"kv_hint must be 1 (evict_last) or 2 (none), got {cfg.kv_hint}")
+    return "evict_last" if cfg.kv_hint == 1 else ""
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s input precision: exact float32 ("ieee") for float32 inputs, else "tf32"
+    (ignored for 16-bit operands)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The facts every launch of one call shares."""
+
+    batch: int
+    tq: int
+    hq: int
+    h: int
+    dk: int
+    dv: int
+    group: int
+    n: int
+    num_blocks: int
+    q_start: int
+    scale: float
+    seq_ids: torch.Tensor | None
+    cu_seqlens: torch.Tensor | None
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.tq
+
+
+def prepare(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: int,
+    scale: float | None,
+    q_start: int,
+    cu_seqlens: torch.Tensor | None,
+    toggles: Toggles | None,
+) -> Launch:
+    """Validate like the reference op and collect the launch facts.
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n],
+    cu_seqlens int32 [S+1] or None.
+    """
+    batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
+    if sel_block < 1:
+        raise ValueError(f"sel_block must be >= 1, got {sel_block}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"Triton selected attention supports {SUPPORTED_DTYPES}, got {q.dtype}")
+    if max(dk, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims dk={dk}, dv={dv} exceed {MAX_HEAD_DIM}")
+    seq_ids = None
+    # The range check costs a device sync; without it, out-of-range entries become -1 on the
+    # device (unique_block_rows), so the kernels never address keys outside the sequence.
+    strict = (get_toggles() if toggles is None else toggles).sel_check_indices
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
+        if q_start != 0 or k.shape[1] != tq:
+            raise ValueError("varlen selected_attention needs q_start == 0 and k with q's tokens")
+        num_blocks = -(-max(tq, 1) // sel_block)
+        rows = torch.arange(tq, device=q.device, dtype=torch.int32)
+        seq_ids = torch.searchsorted(cu_seqlens[1:], rows, right=True).to(torch.int32)
+    else:
+        check_q_start(q_start, tq, k.shape[1])
+        num_blocks = -(-k.shape[1] // sel_block)
+    check_block_indices(block_indices, batch, tq, h, num_blocks, q.device, check_range=strict)
+    return Launch(
+        batch=batch,
+        tq=tq,
+        hq=hq,
+        h=h,
+        dk=dk,
+        dv=dv,
+        group=hq // h,
+        n=block_indices.shape[-1],
+        num_blocks=num_blocks,
+        q_start=q_start,
+        scale=dk**-0.5 if scale is None else float(scale),
+        seq_ids=seq_ids,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def varlen_args(info: Launch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seq_ids int32 [Tq], cu_seqlens int32 [S+1]) of a packed call, else two 1-element dummies
+    (the kernels read them only when VARLEN)."""
+    if info.seq_ids is None or info.cu_seqlens is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return dummy, dummy
+    return info.seq_ids, info.cu_seqlens
+
+
+def use_tma(cfg: SelConfig, info: Launch, device: torch.device) -> bool:
+    """cfg.tma, or for 0 whether TMA serves this call (Hopper or newer, one pow-2 tile each)."""
+    if cfg.tma not in (0, 1, 2):
+        raise ValueError(
+            f"tma must be 0 (choose), 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}"
+        )
+    if cfg.tma == 1 and not tma_available():
+        raise RuntimeError(
+            "tma=1 asks for TMA loads, but this triton has no triton.tools.tensor_descriptor "
+            "(it arrived in triton 3.4)"
+        )
+    if cfg.tma:
+        return cfg.tma == 1
+    return (
+        device.type == "cuda"
+        and tma_available()
+        and torch.cuda.get_device_capability(device)[0] >= 9
+        and tma_misfit(cfg, info) is None
+    )
+
+
+def tma_available() -> bool:
+    """Whether this triton has host-side tensor descriptors (triton >= 3.4)."""
+    return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
+
+
+def tma_misfit(cfg: SelConfig, info: Launch) -> str | None:
+    """Why TMA loads cannot serve these head dims and tiles, or None when they can."""
+    for name, d, tile in (("dk", info.dk, cfg.block_d), ("dv", info.dv, cfg.block_dv)):
+        if d != tile or d & (d - 1):
+            return f"tma=1 needs {name} a power of two in one tile, got {name}={d}"
+    return None
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (4 on CPU, where the interpreter runs), for the dk/dv work split."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 4

@@ -1,0 +1,96 @@
+# Triton kernels take untyped pointer/scalar parameters (types come from the launch), and
+# triton.jit is untyped without triton installed: mypy checks only the plain Python here.
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+"""The walk of one query row over its selected blocks, shared by the forward and dq kernels.
+
+Notation (docs/spec.md): a query row at position t of kv head h serves the G query heads of that
+group; it attends to the tokens p of its selected blocks (block j covers ``[j*l', (j+1)*l')``)
+with ``p <= t``. Softmax runs in base 2: ``qk_scale = scale * log2(e)`` and ``lse`` is stored in
+natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
+
+- :func:`query_row`: which query row a program serves (batch, row, position, first token of its
+  sequence), which query heads, and where its block indices start.
+- :func:`selected_tile`: step ``it`` of the walk: the keys of one BL-tile of one selected block,
+  and which of them the row sees.
+"""
+
+# No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
+# annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# The kernels see these as compile-time constants (plain module floats are not visible to @jit).
+LOG2E_CONST = tl.constexpr(LOG2E)
+LN2_CONST = tl.constexpr(LN2)
+
+
+@triton.jit
+def query_row(
+    row,
+    pid_h,
+    n_rows,
+    tq,
+    q_start,
+    seq_ptr,
+    cu_ptr,
+    idx_ptr,
+    stride_ib,
+    stride_it,
+    stride_ih,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    BG: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """(b, r, t, tok0, h, heads [BG], g_mask [BG], idx_row) of query row ``row`` (int64).
+
+    ``row`` counts B * Tq rows (clamped to the last one, so a program's spare rows redo it);
+    ``pid_h`` is ``h * NCH + chunk`` with NCH = ceil(G / HPP) head chunks of HPP heads each.
+    b, r: the row's batch and index along q's T axis; t: its position; tok0: the first token of
+    its sequence (varlen, else 0); heads: its query heads, valid where g_mask; idx_row: the
+    pointer to ``block_indices[b, r, h, :]`` (strides in elements).
+    """
+    NCH: tl.constexpr = (G + HPP - 1) // HPP
+    h = pid_h // NCH
+    chunk = pid_h - h * NCH
+    row = tl.minimum(row, n_rows - 1)
+    if VARLEN:
+        # Packed sequences: row indexes T directly; tok0 is the sequence's first token.
+        tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
+        b = row * 0
+        r = row
+        t = row - tok0
+    else:
+        b = row // tq
+        r = row - b * tq
+        t = r + q_start
+        tok0 = row * 0
+    offs_g = tl.arange(0, BG)
+    g_in = chunk * HPP + offs_g
+    g_mask = (offs_g < HPP) & (g_in < G)
+    heads = h * G + g_in
+    idx_row = idx_ptr + b * stride_ib + r * stride_it + h * stride_ih
+    return b, r, t, tok0, h, heads, g_mask, idx_row
+
+
+@triton.jit
+def selected_tile(idx_row, it, t, SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr):
+    """(pos [BL], live [BL], first) of step ``it``: tile ``it % NSUB`` of selected block
+    ``it // NSUB``.
+
+    pos: the tile's key positions in the sequence; live: the keys the row at position ``t``
+    sees (a -1 slot sees none, nor keys past the block or past t); first: pos[0] as a scalar,
+    where a whole-tile (TMA) load starts. A -1 slot reads block 0's positions, all dead.
+    """
+    i = it // NSUB
+    j = it - i * NSUB
+    blk = tl.load(idx_row + i).to(tl.int32)
+    in_blk = j * BL + tl.arange(0, BL)
+    first = tl.maximum(blk, 0) * SEL + j * BL
+    pos = tl.maximum(blk, 0) * SEL + in_blk
+    # blk tested as a block: `scalar_bool & block_bool` comes out int32 under the
+    # triton 3.9 interpreter, which then refuses it as a load mask.
+    live = (blk + tl.zeros_like(in_blk) >= 0) & (in_blk < SEL) & (pos <= t)
+    return pos, live, first
