@@ -832,12 +832,14 @@ class LaunchRecorder:
         return getattr(self._kernel, name)
 
 
-def record_kernel_launches() -> tuple[dict[str, Any], set[str]]:
-    """Every Triton kernel of nsa_kernels (``*_kernel`` functions), and a set that fills with the
-    ones launched from now on.
+@contextmanager
+def kernel_launches() -> Iterator[tuple[dict[str, Any], set[str]]]:
+    """Every Triton kernel of nsa_kernels (``*_kernel`` functions, by qualified name), and a set
+    that fills with the ones launched inside the block.
 
-    Each module that launches a kernel gets a recorder in its place; a module whose own Triton
-    functions mention the name keeps the kernel (a recorder there would reach the compiler).
+    Each module that launches a kernel gets a recorder in its place until the block ends; a
+    module whose own Triton functions use the name keeps the kernel (a recorder there would
+    reach the compiler).
     """
     import importlib
     import pkgutil
@@ -854,6 +856,7 @@ def record_kernel_launches() -> tuple[dict[str, Any], set[str]]:
                 kernels[f"{obj.fn.__module__}.{obj.fn.__name__}"] = obj
     launched: set[str] = set()
     by_id = {id(k): key for key, k in kernels.items()}
+    replaced: list[tuple[Any, str, Any]] = []
     for name, module in modules.items():
         # Triton functions defined here resolve their globals in this module's namespace.
         own = [
@@ -868,8 +871,13 @@ def record_kernel_launches() -> tuple[dict[str, Any], set[str]]:
             uses = sum(_names_in(_source(f)).count(attr) - (f is obj) for f in own)
             if uses > 0:
                 continue
+            replaced.append((module, attr, obj))
             setattr(module, attr, LaunchRecorder(obj, key, launched))
-    return kernels, launched
+    try:
+        yield kernels, launched
+    finally:
+        for module, attr, obj in replaced:
+            setattr(module, attr, obj)
 
 
 @dataclass(frozen=True)
@@ -1264,9 +1272,26 @@ def run_sweep(device: str, only: str | None) -> int:
     """The sanitizer's target: run the sweep, print one protocol line per case and the kernel
     coverage on stdout; exit 1 if a case failed or a kernel was never launched."""
     rt = setup_runtime(device)
-    kernels, launched = record_kernel_launches()
+    with kernel_launches() as (kernels, launched):
+        failed = _run_sweep_cases(
+            rt, [(n, f) for n, f in sweep_cases(rt) if only is None or only in n]
+        )
+    if failed < 0:
+        return 1
+    exempt = sorted(k for k in kernels if k.rsplit(".", 1)[1] in KERNEL_EXEMPT)
+    missing = sorted(set(kernels) - launched - set(exempt)) if only is None else []
+    print(
+        f"SWEEP coverage launched={len(launched)} total={len(kernels)} "
+        f"missing={','.join(missing)} exempt={','.join(exempt)}",
+        flush=True,
+    )
+    return 1 if failed or missing else 0
+
+
+def _run_sweep_cases(rt: Runtime, cases: Sequence[tuple[str, Callable[[], None]]]) -> int:
+    """Run the cases, one protocol line each; the number that failed, -1 if the CUDA context
+    was lost (nothing after it can run)."""
     failed = 0
-    cases = [(n, f) for n, f in sweep_cases(rt) if only is None or only in n]
     for name, run in cases:
         start = time.perf_counter()
         try:
@@ -1283,17 +1308,10 @@ def run_sweep(device: str, only: str | None) -> int:
                     "SWEEP FAIL context: the CUDA context is lost; later cases cannot run",
                     flush=True,
                 )
-                return 1
+                return -1
             continue
         print(f"SWEEP ok {name} ({time.perf_counter() - start:.1f} s)", flush=True)
-    exempt = sorted(k for k in kernels if k.rsplit(".", 1)[1] in KERNEL_EXEMPT)
-    missing = sorted(set(kernels) - launched - set(exempt)) if only is None else []
-    print(
-        f"SWEEP coverage launched={len(launched)} total={len(kernels)} "
-        f"missing={','.join(missing)} exempt={','.join(exempt)}",
-        flush=True,
-    )
-    return 1 if failed or missing else 0
+    return failed
 
 
 # ============================================================================ sanitize: driver
@@ -1370,9 +1388,67 @@ def run_children(children: Sequence[Child], env: dict[str, str], part: str) -> N
                 log(part, "running: " + ", ".join(running))
 
 
+def sanitizer_command(sanitizer: str, tool: str, target: Sequence[str]) -> list[str]:
+    """compute-sanitizer running ``target`` under ``tool``; exit SANITIZER_ERROR_EXIT on errors."""
+    return [
+        sanitizer,
+        "--tool",
+        tool,
+        "--error-exitcode",
+        str(SANITIZER_ERROR_EXIT),
+        "--print-limit",
+        "100",
+        *target,
+    ]
+
+
+def _tool_verdict(child: Child, plain: SweepSummary) -> tuple[str, dict[str, Any], list[str]]:
+    """(summary line, details, failures) of one sanitizer run, from its log."""
+    text = child.log_path.read_text(errors="replace")
+    summary = parse_sanitizer(text)
+    under = parse_sweep(text)
+    race = (
+        f" ({summary.race_warnings} race warnings)" if summary.race_warnings is not None else ""
+    )
+    ran = len(under.ok) + len(under.failed)
+    line = (
+        f"{child.name} {'?' if summary.errors is None else summary.errors} errors{race}, exit "
+        f"{child.returncode}{' (timeout)' if child.timed_out else ''}, sweep {len(under.ok)}/{ran} "
+        f"ok, {child.wall_s:.0f} s"
+    )
+    details = {
+        "errors": summary.errors,
+        "race_errors": summary.race_errors,
+        "race_warnings": summary.race_warnings,
+        "first_finding": summary.first_finding,
+        "exit": child.returncode,
+        "timed_out": child.timed_out,
+        "sweep_ok": len(under.ok),
+        "sweep_failed": [f"{n}: {w}" for n, w in under.failed],
+        "wall_s": round(child.wall_s, 1),
+    }
+    failures = []
+    if child.timed_out or summary.errors is None:
+        failures.append(
+            f"{child.name}: did not finish (no ERROR SUMMARY); see {child.log_path.name}"
+        )
+    elif summary.errors:
+        failures.append(f"{child.name}: {summary.errors} errors; first: {summary.first_finding}")
+    elif child.returncode != 0:
+        failed = [n for n, _ in under.failed]
+        failures.append(f"{child.name}: exit {child.returncode}; sweep cases failed: {failed}")
+    if not child.timed_out and len(under.ok) != len(plain.ok):
+        failures.append(
+            f"{child.name}: {len(under.ok)} sweep cases passed under the tool, "
+            f"{len(plain.ok)} without"
+        )
+    return line, details, failures
+
+
 def run_sanitize(args: argparse.Namespace) -> PartResult:
-    """The sweep plainly (compiles every kernel into Triton's cache, checks results and kernel
-    coverage), then under memcheck and racecheck, side by side."""
+    """The sweep without the sanitizer (results against the reference, kernel coverage) and
+    under each tool, all started together: they compile the same kernels side by side into
+    Triton's cache, so the wall time is about one compile pass plus the slowest tool."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -1381,110 +1457,46 @@ def run_sanitize(args: argparse.Namespace) -> PartResult:
     # see an access past a tensor's end.
     env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    target = [sys.executable, str(Path(__file__).resolve()), "sanitize-target", "--device", "cuda"]
+    target = [sys.executable, str(Path(__file__).resolve()), "sanitize-target"]
+    target += ["--device", args.device] + (["--case", args.case] if args.case else [])
     details: dict[str, Any] = {}
     failures: list[str] = []
-
+    sanitizer = find_sanitizer()
     plain = Child("plain", target, out / "sanitize_plain.log", args.plain_timeout)
-    run_children([plain], env, "sanitize")
+    tools = []
+    if sanitizer is not None:
+        for tool in args.tools:
+            command = sanitizer_command(sanitizer, tool, target)
+            tools.append(Child(tool, command, out / f"sanitize_{tool}.log", args.tool_timeout))
+    run_children([plain, *tools], env, "sanitize")
+
     sweep = parse_sweep(plain.log_path.read_text(errors="replace"))
     details["sweep_cases"] = len(sweep.ok) + len(sweep.failed)
-    details["kernels"] = f"{sweep.launched} of {sweep.total} launched"
+    details["kernels"] = f"{sweep.launched} of {sweep.total} kernels launched"
     failures += [f"sweep {name}: {why}" for name, why in sweep.failed]
     if sweep.missing:
         failures.append(f"kernels the sweep never launched: {', '.join(sweep.missing)}")
     if plain.timed_out or (plain.returncode != 0 and not sweep.failed and not sweep.missing):
-        failures.append(
-            f"plain sweep exit {plain.returncode}{' (timeout)' if plain.timed_out else ''}; "
-            f"see {plain.log_path.name}"
-        )
-
-    tool_lines = []
-    sanitizer = find_sanitizer()
+        timeout = " (timeout)" if plain.timed_out else ""
+        failures.append(f"plain sweep exit {plain.returncode}{timeout}; see {plain.log_path.name}")
     if sanitizer is None:
-        failures.append(
-            "compute-sanitizer not found (PATH, $COMPUTE_SANITIZER, /usr/local/cuda*/bin)"
-        )
+        failures.append("compute-sanitizer not found ($COMPUTE_SANITIZER, PATH, /usr/local/cuda*)")
     else:
         details["sanitizer"] = sanitizer
-        children = [
-            Child(
-                tool,
-                [
-                    sanitizer,
-                    "--tool",
-                    tool,
-                    "--error-exitcode",
-                    str(SANITIZER_ERROR_EXIT),
-                    "--print-limit",
-                    "100",
-                    *target,
-                ],
-                out / f"sanitize_{tool}.log",
-                args.tool_timeout,
-            )
-            for tool in args.tools
-        ]
-        run_children(children, env, "sanitize")
-        for child in children:
-            text = child.log_path.read_text(errors="replace")
-            summary = parse_sanitizer(text)
-            under = parse_sweep(text)
-            race = (
-                f", racecheck {summary.race_errors} errors {summary.race_warnings} warnings"
-                if summary.race_errors is not None
-                else ""
-            )
-            line = (
-                f"{child.name}: {'?' if summary.errors is None else summary.errors} errors{race}, "
-                f"exit {child.returncode}{' (timeout)' if child.timed_out else ''}, sweep "
-                f"{len(under.ok)}/{len(under.ok) + len(under.failed)} ok, {child.wall_s:.0f} s"
-            )
-            tool_lines.append(line)
-            details[child.name] = {
-                "errors": summary.errors,
-                "race_errors": summary.race_errors,
-                "race_warnings": summary.race_warnings,
-                "first_finding": summary.first_finding,
-                "exit": child.returncode,
-                "timed_out": child.timed_out,
-                "sweep_ok": len(under.ok),
-                "sweep_failed": [f"{n}: {w}" for n, w in under.failed],
-                "wall_s": round(child.wall_s, 1),
-            }
-            if child.timed_out or summary.errors is None:
-                failures.append(
-                    f"{child.name}: did not finish (no ERROR SUMMARY line); "
-                    f"see {child.log_path.name}"
-                )
-            elif summary.errors:
-                failures.append(
-                    f"{child.name}: {summary.errors} errors; first: {summary.first_finding}"
-                )
-            elif child.returncode != 0:
-                failures.append(
-                    f"{child.name}: exit {child.returncode}; sweep failures under the tool: "
-                    f"{[n for n, _ in under.failed]}"
-                )
-            if len(under.ok) != len(sweep.ok):
-                failures.append(
-                    f"{child.name}: {len(under.ok)} sweep cases passed under the tool, "
-                    f"{len(sweep.ok)} without"
-                )
-    details["tools"] = tool_lines
-    counts = "; ".join(line.split(",")[0] for line in tool_lines) or "no sanitizer run"
+    lines = []
+    for child in tools:
+        line, tool_details, tool_failures = _tool_verdict(child, sweep)
+        lines.append(line)
+        details[child.name] = tool_details
+        failures += tool_failures
+    details["tools"] = lines
+    counts = "; ".join(line.split(", exit")[0] for line in lines) or "no sanitizer run"
     headline = (
-        f"{counts}; sweep {len(sweep.ok)}/{details['sweep_cases']} cases, {details['kernels']}"
+        f"{counts}; sweep {len(sweep.ok)}/{details['sweep_cases']} cases ok, {details['kernels']}"
     )
-    return PartResult(
-        "sanitize",
-        "FAIL" if failures else "PASS",
-        headline,
-        time.perf_counter() - start,
-        details,
-        failures,
-        environment(),
-    )
+    status = "FAIL" if failures else "PASS"
+    wall = time.perf_counter() - start
+    return PartResult("sanitize", status, headline, wall, details, failures, environment())
 
 
 # ============================================================================ long sequences
@@ -1574,7 +1586,14 @@ def _contract_on_rows(
 def _long_selected(
     rt: Runtime, tokens: int, a: argparse.Namespace, gen: torch.Generator
 ) -> list[Measure]:
-    """The selected branch (Triton) forward and backward at ``tokens`` tokens, checked on rows."""
+    """The selected branch (Triton) forward and backward at ``tokens`` tokens, checked on rows.
+
+    Block indices come from the Triton block scoring (checked under the index contract on the
+    sampled rows). A backward with a dense upstream gradient checks that every gradient is
+    finite and gives dq of the sampled rows (dq of a row depends on its own upstream gradient
+    only); a second backward with the upstream gradient of the sampled rows alone gives dk and
+    dv that the reference recomputes exactly from those rows.
+    """
     import torch
 
     from nsa_core.reference import compress, selected_attention
@@ -1583,80 +1602,92 @@ def _long_selected(
     dtype = torch_dtype(a.dtype)
     bound = bound_for(dtype)
     rows = sample_rows(tokens, a.rows)
-    q = randn(gen, (1, tokens, a.hq, a.dim), dtype, rt.device)
-    k = randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device)
-    v = randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device)
-    with timed("long", f"T={tokens} selected: block scoring"):
-        k_cmp = compress(k, cfg.cmp_block, cfg.cmp_stride)
+    # Leaves from the start: at 256k tokens q alone is 4 GiB in bf16, so no second copy.
+    q = randn(gen, (1, tokens, a.hq, a.dim), dtype, rt.device).requires_grad_()
+    k = randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device).requires_grad_()
+    v = randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device).requires_grad_()
+    with timed("long", f"T={tokens} selected: block scoring"), torch.no_grad():
+        k_cmp = compress(k.detach(), cfg.cmp_block, cfg.cmp_stride)
         geo = (cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected)
-        idx, counts = call_op(rt, "select_blocks", ["triton_score"], q, k_cmp, *geo)
+        idx, counts = call_op(rt, "select_blocks", ["triton_score"], q.detach(), k_cmp, *geo)
+        measures = [_contract_on_rows(idx, counts, q.detach(), k_cmp, cfg, rows)]
+        del k_cmp
         _sync(rt)
-    measures = [_contract_on_rows(idx, counts, q, k_cmp, cfg, rows)]
-    del k_cmp
-    ql, kl, vl = leaves([q, k, v])
     do = randn(gen, q.shape, dtype, rt.device)
     with timed("long", f"T={tokens} selected: forward and backward"):
-        o = call_op(rt, "selected_attention", ["triton_sel"], ql, kl, vl, idx, cfg.sel_block)
+        o = call_op(rt, "selected_attention", ["triton_sel"], q, k, v, idx, cfg.sel_block)
         backprop(o, do, retain_graph=True)
         _sync(rt)
-    finite = all(bool(torch.isfinite(t).all()) for t in (o, *grads([ql, kl, vl])))
-    measures.append(Measure("selected outputs and gradients finite", 0.0 if finite else 1.0, 0.0))
-    dq_dense = ql.grad.detach().clone() if ql.grad is not None else torch.zeros_like(q)
-    # dk/dv of a loss on the sampled rows only: the reference can recompute exactly that.
-    mask = torch.zeros(tokens, dtype=torch.bool, device=rt.device)
-    mask[rows] = True
-    for leaf in (ql, kl, vl):
+    bad = [n for n, t in zip(("o", "dq", "dk", "dv"), [o, *grads([q, k, v])], strict=True)
+           if not bool(torch.isfinite(t).all())]  # fmt: skip
+    measures.append(
+        Measure("selected outputs and gradients finite", float(len(bad)), 0.0, ", ".join(bad))
+    )
+    dq_rows = grads([q])[0][:, rows].clone()
+    for leaf in (q, k, v):
         leaf.grad = None
+    do_rows = torch.zeros_like(do)
+    do_rows[:, rows] = do[:, rows]
     with timed("long", f"T={tokens} selected: backward of the sampled rows"):
-        backprop(o, do * mask.view(1, -1, 1, 1).to(dtype))
+        backprop(o, do_rows)
         _sync(rt)
+    del do_rows
     o_rows = o.detach()[:, rows].clone()
-    dk_sparse, dv_sparse = grads([kl, vl])
-    del o, ql, kl, vl
+    del o
+    dk_rows, dv_rows = grads([k, v])
     kf, vf = leaves([k, v], torch.float32)
     ref_o, ref_dq = [], []
     with timed("long", f"T={tokens} selected: float32 reference on {len(rows)} rows"):
         for t in rows:
-            qr = q[:, t : t + 1].float().requires_grad_()
+            qr = q.detach()[:, t : t + 1].float().requires_grad_()
             out = selected_attention(qr, kf, vf, idx[:, t : t + 1], cfg.sel_block, q_start=t)
             backprop(out, do[:, t : t + 1].float())
-            ref_o.append(out.detach())
             assert qr.grad is not None
+            ref_o.append(out.detach())
             ref_dq.append(qr.grad)
         _sync(rt)
-    measures.append(
-        Measure("selected o (sampled rows)", rel_err(o_rows, torch.cat(ref_o, 1)), bound)
-    )
-    measures.append(
-        Measure(
-            "selected dq (sampled rows)",
-            rel_err(dq_dense[:, rows], torch.cat(ref_dq, 1)),
-            GRAD_FACTOR * bound,
-        )
-    )
     ref_dk, ref_dv = grads([kf, vf])
-    measures.append(
-        Measure(
-            "selected dk (loss on sampled rows)", rel_err(dk_sparse, ref_dk), GRAD_FACTOR * bound
-        )
-    )
-    measures.append(
-        Measure(
-            "selected dv (loss on sampled rows)", rel_err(dv_sparse, ref_dv), GRAD_FACTOR * bound
-        )
-    )
+    grad_bound = GRAD_FACTOR * bound
+    measures += [
+        Measure("selected o (sampled rows)", rel_err(o_rows, torch.cat(ref_o, 1)), bound),
+        Measure("selected dq (sampled rows)", rel_err(dq_rows, torch.cat(ref_dq, 1)), grad_bound),
+        Measure("selected dk (loss of the sampled rows)", rel_err(dk_rows, ref_dk), grad_bound),
+        Measure("selected dv (loss of the sampled rows)", rel_err(dv_rows, ref_dv), grad_bound),
+    ]
     return measures
+
+
+def _core_routes(rt: Runtime, tokens: int, q: torch.Tensor, k: torch.Tensor) -> list[str]:
+    """The routing report of the core's calls; on CUDA no step may fall back to the reference."""
+    from nsa_core import registry
+    from nsa_core.ops import op_context
+    from nsa_core.toggles import get_toggles
+
+    ctx = op_context(q, k, k, tokens, varlen=False)
+    routing = registry.routing_report(ctx, get_toggles()).splitlines()
+    for line in routing:
+        log("long", f"T={tokens} route {line}")
+    if rt.cuda:
+        for line in routing:
+            op, chosen = line.split("->")[0].strip(), line.split("->")[1].split()[0]
+            if chosen == "reference":
+                raise AssertionError(f"the core routes {op} to the reference at T={tokens}")
+    return routing
 
 
 def _long_core(
     rt: Runtime, tokens: int, a: argparse.Namespace, gen: torch.Generator
 ) -> tuple[list[Measure], list[str]]:
-    """The attention core (nsa_attention) forward and backward on its default routes."""
+    """The attention core (nsa_attention) forward and backward on its default routes.
+
+    Its output rows, and dq and dgates of those rows (each depends on that row's upstream
+    gradient only: selection carries no gradient), against the reference ops recomputing the
+    rows in float32 with the block indices the core used; every gradient finite.
+    """
     import torch
 
-    from nsa_core import nsa_attention, registry
+    from nsa_core import nsa_attention
     from nsa_core.attention import branch_outputs
-    from nsa_core.ops import op_context
     from nsa_core.reference import (
         compress,
         compressed_attention,
@@ -1664,87 +1695,64 @@ def _long_core(
         selected_attention,
         sliding_attention,
     )
-    from nsa_core.toggles import get_toggles
 
     cfg = _paper_config(a.hq, a.h, a.dim, a.dim)
     dtype = torch_dtype(a.dtype)
     bound = bound_for(dtype)
     rows = sample_rows(tokens, a.rows)
-    q = randn(gen, (1, tokens, a.hq, a.dim), dtype, rt.device)
     branches = ("cmp", "slc", "win")
-    k = {b: randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device) for b in branches}
-    v = {b: randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device) for b in branches}
-    gates = torch.sigmoid(randn(gen, (1, tokens, a.hq, 3), torch.float32, rt.device)).to(dtype)
-    ctx = dataclasses.replace(
-        op_context(q, k["slc"], v["slc"], tokens, varlen=False), requires_grad=True
-    )
-    routing = registry.routing_report(ctx, get_toggles()).splitlines()
-    for line in routing:
-        log("long", f"T={tokens} route {line}")
-    if rt.cuda:
-        chosen = {line.split("->")[0].strip(): line.split("->")[1].split()[0] for line in routing}
-        for op in (
-            "select_blocks",
-            "compressed_attention",
-            "selected_attention",
-            "sliding_attention",
-        ):
-            if chosen.get(op) == "reference":
-                raise AssertionError(f"the core routes {op} to the reference at T={tokens}")
-    xs = leaves([q, *(k[b] for b in branches), *(v[b] for b in branches), gates])
-    kl = dict(zip(branches, xs[1:4], strict=True))
-    vl = dict(zip(branches, xs[4:7], strict=True))
+    q = randn(gen, (1, tokens, a.hq, a.dim), dtype, rt.device).requires_grad_()
+    k = {
+        b: randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device).requires_grad_() for b in branches
+    }
+    v = {
+        b: randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device).requires_grad_() for b in branches
+    }
+    gates = torch.sigmoid(randn(gen, (1, tokens, a.hq, 3), torch.float32, rt.device))
+    gates = gates.to(dtype).requires_grad_()
+    routing = _core_routes(rt, tokens, q, k["slc"])
+    inputs = [q, *(k[b] for b in branches), *(v[b] for b in branches), gates]
     do = randn(gen, q.shape, dtype, rt.device)
     with timed("long", f"T={tokens} core: forward and backward"):
-        o = nsa_attention(xs[0], kl, vl, xs[7], cfg)
+        o = nsa_attention(q, k, v, gates, cfg)
         backprop(o, do)
         _sync(rt)
     names = ("o", "dq", "dk_cmp", "dk_slc", "dk_win", "dv_cmp", "dv_slc", "dv_win", "dgates")
-    bad = [
-        n for n, t in zip(names, [o, *grads(xs)], strict=True) if not bool(torch.isfinite(t).all())
-    ]
-    measures = [
-        Measure(
-            "core outputs and gradients finite",
-            float(len(bad)),
-            0.0,
-            f"non-finite: {bad}" if bad else "",
-        )
-    ]
+    bad = [n for n, t in zip(names, [o, *grads(inputs)], strict=True)
+           if not bool(torch.isfinite(t).all())]  # fmt: skip
+    measures = [Measure("core outputs and gradients finite", float(len(bad)), 0.0, ", ".join(bad))]
     o_rows = o.detach()[:, rows].clone()
-    dq_rows = grads(xs)[0][:, rows].clone()
-    dg_rows = grads(xs)[7][:, rows].clone()
-    del o, xs, kl, vl
+    dq_rows = grads([q])[0][:, rows].clone()
+    dg_rows = grads([gates])[0][:, rows].clone()
+    del o
+    for leaf in inputs:
+        leaf.grad = None
+    q0, g0 = q.detach(), gates.detach()
+    k0 = {b: x.detach() for b, x in k.items()}
+    v0 = {b: x.detach() for b, x in v.items()}
     with timed("long", f"T={tokens} core: the block indices it used"), torch.no_grad():
         # branch_outputs is what nsa_attention runs (block scoring fed whatever the compressed
         # branch hands it): deterministic kernels give the very indices of the forward above.
-        k_cmp = compress(k["cmp"], cfg.cmp_block, cfg.cmp_stride)
-        v_cmp = compress(v["cmp"], cfg.cmp_block, cfg.cmp_stride)
-        idx = branch_outputs(cfg, q, k_cmp, v_cmp, k["slc"], v["slc"], k["win"], v["win"])[3]
+        k_cmp = compress(k0["cmp"], cfg.cmp_block, cfg.cmp_stride)
+        v_cmp = compress(v0["cmp"], cfg.cmp_block, cfg.cmp_stride)
+        idx = branch_outputs(cfg, q0, k_cmp, v_cmp, k0["slc"], v0["slc"], k0["win"], v0["win"])[3]
         counts = (idx >= 0).sum(-1, dtype=torch.int32)
-        measures.append(_contract_on_rows(idx, counts, q, k_cmp, cfg, rows))
-        del v_cmp
-    f32 = {
-        name: x.float()
-        for name, x in (
-            ("k_slc", k["slc"]),
-            ("v_slc", v["slc"]),
-            ("k_win", k["win"]),
-            ("v_win", v["win"]),
-        )
-    }
-    k_cmp_f = compress(k["cmp"].float(), cfg.cmp_block, cfg.cmp_stride)
-    v_cmp_f = compress(v["cmp"].float(), cfg.cmp_block, cfg.cmp_stride)
+        measures.append(_contract_on_rows(idx, counts, q0, k_cmp, cfg, rows))
+        del k_cmp, v_cmp
+    f32 = {f"{kv}_{b}": x[b].float() for kv, x in (("k", k0), ("v", v0)) for b in branches}
+    k_cmp_f = compress(f32["k_cmp"], cfg.cmp_block, cfg.cmp_stride)
+    v_cmp_f = compress(f32["v_cmp"], cfg.cmp_block, cfg.cmp_stride)
     ref_o, ref_dq, ref_dg = [], [], []
     with timed("long", f"T={tokens} core: float32 reference on {len(rows)} rows"):
         for t in rows:
-            qr = q[:, t : t + 1].float().requires_grad_()
-            gr = gates[:, t : t + 1].float().requires_grad_()
+            qr = q0[:, t : t + 1].float().requires_grad_()
+            gr = g0[:, t : t + 1].float().requires_grad_()
+            row = idx[:, t : t + 1]
             o_cmp = compressed_attention(
                 qr, k_cmp_f, v_cmp_f, cfg.cmp_block, cfg.cmp_stride, q_start=t
             )
             o_slc = selected_attention(
-                qr, f32["k_slc"], f32["v_slc"], idx[:, t : t + 1], cfg.sel_block, q_start=t
+                qr, f32["k_slc"], f32["v_slc"], row, cfg.sel_block, q_start=t
             )
             o_win = sliding_attention(qr, f32["k_win"], f32["v_win"], cfg.window, q_start=t)
             out = gated_combine(o_cmp, o_slc, o_win, gr)
@@ -1755,19 +1763,12 @@ def _long_core(
             ref_dq.append(qr.grad)
             ref_dg.append(gr.grad)
         _sync(rt)
-    measures.append(Measure("core o (sampled rows)", rel_err(o_rows, torch.cat(ref_o, 1)), bound))
-    measures.append(
-        Measure(
-            "core dq (sampled rows)", rel_err(dq_rows, torch.cat(ref_dq, 1)), GRAD_FACTOR * bound
-        )
-    )
-    measures.append(
-        Measure(
-            "core dgates (sampled rows)",
-            rel_err(dg_rows, torch.cat(ref_dg, 1)),
-            GRAD_FACTOR * bound,
-        )
-    )
+    grad_bound = GRAD_FACTOR * bound
+    measures += [
+        Measure("core o (sampled rows)", rel_err(o_rows, torch.cat(ref_o, 1)), bound),
+        Measure("core dq (sampled rows)", rel_err(dq_rows, torch.cat(ref_dq, 1)), grad_bound),
+        Measure("core dgates (sampled rows)", rel_err(dg_rows, torch.cat(ref_dg, 1)), grad_bound),
+    ]
     return measures, routing
 
 
@@ -2254,7 +2255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "sanitize", help="the kernel sweep under compute-sanitizer memcheck and racecheck"
     )
-    _add_common(p, device=False)
+    _add_common(p)
+    p.add_argument("--case", default=None, help="only the sweep cases whose name contains this")
     p.add_argument(
         "--tools",
         nargs="+",
@@ -2264,11 +2266,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--plain-timeout",
         type=float,
-        default=240.0,
+        default=300.0,
         help="seconds for the sweep without the sanitizer",
     )
     p.add_argument(
-        "--tool-timeout", type=float, default=300.0, help="seconds for each sanitizer run"
+        "--tool-timeout", type=float, default=420.0, help="seconds for each sanitizer run"
     )
 
     p = sub.add_parser("sanitize-target", help="the sweep itself (run by the sanitizer)")

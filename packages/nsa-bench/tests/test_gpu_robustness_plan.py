@@ -1,0 +1,340 @@
+"""The GPU robustness script (ci/gpu_robustness.py) on a CPU: its plan, its parsers, its report,
+and its real code paths on tiny shapes under the Triton interpreter.
+
+These need the checkout (ci/ is not installed): the root conftest.py puts its folder on sys.path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ci import gpu_robustness as gr
+from nsa_core import NSAConfig
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "ci" / "gpu_robustness.py"
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="runs Triton kernels on CPU: needs TRITON_INTERPRET=1"
+)
+
+
+# ---------------------------------------------------------------------------- the parity plan
+
+
+def test_plan_is_a_function_of_the_seed_and_case_n_of_any_length() -> None:
+    first = gr.make_plan(13, 200, gr.GPU_LIMITS)
+    assert first == gr.make_plan(13, 200, gr.GPU_LIMITS)
+    shorter = gr.make_plan(13, 37, gr.GPU_LIMITS)
+    assert shorter.geometries == first.geometries
+    assert shorter.cases == first.cases[:37], "--case N must replay case N of the full run"
+    assert gr.make_plan(14, 200, gr.GPU_LIMITS).cases != first.cases
+
+
+def test_plan_covers_what_the_issue_asks_for() -> None:
+    plan = gr.make_plan(gr.DEFAULT_SEED, gr.DEFAULT_CASES, gr.GPU_LIMITS)
+    geos = plan.geometries
+    assert {g.dtype for g in geos} == {"float16", "bfloat16", "float32"}
+    assert len({g.group for g in geos}) == len(geos), "each geometry has its own G"
+    assert {g.group for g in geos} <= {1, 2, 3, 4, 8, 16}
+    assert any(g.cmp_block == g.cmp_stride == g.sel_block for g in geos), "l = d = l'"
+    assert any((g.head_dim_qk, g.head_dim_v) == (192, 128) for g in geos)
+    assert any(g.grad for g in geos)
+    assert not all(g.grad for g in geos)
+    cases = plan.cases
+    assert len(cases) == 200
+    assert {c.geometry for c in cases} == set(range(len(geos)))
+    assert any(c.seqlens is not None and 1 in c.seqlens for c in cases), "a 1-token sequence"
+    assert any(c.q_start > 0 for c in cases)
+    assert any(c.batch == 2 for c in cases)
+    lengths = {c.seq_len for c in cases}
+    assert 1 in lengths
+    assert any(n < gr.SHORT for n in lengths)
+    assert any(n >= 2048 for n in lengths)
+    for c in cases:
+        assert 1 <= c.seq_len <= 3000
+        assert 1 <= c.query_len <= c.seq_len
+        if c.seqlens is not None:
+            assert (c.batch, c.q_start, sum(c.seqlens)) == (1, 0, c.seq_len)
+            assert min(c.seqlens) >= 0
+
+
+def _config(g: gr.Geometry) -> NSAConfig:
+    return NSAConfig(
+        num_q_heads=g.num_q_heads,
+        num_kv_heads=g.num_kv_heads,
+        head_dim_qk=g.head_dim_qk,
+        head_dim_v=g.head_dim_v,
+        cmp_block=g.cmp_block,
+        cmp_stride=g.cmp_stride,
+        sel_block=g.sel_block,
+        num_selected=g.num_selected,
+        window=g.window,
+    )
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_every_drawn_geometry_is_a_valid_nsa_config(seed: int) -> None:
+    for limits in (gr.GPU_LIMITS, gr.CPU_LIMITS):
+        for g in gr.make_plan(seed, 0, limits).geometries:
+            assert gr.geometry_problems(g) == []
+            assert _config(g).group_size == g.group
+            assert g.num_q_heads <= limits.max_q_heads
+
+
+VALID = gr.Geometry("bfloat16", 2, 3, 64, 32, 32, 16, 64, 16, 512, False)
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"cmp_block": 40}, "d must divide l"),
+        ({"sel_block": 24}, "d must divide l'"),
+        ({"num_selected": 2}, "n must be >= 3"),
+        ({"head_dim_qk": 33}, "dk must be even"),
+        ({"window": 0}, "window must be >= 1"),
+        ({"num_kv_heads": 0}, "num_kv_heads must be >= 1"),
+        ({"dtype": "float64"}, "no bound"),
+    ],
+)
+def test_geometry_problems_name_the_broken_rule(change: dict[str, Any], problem: str) -> None:
+    bad = dataclasses.replace(VALID, **change)
+    assert any(problem in p for p in gr.geometry_problems(bad))
+    if change.get("dtype") is None:  # the config rules are NSAConfig's own
+        with pytest.raises((ValueError, TypeError)):
+            _config(bad)
+
+
+def test_parse_lengths() -> None:
+    assert gr.parse_lengths("128k, 256k,3000") == [131072, 262144, 3000]
+    for text in ("", "12x", "0", "-5"):
+        with pytest.raises(ValueError, match=r"length"):
+            gr.parse_lengths(text)
+
+
+@pytest.mark.parametrize(("seq_len", "count"), [(262144, 64), (131072, 64), (100, 64), (5, 64)])
+def test_sampled_rows_include_the_last_rows_and_row_0(seq_len: int, count: int) -> None:
+    rows = gr.sample_rows(seq_len, count)
+    assert rows == sorted(set(rows))
+    assert len(rows) == min(count, seq_len)
+    assert rows[0] == 0
+    assert rows[-1] == seq_len - 1
+    assert set(range(seq_len - min(8, len(rows)), seq_len)) <= set(rows)
+    assert all(0 <= r < seq_len for r in rows)
+    if seq_len > 1000:  # one row in each of count - 9 equal spans (row 0 and 8 last apart)
+        span = seq_len / (count - 9)
+        assert max(b - a for a, b in itertools.pairwise(rows)) < 2 * span + 1
+
+
+# ---------------------------------------------------------------------------- parsers, report
+
+MEMCHECK_LOG = """\
+========= COMPUTE-SANITIZER
+SWEEP ok branches/g1/dense (1.0 s)
+========= Invalid __global__ read of size 2 bytes
+=========     at sel_fwd_kernel+0x1a40 in forward.py:210
+=========     by thread (3,0,0) in block (77,0,0)
+SWEEP FAIL branches/g3/varlen: RuntimeError: CUDA error: unspecified launch failure
+========= ERROR SUMMARY: 3 errors
+"""
+
+RACECHECK_LOG = """\
+========= COMPUTE-SANITIZER
+SWEEP ok a (1.0 s)
+SWEEP ok b (1.0 s)
+SWEEP coverage launched=17 total=18 missing=x.y_kernel exempt=z.gather_probe_kernel
+========= RACECHECK SUMMARY: 2 hazards displayed (0 errors, 2 warnings)
+========= ERROR SUMMARY: 0 errors
+"""
+
+
+def test_parse_sanitizer() -> None:
+    mem = gr.parse_sanitizer(MEMCHECK_LOG)
+    assert mem.errors == 3
+    assert mem.race_errors is None
+    assert mem.first_finding == "Invalid __global__ read of size 2 bytes"
+    race = gr.parse_sanitizer(RACECHECK_LOG)
+    assert (race.errors, race.race_errors, race.race_warnings) == (0, 0, 2)
+    assert race.first_finding == ""
+    unfinished = gr.parse_sanitizer("========= COMPUTE-SANITIZER\nSWEEP ok a (1 s)\n")
+    assert unfinished.errors is None, "no ERROR SUMMARY line: the tool did not finish"
+    two = gr.parse_sanitizer("ERROR SUMMARY: 1 error\nERROR SUMMARY: 2 errors\n")
+    assert two.errors == 3, "one summary per process checked: they add up"
+
+
+def test_parse_sweep() -> None:
+    mem = gr.parse_sweep(MEMCHECK_LOG)
+    assert mem.ok == ("branches/g1/dense",)
+    assert mem.failed == (
+        ("branches/g3/varlen", "RuntimeError: CUDA error: unspecified launch failure"),
+    )
+    assert mem.launched is None
+    race = gr.parse_sweep(RACECHECK_LOG)
+    assert (race.launched, race.total) == (17, 18)
+    assert race.missing == ("x.y_kernel",)
+    assert race.exempt == ("z.gather_probe_kernel",)
+
+
+def test_report_marks_a_missing_part_failed(tmp_path: Path) -> None:
+    passed = gr.PartResult("sanitize", "PASS", "memcheck 0 errors", 12.0, {"tools": ["a"]})
+    gr.write_part(tmp_path, passed)
+    results = gr.load_parts(tmp_path, ["sanitize", "long"])
+    assert [r.status for r in results] == ["PASS", "FAIL"]
+    assert "did not finish" in results[1].headline
+    lines = gr.summary_lines(results)
+    assert lines[1].split()[:2] == ["sanitize", "PASS"]
+    assert lines[2].split()[:2] == ["long", "FAIL"]
+    assert lines[-1] == "GPU robustness: FAIL (long)"
+    md = gr.markdown_report(results)
+    assert "| sanitize | PASS |" in md
+    assert "| long | FAIL |" in md
+    ok = gr.summary_lines([passed])
+    assert ok[-1] == "GPU robustness: PASS"
+
+
+def test_report_command_exit_status(tmp_path: Path) -> None:
+    gr.write_part(tmp_path, gr.PartResult("parity", "PASS", "200/200 cases pass", 1.0))
+    assert gr.main(["report", "--out", str(tmp_path), "--sections", "parity"]) == 0
+    assert (tmp_path / "report.md").is_file()
+    assert gr.main(["report", "--out", str(tmp_path), "--sections", "parity long"]) == 1
+
+
+def test_shell_wrapper_is_valid_bash() -> None:
+    subprocess.run(["bash", "-n", str(ROOT / "ci" / "gpu_robustness.sh")], check=True)
+
+
+# ---------------------------------------------------------------------------- real code paths
+
+
+def _cpu_plan(*cases: gr.ParityCase) -> gr.ParityPlan:
+    geometry = gr.Geometry("float32", 1, 2, 16, 16, 8, 4, 8, 3, 5, True)
+    return gr.ParityPlan(0, gr.CPU_LIMITS, (geometry,), (), cases)
+
+
+@needs_interpreter
+@pytest.mark.triton
+def test_parity_case_runs_the_triton_backends_and_passes() -> None:
+    rt = gr.setup_runtime("cpu")
+    plan = _cpu_plan(
+        gr.ParityCase(0, 0, 1, 21, 5, None, 1),
+        gr.ParityCase(1, 0, 1, 22, 0, (1, 12, 0, 9), 2),
+    )
+    for case in plan.cases:
+        checks = gr.run_parity_case(rt, plan, case, gr.ParityOptions(flex_geometries=1))
+        status = {f"{c.op}/{c.backend}": c.status for c in checks}
+        for name in (*gr.REQUIRED_BACKENDS, "select_blocks/triton_score+lse"):
+            assert status[name] == "pass", [c for c in checks if c.status == "fail"]
+        assert status["sliding_attention/sdpa"] == "pass"
+        assert status["sliding_attention/flex"] == "declined"
+        assert not [c for c in checks if c.status == "fail"]
+
+
+@needs_interpreter
+@pytest.mark.triton
+def test_parity_catches_a_wrong_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend 1% off the reference, or one that breaks the graph, is reported as failed."""
+    from nsa_core import registry
+    from nsa_core.reference import sliding_attention
+    from nsa_core.registry import Backend
+
+    def off(q: Any, k: Any, v: Any, window: int, scale: Any, **kw: Any) -> torch.Tensor:
+        kw.pop("toggles")
+        return sliding_attention(q, k, v, window, scale, **kw) * 1.01
+
+    def detached(q: Any, k: Any, v: Any, window: int, scale: Any, **kw: Any) -> torch.Tensor:
+        return off(q, k, v, window, scale, **kw).detach() / 1.01
+
+    rt = gr.setup_runtime("cpu")
+    fakes = [
+        Backend("sliding_attention", name, fn, lambda ctx, t: None, priority=-1)
+        for name, fn in (("off_by_one_percent", off), ("detached", detached))
+    ]
+    # Registered for this test only (the registry has no removal; monkeypatch restores it).
+    rows = registry.backends("sliding_attention")
+    monkeypatch.setitem(registry._backends, "sliding_attention", [*rows, *fakes])
+    plan = _cpu_plan(gr.ParityCase(0, 0, 2, 9, 0, None, 3))
+    checks = gr.run_parity_case(rt, plan, plan.cases[0], gr.ParityOptions(flex_geometries=0))
+    by_name = {c.backend: c for c in checks}
+    assert by_name["off_by_one_percent"].status == "fail"
+    assert "o 1.0" in by_name["off_by_one_percent"].detail
+    assert by_name["detached"].status == "fail"
+    assert "detached" in by_name["detached"].detail
+    assert by_name["sdpa"].status == "pass"
+
+
+@needs_interpreter
+@pytest.mark.triton
+def test_sweep_case_runs_and_its_kernel_launch_is_recorded(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert gr.run_sweep("cpu", "quick/") == 0
+    out = gr.parse_sweep(capsys.readouterr().out)
+    assert out.ok == ("quick/dense_varlen",)
+    assert out.launched == 1
+    assert out.total is not None
+    assert out.total >= 15, "every Triton kernel of nsa_kernels is found"
+    rt = gr.setup_runtime("cpu")
+    names = [name for name, _ in gr.sweep_cases(rt)]
+    assert len(names) == len(set(names))
+    with gr.kernel_launches() as (_, launched):
+        dict(gr.sweep_cases(rt))["quick/dense_varlen"]()
+    assert [k.rsplit(".", 1)[1] for k in launched] == ["quick_fwd_kernel"]
+    from nsa_kernels.selected import quick
+
+    assert not isinstance(quick.quick_fwd_kernel, gr.LaunchRecorder), "restored after the block"
+
+
+FAKE_SANITIZER = """#!/bin/sh
+# compute-sanitizer --tool TOOL --error-exitcode N --print-limit M TARGET...: runs TARGET; memcheck
+# then reports one finding.
+tool="$2"; code="$4"; shift 6
+echo "========= COMPUTE-SANITIZER"
+"$@"; rc=$?
+if [ "$tool" = memcheck ]; then
+  echo "========= Invalid __global__ write of size 4 bytes"
+  echo "=========     at some_kernel+0x10"
+  echo "========= ERROR SUMMARY: 1 error"; exit "$code"
+fi
+echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+echo "========= ERROR SUMMARY: 0 errors"
+exit $rc
+"""
+
+
+@needs_interpreter
+@pytest.mark.triton
+def test_sanitize_part_end_to_end(tmp_path: Path) -> None:
+    """The sweep plainly and under each tool; a tool's finding fails the part, with its line."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "COMPUTE_SANITIZER": str(fake)}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT / "packages" / p / "src") for p in ("nsa-core", "nsa-kernels", "nsa-bench")]
+        + [env.get("PYTHONPATH", "")]
+    )
+    command = [sys.executable, str(SCRIPT), "sanitize", "--device", "cpu", "--case", "quick/"]
+    run = subprocess.run(
+        [*command, "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 1, run.stderr
+    result = gr.load_parts(tmp_path, ["sanitize"])[0]
+    assert result.status == "FAIL"
+    assert result.details["sweep_cases"] == 1
+    assert result.details["memcheck"]["errors"] == 1
+    assert result.details["racecheck"]["errors"] == 0
+    assert result.details["racecheck"]["sweep_ok"] == 1
+    assert result.failures == [
+        "memcheck: 1 errors; first: Invalid __global__ write of size 4 bytes"
+    ]
+    assert result.headline.startswith("memcheck 1 errors; racecheck 0 errors (0 race warnings)")
