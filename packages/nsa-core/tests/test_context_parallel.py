@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,13 @@ import torch.multiprocessing as mp
 
 from nsa_core import CompressMLP, NSAConfig, nsa_attention
 from nsa_core.blocks import num_cmp_blocks
-from nsa_core.context_parallel import CommTimer, ShardPlan, context_parallel_nsa_attention
+from nsa_core.context_parallel import (
+    CommTimer,
+    Layout,
+    ShardPlan,
+    SlcExchange,
+    context_parallel_nsa_attention,
+)
 from nsa_core.context_parallel.attention import block_layout
 from nsa_core.context_parallel.work import Sequences, plan_work
 
@@ -45,14 +52,15 @@ class Case:
     name: str
     tokens: int
     groups: int
-    layout: str
+    layout: Layout
     per_branch_kv: bool = False
     phi: str = "avg"
     cu_seqlens: tuple[int, ...] | None = None
-    slc_exchange: str = "all_gather"
+    slc_exchange: SlcExchange = "all_gather"
     batch: int = 1
     window: int = 8
     repeat: bool = False  # run twice and require bit-equal results
+    zero: tuple[str, ...] = ()  # results that are exactly zero (e.g. no compressed block)
 
     def config(self) -> NSAConfig:
         return NSAConfig(
@@ -90,7 +98,27 @@ CASES = (
         phi="mlp",
         cu_seqlens=(0, 13, 14, 45),
     ),
+    # Shorter than one compressed block: no rank owns a block, every rank still exchanges.
+    Case(
+        "tiny-no-blocks",
+        8,
+        1,
+        "zigzag",
+        per_branch_kv=True,
+        cu_seqlens=(0, 2, 8),
+        zero=("grad_k_cmp", "grad_v_cmp"),
+    ),
 )
+# Run by each pair of a 4-rank world on its own group of two.
+SUBGROUP_CASE = Case(
+    "subgroup-g4-contiguous-branches-prefix",
+    29,
+    4,
+    "contiguous",
+    per_branch_kv=True,
+    slc_exchange="prefix",
+)
+SUBGROUP_SEED = len(CASES)
 
 
 @dataclass
@@ -154,17 +182,23 @@ def _with_grad(x: torch.Tensor) -> torch.Tensor:
     return x.detach().clone().requires_grad_()
 
 
+KV = torch.Tensor | dict[str, torch.Tensor]
+
+
 def _branch_args(
     case: Case, k: dict[str, torch.Tensor], v: dict[str, torch.Tensor]
-) -> tuple[object, object]:
+) -> tuple[KV, KV]:
     """k/v as the core takes them: one shared tensor, or the per-branch mapping."""
     if case.per_branch_kv:
         return k, v
     return k["slc"], v["slc"]
 
 
-def run_rank(case: Case, seed: int, plan: ShardPlan, rank: int) -> dict[str, torch.Tensor]:
-    """This rank's output rows and gradients for one case."""
+def run_rank(
+    case: Case, seed: int, plan: ShardPlan, group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
+    """This rank's output rows and gradients for one case, on ``group`` (default: the world)."""
+    rank = dist.get_rank(group)
     inp = make_inputs(case, seed)
     q = _with_grad(plan.shard(inp.q, rank))
     gates = _with_grad(plan.shard(inp.gates, rank))
@@ -182,15 +216,16 @@ def run_rank(case: Case, seed: int, plan: ShardPlan, rank: int) -> dict[str, tor
     timer = CommTimer()
     out = context_parallel_nsa_attention(
         q,
-        k_arg,  # type: ignore[arg-type]
-        v_arg,  # type: ignore[arg-type]
+        k_arg,
+        v_arg,
         gates,
         case.config(),
         plan,
         phi_k=inp.phi_k,
         phi_v=inp.phi_v,
         cu_seqlens=cu,
-        slc_exchange=case.slc_exchange,  # type: ignore[arg-type]
+        slc_exchange=case.slc_exchange,
+        group=group,
         timer=timer,
     )
     out.backward(plan.shard(inp.grad_out, rank))
@@ -220,14 +255,21 @@ def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     )
     try:
         for index, case in enumerate(CASES):
-            plan = ShardPlan(case.tokens, world, case.layout)  # type: ignore[arg-type]
-            result = run_rank(case, index, plan, rank)
+            plan = ShardPlan(case.tokens, world, case.layout)
+            result = run_rank(case, index, plan)
             if case.repeat:
-                again = run_rank(case, index, plan, rank)
+                again = run_rank(case, index, plan)
                 result["repeat_equal"] = torch.tensor(
                     all(torch.equal(result[n], again[n]) for n in result)
                 )
             torch.save(result, os.path.join(out_dir, f"{case.name}-{rank}.pt"))
+        if world == 4:
+            # Two groups of two side by side: point-to-point peers are group ranks, not world
+            # ranks, and the two groups must not see each other's messages.
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            plan = ShardPlan(SUBGROUP_CASE.tokens, 2, SUBGROUP_CASE.layout)
+            result = run_rank(SUBGROUP_CASE, SUBGROUP_SEED, plan, pairs[rank // 2])
+            torch.save(result, os.path.join(out_dir, f"{SUBGROUP_CASE.name}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -252,7 +294,7 @@ def reference(case: Case, seed: int) -> dict[str, torch.Tensor]:
         case.config(),
         phi_k=inp.phi_k,
         phi_v=inp.phi_v,
-        cu_seqlens=cu,  # type: ignore[arg-type]
+        cu_seqlens=cu,
     )
     out.backward(inp.grad_out)
     result = {"out": out.detach()}
@@ -280,29 +322,44 @@ def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
         join=True,
     )
     for index, case in enumerate(CASES):
-        plan = ShardPlan(case.tokens, world, case.layout)  # type: ignore[arg-type]
         parts = [torch.load(tmp_path / f"{case.name}-{r}.pt") for r in range(world)]
-        ref = reference(case, index)
-        for name, expected in ref.items():
-            where = f"{case.name} W={world}: {name}"
-            if name == SHIFT_ONLY:
-                # Exactly zero (see SHIFT_ONLY): the ranks' shares must cancel to rounding.
-                shares = [p[name] for p in parts]
-                scale = sum(float(x.norm()) for x in shares)
-                residue = float(sum(shares, torch.zeros_like(expected)).norm())
-                assert residue <= GRAD_BOUND * scale, f"{where}: {residue:.2e} of {scale:.2e}"
-                continue
-            if name.startswith("grad_phi"):
-                # Each rank holds its share of phi's gradient: the group's sum is the whole.
-                got = sum((p[name] for p in parts), torch.zeros_like(expected))
-            else:
-                got = plan.unshard([p[name] for p in parts])
-            assert expected.norm() > 0, f"{where} is all zero, the check is empty"
-            bound = FWD_BOUND if name == "out" else GRAD_BOUND
-            err = rel_err(got, expected)
-            assert err <= bound, f"{where} rel err {err:.2e} > {bound:.0e}"
-        if case.repeat:
-            assert all(bool(p["repeat_equal"]) for p in parts), f"{case.name}: not bit-reproducible"
+        check_against_reference(case, index, parts, f"{case.name} W={world}")
+    if world == 4:
+        parts = [torch.load(tmp_path / f"{SUBGROUP_CASE.name}-{r}.pt") for r in range(4)]
+        for pair in (parts[:2], parts[2:]):
+            check_against_reference(SUBGROUP_CASE, SUBGROUP_SEED, pair, SUBGROUP_CASE.name)
+
+
+def check_against_reference(
+    case: Case, seed: int, parts: list[dict[str, torch.Tensor]], label: str
+) -> None:
+    """The ranks' results ``parts`` (in rank order) against the single-process ones."""
+    plan = ShardPlan(case.tokens, len(parts), case.layout)
+    ref = reference(case, seed)
+    for name, expected in ref.items():
+        where = f"{label}: {name}"
+        if name == SHIFT_ONLY:
+            # Exactly zero (see SHIFT_ONLY): the ranks' shares must cancel to rounding.
+            shares = [p[name] for p in parts]
+            scale = sum(float(x.norm()) for x in shares)
+            residue = float(sum(shares, torch.zeros_like(expected)).norm())
+            assert residue <= GRAD_BOUND * scale, f"{where}: {residue:.2e} of {scale:.2e}"
+            continue
+        if name.startswith("grad_phi"):
+            # Each rank holds its share of phi's gradient: the group's sum is the whole.
+            got = sum((p[name] for p in parts), torch.zeros_like(expected))
+        else:
+            got = plan.unshard([p[name] for p in parts])
+        if name in case.zero:
+            assert not expected.any(), f"{where}: the reference is not zero"
+            assert not got.any(), f"{where} must be exactly zero"
+            continue
+        assert expected.norm() > 0, f"{where} is all zero, the check is empty"
+        bound = FWD_BOUND if name == "out" else GRAD_BOUND
+        err = rel_err(got, expected)
+        assert err <= bound, f"{where} rel err {err:.2e} > {bound:.0e}"
+    if case.repeat:
+        assert all(bool(p["repeat_equal"]) for p in parts), f"{label}: not bit-reproducible"
 
 
 # ------------------------------------------------------------------------ plan and work (no ranks)
@@ -310,8 +367,8 @@ def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize(("tokens", "world"), [(45, 2), (45, 4), (8, 4), (1001, 3)])
-def test_plan_tiles_the_sequence(layout: str, tokens: int, world: int) -> None:
-    plan = ShardPlan(tokens, world, layout)  # type: ignore[arg-type]
+def test_plan_tiles_the_sequence(layout: Layout, tokens: int, world: int) -> None:
+    plan = ShardPlan(tokens, world, layout)
     chunks = plan.chunks()
     assert chunks[0].start == 0
     assert chunks[-1].end == tokens
@@ -341,11 +398,13 @@ def test_plan_refuses_empty_chunks() -> None:
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("cu", [None, (0, 3, 20, 20, 31, 45), (0, 45)])
-def test_owned_blocks_tile_and_halos_are_bounded(layout: str, cu: tuple[int, ...] | None) -> None:
+def test_owned_blocks_tile_and_halos_are_bounded(
+    layout: Layout, cu: tuple[int, ...] | None
+) -> None:
     config = CASES[0].config()
     bounds = (0, 45) if cu is None else cu
     seqs = Sequences.build(bounds, config, varlen=cu is not None)
-    plan = ShardPlan(45, 4, layout)  # type: ignore[arg-type]
+    plan = ShardPlan(45, 4, layout)
     works = plan_work(plan, seqs, config)
     layout_blocks = block_layout(works, plan.world_size)
     expected = sum(
@@ -368,7 +427,7 @@ def test_owned_blocks_tile_and_halos_are_bounded(layout: str, cu: tuple[int, ...
 
 
 @pytest.fixture
-def single_rank_group(tmp_path: Path):  # type: ignore[no-untyped-def]
+def single_rank_group(tmp_path: Path) -> Iterator[None]:
     dist.init_process_group(
         "gloo", store=dist.FileStore(str(tmp_path / "store1"), 1), rank=0, world_size=1
     )
@@ -379,7 +438,7 @@ def single_rank_group(tmp_path: Path):  # type: ignore[no-untyped-def]
 def test_one_rank_equals_single_process(single_rank_group: None) -> None:
     case = CASES[3]
     ref = reference(case, 3)
-    got = run_rank(case, 3, ShardPlan(case.tokens, 1, "zigzag"), 0)
+    got = run_rank(case, 3, ShardPlan(case.tokens, 1, "zigzag"))
     for name, expected in ref.items():
         if name == SHIFT_ONLY:
             continue  # exactly zero: see SHIFT_ONLY

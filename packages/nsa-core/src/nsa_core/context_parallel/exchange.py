@@ -55,14 +55,18 @@ class PieceLayout:
 
     def __post_init__(self) -> None:
         at = 0
-        used = [0] * self.world_size
         for piece in self.pieces:
             if piece.global_start != at or piece.length < 0:
                 raise ValueError(f"pieces must tile the axis in order: {piece} after {at}")
             if not 0 <= piece.rank < self.world_size:
                 raise ValueError(f"piece {piece} names a rank outside [0, {self.world_size})")
             at = piece.global_end
-            used[piece.rank] += piece.length
+        for rank in range(self.world_size):
+            row = 0
+            for piece in self.local_pieces(rank):
+                if piece.local_start != row:
+                    raise ValueError(f"rank {rank}'s pieces must tile its rows: {piece} at {row}")
+                row += piece.length
 
     @property
     def total(self) -> int:
@@ -229,16 +233,16 @@ def _p2p(
     group: dist.ProcessGroup | None,
 ) -> None:
     """One batch of point-to-point messages: ``sends[peer]`` out, ``recvs[peer]`` filled in."""
+
+    def global_rank(peer: int) -> int:  # P2POp names peers by their rank in the world
+        return peer if group is None else dist.get_global_rank(group, peer)
+
     ops = [
-        dist.P2POp(
-            dist.isend, buf, dist.get_global_rank(group, peer) if group else peer, group, tag
-        )
+        dist.P2POp(dist.isend, buf, global_rank(peer), group, tag)
         for peer, buf in sorted(sends.items())
     ]
     ops += [
-        dist.P2POp(
-            dist.irecv, buf, dist.get_global_rank(group, peer) if group else peer, group, tag
-        )
+        dist.P2POp(dist.irecv, buf, global_rank(peer), group, tag)
         for peer, buf in sorted(recvs.items())
     ]
     if ops:
@@ -334,10 +338,6 @@ def _fetch_backward(
 # --------------------------------------------------------------------------- the autograd node
 
 
-def _group_rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group)
-
-
 class _Exchange(torch.autograd.Function):
     """One autograd node running a list of transfers, forward and backward, in list order."""
 
@@ -350,7 +350,7 @@ class _Exchange(torch.autograd.Function):
         link: torch.Tensor,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
-        rank = _group_rank(group)
+        rank = dist.get_rank(group)
         ctx.transfers = transfers
         ctx.group = group
         ctx.timer = timer
@@ -366,7 +366,7 @@ class _Exchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_link: torch.Tensor, *grads: torch.Tensor) -> tuple[Any, ...]:
-        rank = _group_rank(ctx.group)
+        rank = dist.get_rank(ctx.group)
         grads_in = []
         for tag, (t, grad, local_shape) in enumerate(
             zip(ctx.transfers, grads, ctx.local_shapes, strict=True)
@@ -409,7 +409,7 @@ def exchange(
     """
     if len(transfers) != len(tensors):
         raise ValueError(f"{len(transfers)} transfers for {len(tensors)} tensors")
-    rank = _group_rank(group)
+    rank = dist.get_rank(group)
     for t, x in zip(transfers, tensors, strict=True):
         if x.shape[1] != t.layout.local_length(rank):
             raise ValueError(
