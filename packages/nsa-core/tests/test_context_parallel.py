@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,13 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nsa_core import CompressMLP, NSAConfig, nsa_attention
+from nsa_core import CompressMLP, NSAAttention, NSAConfig, nsa_attention
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.context_parallel import (
     CommTimer,
     Layout,
     ShardPlan,
     SlcExchange,
+    context_parallel_layer_forward,
     context_parallel_nsa_attention,
 )
 from nsa_core.context_parallel.attention import block_layout
@@ -42,7 +43,9 @@ GRAD_BOUND = 2e-5
 # phi_k's output bias shifts every compressed key of a head by the same vector: each query's
 # logits move by one constant and its softmax does not change, so this gradient is exactly zero
 # and both sides hold rounding noise, on which a relative error means nothing.
-SHIFT_ONLY = "grad_phi_k.fc2.bias"
+SHIFT_ONLY = ("grad_phi_k.fc2.bias", "grad_param.phi_k.fc2.bias")
+# Gradients of weights every rank applies to its own rows: each rank holds its share.
+SHARED_WEIGHTS = ("grad_phi", "grad_param.")
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,10 @@ SUBGROUP_CASE = Case(
     slc_exchange="prefix",
 )
 SUBGROUP_SEED = len(CASES)
+# A whole NSAAttention layer (per-branch projections, RoPE at each sequence's positions).
+LAYER_CASE = Case("layer-varlen-g4-zigzag-mlp", 45, 4, "zigzag", phi="mlp", cu_seqlens=(0, 13, 45))
+LAYER_SEED = len(CASES) + 1
+HIDDEN = 16
 
 
 @dataclass
@@ -243,6 +250,47 @@ def run_rank(
     return result
 
 
+def make_layer(case: Case, seed: int) -> tuple[NSAAttention, torch.Tensor, torch.Tensor]:
+    """The layer (parameters drawn from ``seed``), x [1, T, hidden] and the output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    layer = NSAAttention(case.config(), HIDDEN)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    x = torch.randn(1, case.tokens, HIDDEN, generator=gen)
+    return layer, x, torch.randn(1, case.tokens, HIDDEN, generator=gen)
+
+
+def layer_results(layer: NSAAttention, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    result = {"out": y.detach()}
+    assert x.grad is not None
+    result["grad_x"] = x.grad
+    for name, p in layer.named_parameters():
+        assert p.grad is not None, name
+        result[f"grad_param.{name}"] = p.grad
+    return result
+
+
+def run_layer_rank(case: Case, seed: int, plan: ShardPlan) -> dict[str, torch.Tensor]:
+    """This rank's rows of ``layer(x)`` and its gradients (x's rows, its share of the weights')."""
+    layer, x, grad_out = make_layer(case, seed)
+    rank = dist.get_rank()
+    x_local = _with_grad(plan.shard(x, rank))
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    y = context_parallel_layer_forward(layer, x_local, plan, cu_seqlens=cu)
+    y.backward(plan.shard(grad_out, rank))
+    return layer_results(layer, x_local, y)
+
+
+def reference_layer(case: Case, seed: int) -> dict[str, torch.Tensor]:
+    layer, x, grad_out = make_layer(case, seed)
+    x = _with_grad(x)
+    cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
+    y = layer(x, cu)
+    y.backward(grad_out)
+    return layer_results(layer, x, y)
+
+
 def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
     """One rank: every case, its results saved under ``out_dir``."""
     torch.set_num_threads(1)
@@ -263,6 +311,9 @@ def worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
                     all(torch.equal(result[n], again[n]) for n in result)
                 )
             torch.save(result, os.path.join(out_dir, f"{case.name}-{rank}.pt"))
+        plan = ShardPlan(LAYER_CASE.tokens, world, LAYER_CASE.layout)
+        result = run_layer_rank(LAYER_CASE, LAYER_SEED, plan)
+        torch.save(result, os.path.join(out_dir, f"{LAYER_CASE.name}-{rank}.pt"))
         if world == 4:
             # Two groups of two side by side: point-to-point peers are group ranks, not world
             # ranks, and the two groups must not see each other's messages.
@@ -324,6 +375,10 @@ def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
     for index, case in enumerate(CASES):
         parts = [torch.load(tmp_path / f"{case.name}-{r}.pt") for r in range(world)]
         check_against_reference(case, index, parts, f"{case.name} W={world}")
+    parts = [torch.load(tmp_path / f"{LAYER_CASE.name}-{r}.pt") for r in range(world)]
+    check_against_reference(
+        LAYER_CASE, LAYER_SEED, parts, f"{LAYER_CASE.name} W={world}", reference_layer
+    )
     if world == 4:
         parts = [torch.load(tmp_path / f"{SUBGROUP_CASE.name}-{r}.pt") for r in range(4)]
         for pair in (parts[:2], parts[2:]):
@@ -331,22 +386,26 @@ def test_sharded_equals_single_process(world: int, tmp_path: Path) -> None:
 
 
 def check_against_reference(
-    case: Case, seed: int, parts: list[dict[str, torch.Tensor]], label: str
+    case: Case,
+    seed: int,
+    parts: list[dict[str, torch.Tensor]],
+    label: str,
+    single_process: Callable[[Case, int], dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """The ranks' results ``parts`` (in rank order) against the single-process ones."""
     plan = ShardPlan(case.tokens, len(parts), case.layout)
-    ref = reference(case, seed)
+    ref = (single_process or reference)(case, seed)
     for name, expected in ref.items():
         where = f"{label}: {name}"
-        if name == SHIFT_ONLY:
+        if name in SHIFT_ONLY:
             # Exactly zero (see SHIFT_ONLY): the ranks' shares must cancel to rounding.
             shares = [p[name] for p in parts]
             scale = sum(float(x.norm()) for x in shares)
             residue = float(sum(shares, torch.zeros_like(expected)).norm())
             assert residue <= GRAD_BOUND * scale, f"{where}: {residue:.2e} of {scale:.2e}"
             continue
-        if name.startswith("grad_phi"):
-            # Each rank holds its share of phi's gradient: the group's sum is the whole.
+        if name.startswith(SHARED_WEIGHTS):
+            # Each rank holds its share of the weights' gradient: the group's sum is the whole.
             got = sum((p[name] for p in parts), torch.zeros_like(expected))
         else:
             got = plan.unshard([p[name] for p in parts])
@@ -440,7 +499,7 @@ def test_one_rank_equals_single_process(single_rank_group: None) -> None:
     ref = reference(case, 3)
     got = run_rank(case, 3, ShardPlan(case.tokens, 1, "zigzag"))
     for name, expected in ref.items():
-        if name == SHIFT_ONLY:
+        if name in SHIFT_ONLY:
             continue  # exactly zero: see SHIFT_ONLY
         bound = FWD_BOUND if name == "out" else GRAD_BOUND
         assert rel_err(got[name], expected) <= bound, name

@@ -6,6 +6,8 @@
 - :mod:`~nsa_core.context_parallel.exchange`: autograd-aware all-gather and range fetches over
   ``torch.distributed``, and :class:`CommTimer`.
 - :mod:`~nsa_core.context_parallel.attention`: :func:`context_parallel_nsa_attention`.
+- :mod:`~nsa_core.context_parallel.layer`: :func:`context_parallel_layer_forward`, a whole
+  :class:`~nsa_core.NSAAttention` layer.
 
 docs/context_parallel.md describes the design and the data each branch exchanges.
 """
@@ -16,6 +18,7 @@ from nsa_core.context_parallel.attention import (
     context_parallel_nsa_attention,
 )
 from nsa_core.context_parallel.exchange import CommTimer
+from nsa_core.context_parallel.layer import context_parallel_layer_forward
 from nsa_core.context_parallel.plan import LAYOUTS, Chunk, Layout, ShardPlan
 
 __all__ = [
@@ -26,5 +29,6 @@ __all__ = [
     "Layout",
     "ShardPlan",
     "SlcExchange",
+    "context_parallel_layer_forward",
     "context_parallel_nsa_attention",
 ]
