@@ -399,39 +399,67 @@ _SANITIZER_LINE = re.compile(r"^=+ (\S.*)$")
 _NOT_FINDINGS = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY")
 _SWEEP_OK = re.compile(r"^SWEEP ok (\S+)")
 _SWEEP_FAIL = re.compile(r"^SWEEP FAIL (\S+): (.*)$")
-_SWEEP_COVERAGE = re.compile(
-    r"^SWEEP coverage launched=(\d+) total=(\d+) missing=(\S*) exempt=(\S*)$"
-)
+_SWEEP_KERNELS = re.compile(r"^SWEEP kernels (found|launched)=(\S*)$")
 
 
 @dataclass(frozen=True)
 class SweepSummary:
-    """What the sweep printed: cases passed and failed, kernels launched of those found."""
+    """What one sweep process printed: cases passed and failed, and (when it ran the whole
+    sweep or a shard of it) the kernels it found and those it launched, by qualified name."""
 
     ok: tuple[str, ...]
     failed: tuple[tuple[str, str], ...]
-    launched: int | None
-    total: int | None
-    missing: tuple[str, ...]
-    exempt: tuple[str, ...]
+    found: frozenset[str] | None
+    launched: frozenset[str]
+
+    @staticmethod
+    def merge(parts: Sequence[SweepSummary]) -> SweepSummary:
+        """The summary of a sweep run as shards."""
+        founds = [p.found for p in parts if p.found is not None]
+        return SweepSummary(
+            tuple(n for p in parts for n in p.ok),
+            tuple(f for p in parts for f in p.failed),
+            frozenset().union(*founds) if founds else None,
+            frozenset().union(*(p.launched for p in parts)),
+        )
+
+    def missing(self, exempt: Sequence[str] = ()) -> list[str]:
+        """Kernels found and never launched, except those whose function name is exempt."""
+        if self.found is None:
+            return []
+        return sorted(k for k in self.found - self.launched if k.rsplit(".", 1)[-1] not in exempt)
 
 
 def parse_sweep(text: str) -> SweepSummary:
     ok: list[str] = []
     failed: list[tuple[str, str]] = []
-    launched = total = None
-    missing: tuple[str, ...] = ()
-    exempt: tuple[str, ...] = ()
+    kernels: dict[str, frozenset[str]] = {}
     for line in text.splitlines():
         if m := _SWEEP_OK.match(line):
             ok.append(m.group(1))
         elif m := _SWEEP_FAIL.match(line):
             failed.append((m.group(1), m.group(2)))
-        elif m := _SWEEP_COVERAGE.match(line):
-            launched, total = int(m.group(1)), int(m.group(2))
-            missing = tuple(filter(None, m.group(3).split(",")))
-            exempt = tuple(filter(None, m.group(4).split(",")))
-    return SweepSummary(tuple(ok), tuple(failed), launched, total, missing, exempt)
+        elif m := _SWEEP_KERNELS.match(line):
+            kernels[m.group(1)] = frozenset(filter(None, m.group(2).split(",")))
+    return SweepSummary(
+        tuple(ok), tuple(failed), kernels.get("found"), kernels.get("launched", frozenset())
+    )
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"2/6"`` -> (2, 6): shard 2 of 6 (0-based)."""
+    index, sep, count = text.partition("/")
+    if not (sep and index.isdigit() and count.isdigit()) or not 0 <= int(index) < int(count):
+        raise ValueError(f"--shard wants I/N with 0 <= I < N, got {text!r}")
+    return int(index), int(count)
+
+
+def shard_of(items: Sequence[Any], index: int, count: int) -> list[Any]:
+    """The ``index``-th of ``count`` contiguous, near-equal slices of ``items`` (neighbours, such
+    as sweep cases of one G, share their compiled kernels)."""
+    size, extra = divmod(len(items), count)
+    start = index * size + min(index, extra)
+    return list(items[start : start + size + (index < extra)])
 
 
 @dataclass(frozen=True)
@@ -786,10 +814,9 @@ def check_pair(
 
 # ============================================================================ sanitize: sweep
 
-# Kernels the sweep does not launch, and why (everything else found in nsa_kernels must run).
-KERNEL_EXEMPT = {
-    "gather_probe_kernel": "bandwidth probe of the selection bench (nsa_bench), no op calls it",
-}
+# Kernels of nsa_kernels the sweep may leave unlaunched, by function name, with the reason
+# (none today: every kernel there serves an op); any other kernel it never launches fails it.
+KERNEL_EXEMPT: dict[str, str] = {}
 
 
 def _is_triton_function(obj: object) -> bool:
@@ -1268,24 +1295,19 @@ def sweep_cases(rt: Runtime) -> list[tuple[str, Callable[[], None]]]:
     return cases
 
 
-def run_sweep(device: str, only: str | None) -> int:
-    """The sanitizer's target: run the sweep, print one protocol line per case and the kernel
-    coverage on stdout; exit 1 if a case failed or a kernel was never launched."""
+def run_sweep(device: str, only: str | None, shard: tuple[int, int] = (0, 1)) -> int:
+    """The sanitizer's target: run the sweep (or one shard of it), print one protocol line per
+    case and the kernels found and launched on stdout; exit 1 if a case failed."""
     rt = setup_runtime(device)
     with kernel_launches() as (kernels, launched):
-        failed = _run_sweep_cases(
-            rt, [(n, f) for n, f in sweep_cases(rt) if only is None or only in n]
-        )
+        cases = [(n, f) for n, f in sweep_cases(rt) if only is None or only in n]
+        failed = _run_sweep_cases(rt, shard_of(cases, *shard))
     if failed < 0:
         return 1
-    exempt = sorted(k for k in kernels if k.rsplit(".", 1)[1] in KERNEL_EXEMPT)
-    missing = sorted(set(kernels) - launched - set(exempt)) if only is None else []
-    print(
-        f"SWEEP coverage launched={len(launched)} total={len(kernels)} "
-        f"missing={','.join(missing)} exempt={','.join(exempt)}",
-        flush=True,
-    )
-    return 1 if failed or missing else 0
+    if only is None:  # coverage means something only for the whole sweep
+        print(f"SWEEP kernels found={','.join(sorted(kernels))}", flush=True)
+    print(f"SWEEP kernels launched={','.join(sorted(launched))}", flush=True)
+    return 1 if failed else 0
 
 
 def _run_sweep_cases(rt: Runtime, cases: Sequence[tuple[str, Callable[[], None]]]) -> int:
@@ -1344,6 +1366,7 @@ class Child:
 def run_children(children: Sequence[Child], env: dict[str, str], part: str) -> None:
     """Start ``children`` together, wait, kill a child past its timeout (its whole group)."""
     for child in children:
+        child.log_path.parent.mkdir(parents=True, exist_ok=True)
         handle = child.log_path.open("wb")
         child.start = time.perf_counter()
         child.process = subprocess.Popen(
@@ -1402,53 +1425,58 @@ def sanitizer_command(sanitizer: str, tool: str, target: Sequence[str]) -> list[
     ]
 
 
-def _tool_verdict(child: Child, plain: SweepSummary) -> tuple[str, dict[str, Any], list[str]]:
-    """(summary line, details, failures) of one sanitizer run, from its log."""
-    text = child.log_path.read_text(errors="replace")
-    summary = parse_sanitizer(text)
-    under = parse_sweep(text)
-    race = (
-        f" ({summary.race_warnings} race warnings)" if summary.race_warnings is not None else ""
-    )
+def _tool_verdict(
+    tool: str, runs: Sequence[Child], plain: SweepSummary
+) -> tuple[str, dict[str, Any], list[str]]:
+    """(summary line, details, failures) of one tool over its runs (one per shard)."""
+    texts = [c.log_path.read_text(errors="replace") for c in runs]
+    found = [parse_sanitizer(t) for t in texts]
+    under = SweepSummary.merge([parse_sweep(t) for t in texts])
+    finished = all(f.errors is not None for f in found) and not any(c.timed_out for c in runs)
+    errors = sum(f.errors or 0 for f in found)
+    warnings = [f.race_warnings for f in found if f.race_warnings is not None]
+    first = next((f.first_finding for f in found if f.first_finding), "")
+    codes = sorted({c.returncode for c in runs}, key=lambda code: code == 0)
+    wall = max(c.wall_s for c in runs)
+    race = f" ({sum(warnings)} race warnings)" if warnings else ""
     ran = len(under.ok) + len(under.failed)
     line = (
-        f"{child.name} {'?' if summary.errors is None else summary.errors} errors{race}, exit "
-        f"{child.returncode}{' (timeout)' if child.timed_out else ''}, sweep {len(under.ok)}/{ran} "
-        f"ok, {child.wall_s:.0f} s"
+        f"{tool} {errors if finished else '?'} errors{race}, exit {codes}, "
+        f"sweep {len(under.ok)}/{ran} ok, {wall:.0f} s"
     )
     details = {
-        "errors": summary.errors,
-        "race_errors": summary.race_errors,
-        "race_warnings": summary.race_warnings,
-        "first_finding": summary.first_finding,
-        "exit": child.returncode,
-        "timed_out": child.timed_out,
+        "errors": errors if finished else None,
+        "race_warnings": sum(warnings) if warnings else None,
+        "first_finding": first,
+        "exits": [c.returncode for c in runs],
+        "timed_out": [c.name for c in runs if c.timed_out],
         "sweep_ok": len(under.ok),
         "sweep_failed": [f"{n}: {w}" for n, w in under.failed],
-        "wall_s": round(child.wall_s, 1),
+        "wall_s": round(wall, 1),
+        "logs": [c.log_path.name for c in runs],
     }
     failures = []
-    if child.timed_out or summary.errors is None:
-        failures.append(
-            f"{child.name}: did not finish (no ERROR SUMMARY); see {child.log_path.name}"
-        )
-    elif summary.errors:
-        failures.append(f"{child.name}: {summary.errors} errors; first: {summary.first_finding}")
-    elif child.returncode != 0:
+    if not finished:
+        unfinished = [c.log_path.name for c, f in zip(runs, found, strict=True) if f.errors is None]
+        failures.append(f"{tool}: did not finish (no ERROR SUMMARY); see {', '.join(unfinished)}")
+    if errors:
+        failures.append(f"{tool}: {errors} errors; first: {first}")
+    elif finished and codes != [0]:
         failed = [n for n, _ in under.failed]
-        failures.append(f"{child.name}: exit {child.returncode}; sweep cases failed: {failed}")
-    if not child.timed_out and len(under.ok) != len(plain.ok):
+        failures.append(f"{tool}: exit {codes}; sweep cases failed: {failed}")
+    if finished and len(under.ok) != len(plain.ok):
         failures.append(
-            f"{child.name}: {len(under.ok)} sweep cases passed under the tool, "
-            f"{len(plain.ok)} without"
+            f"{tool}: {len(under.ok)} sweep cases passed under the tool, {len(plain.ok)} without"
         )
     return line, details, failures
 
 
 def run_sanitize(args: argparse.Namespace) -> PartResult:
     """The sweep without the sanitizer (results against the reference, kernel coverage) and
-    under each tool, all started together: they compile the same kernels side by side into
-    Triton's cache, so the wall time is about one compile pass plus the slowest tool."""
+    under each tool, each split into ``--shards`` processes, all started together: Triton
+    compiles on the CPU, so the shards compile their kernels side by side (each tool compiles
+    the same kernels into the shared cache), and the wall time is about one compile pass of a
+    shard plus the slowest tool's shard."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -1459,35 +1487,54 @@ def run_sanitize(args: argparse.Namespace) -> PartResult:
     env["PYTHONUNBUFFERED"] = "1"
     target = [sys.executable, str(Path(__file__).resolve()), "sanitize-target"]
     target += ["--device", args.device] + (["--case", args.case] if args.case else [])
-    details: dict[str, Any] = {}
-    failures: list[str] = []
+    shards = [[*target, "--shard", f"{i}/{args.shards}"] for i in range(args.shards)]
     sanitizer = find_sanitizer()
-    plain = Child("plain", target, out / "sanitize_plain.log", args.plain_timeout)
-    tools = []
-    if sanitizer is not None:
-        for tool in args.tools:
-            command = sanitizer_command(sanitizer, tool, target)
-            tools.append(Child(tool, command, out / f"sanitize_{tool}.log", args.tool_timeout))
-    run_children([plain, *tools], env, "sanitize")
+    runs: dict[str, list[Child]] = {
+        "plain": [
+            Child(f"plain {i}", shard, out / f"sanitize_plain_{i}.log", args.plain_timeout)
+            for i, shard in enumerate(shards)
+        ]
+    }
+    for tool in args.tools if sanitizer is not None else []:
+        assert sanitizer is not None
+        runs[tool] = [
+            Child(
+                f"{tool} {i}",
+                sanitizer_command(sanitizer, tool, shard),
+                out / f"sanitize_{tool}_{i}.log",
+                args.tool_timeout,
+            )
+            for i, shard in enumerate(shards)
+        ]
+    run_children([c for children in runs.values() for c in children], env, "sanitize")
 
-    sweep = parse_sweep(plain.log_path.read_text(errors="replace"))
-    details["sweep_cases"] = len(sweep.ok) + len(sweep.failed)
-    details["kernels"] = f"{sweep.launched} of {sweep.total} kernels launched"
-    failures += [f"sweep {name}: {why}" for name, why in sweep.failed]
-    if sweep.missing:
-        failures.append(f"kernels the sweep never launched: {', '.join(sweep.missing)}")
-    if plain.timed_out or (plain.returncode != 0 and not sweep.failed and not sweep.missing):
-        timeout = " (timeout)" if plain.timed_out else ""
-        failures.append(f"plain sweep exit {plain.returncode}{timeout}; see {plain.log_path.name}")
+    plain = runs.pop("plain")
+    sweep = SweepSummary.merge([parse_sweep(c.log_path.read_text(errors="replace")) for c in plain])
+    missing = sweep.missing(sorted(KERNEL_EXEMPT))
+    total = "?" if sweep.found is None else len(sweep.found)
+    details: dict[str, Any] = {
+        "sweep_cases": len(sweep.ok) + len(sweep.failed),
+        "kernels": f"{len(sweep.launched)} of {total} kernels launched",
+        "shards": args.shards,
+    }
+    failures = [f"sweep {name}: {why}" for name, why in sweep.failed]
+    if missing:
+        failures.append(f"kernels the sweep never launched: {', '.join(missing)}")
+    for child in plain:
+        if child.timed_out or (child.returncode != 0 and not sweep.failed):
+            timeout = " (timeout)" if child.timed_out else ""
+            failures.append(
+                f"{child.name}: exit {child.returncode}{timeout}; see {child.log_path.name}"
+            )
     if sanitizer is None:
         failures.append("compute-sanitizer not found ($COMPUTE_SANITIZER, PATH, /usr/local/cuda*)")
     else:
         details["sanitizer"] = sanitizer
     lines = []
-    for child in tools:
-        line, tool_details, tool_failures = _tool_verdict(child, sweep)
+    for tool, children in runs.items():
+        line, tool_details, tool_failures = _tool_verdict(tool, children, sweep)
         lines.append(line)
-        details[child.name] = tool_details
+        details[tool] = tool_details
         failures += tool_failures
     details["tools"] = lines
     counts = "; ".join(line.split(", exit")[0] for line in lines) or "no sanitizer run"
@@ -2143,9 +2190,8 @@ REQUIRED_BACKENDS = (
 )
 
 
-def run_parity(args: argparse.Namespace) -> PartResult:
-    start = time.perf_counter()
-    rt = setup_runtime(args.device)
+def _parity_plan(args: argparse.Namespace) -> tuple[ParityPlan, tuple[ParityCase, ...], str]:
+    """The plan, the cases this call runs, and the command that replays one of them."""
     limits = CPU_LIMITS if args.device == "cpu" else GPU_LIMITS
     if args.dtype:
         limits = dataclasses.replace(limits, dtypes=tuple(args.dtype))
@@ -2154,9 +2200,97 @@ def run_parity(args: argparse.Namespace) -> PartResult:
     cases = plan.cases if args.case is None else (plan.cases[args.case],)
     # Everything that shapes the plan: case N of these arguments is the same for any --cases.
     replay = f"python ci/gpu_robustness.py parity --seed {args.seed}"
-    replay += " --device cpu" if not rt.cuda else ""
+    replay += " --device cpu" if args.device == "cpu" else ""
     replay += f" --dtype {' '.join(args.dtype)}" if args.dtype else ""
-    replay += " --case N"
+    return plan, cases, replay + " --case N"
+
+
+def _run_cases(
+    args: argparse.Namespace, plan: ParityPlan, cases: Sequence[ParityCase], start: float
+) -> tuple[dict[int, list[Check]], str]:
+    """Run ``cases`` in this process: their checks by case index, and why it stopped early."""
+    rt = setup_runtime(args.device)
+    opts = ParityOptions(args.flex_geometries)
+    results: dict[int, list[Check]] = {}
+    failed = 0
+    for n, c in enumerate(cases):
+        elapsed = time.perf_counter() - start
+        if args.time_limit and elapsed > args.time_limit:
+            return results, (
+                f"stopped by --time-limit {args.time_limit:.0f} s after {n} of {len(cases)} cases"
+            )
+        try:
+            results[c.index] = run_parity_case(rt, plan, c, opts)
+        except Exception as exc:
+            results[c.index] = [Check("case", "-", "fail", first_line(exc))]
+            if is_fatal_cuda_error(exc):
+                return results, f"stopped after case {c.index}: the CUDA context is lost"
+        failed += any(ch.status == "fail" for ch in results[c.index])
+        if n % 10 == 0 or n == len(cases) - 1:
+            log(
+                "parity",
+                f"case {c.index} ({n + 1}/{len(cases)}, {elapsed:.0f} s): geometry "
+                f"{c.geometry}, {c.describe()}; {failed} failed cases so far",
+            )
+    return results, ""
+
+
+def _run_workers(
+    args: argparse.Namespace, plan: ParityPlan, out: Path
+) -> tuple[dict[int, list[Check]], list[str], dict[str, str]]:
+    """The cases in ``args.workers`` processes, each owning whole geometries (so each compiles
+    only its own kernels, side by side with the others): merged results, stops, environment."""
+    workers = min(args.workers, len(plan.geometries))
+    command = [sys.executable, str(Path(__file__).resolve()), "parity", "--out", str(out)]
+    command += ["--device", args.device, "--seed", str(args.seed), "--cases", str(args.cases)]
+    command += ["--flex-geometries", str(args.flex_geometries)]
+    command += ["--time-limit", str(args.time_limit)] + (
+        ["--dtype", *args.dtype] if args.dtype else []
+    )
+    limit = args.time_limit + 120 if args.time_limit else 3600.0
+    children = [
+        Child(
+            f"worker {i}", [*command, "--shard", f"{i}/{workers}"], out / f"parity_{i}.log", limit
+        )
+        for i in range(workers)
+    ]
+    for i in range(workers):
+        (out / f"parity_shard_{i}.json").unlink(missing_ok=True)
+    run_children(children, {**os.environ, "PYTHONUNBUFFERED": "1"}, "parity")
+    results: dict[int, list[Check]] = {}
+    stops: list[str] = []
+    env: dict[str, str] = {}
+    for i, part in enumerate(load_parts(out, [f"parity_shard_{i}" for i in range(workers)])):
+        if part.status != "PASS":
+            stops.append(f"worker {i}: {part.headline}; see parity_{i}.log")
+            continue
+        env = env or part.env
+        for index, checks in part.details["results"].items():
+            results[int(index)] = [Check(**ch) for ch in checks]
+        if part.details["stopped"]:
+            stops.append(f"worker {i}: {part.details['stopped']}")
+    return results, stops, env
+
+
+def run_parity(args: argparse.Namespace) -> PartResult:
+    start = time.perf_counter()
+    plan, cases, replay = _parity_plan(args)
+    out = Path(args.out)
+    if args.shard:  # one worker of a parallel run: its geometries, its results only
+        index, count = parse_shard(args.shard)
+        mine = [c for c in cases if c.geometry % count == index]
+        log("parity", f"worker {index}: {len(mine)} cases of geometries {index}::{count}")
+        results, stopped = _run_cases(args, plan, mine, start)
+        raw = {i: [dataclasses.asdict(ch) for ch in checks] for i, checks in results.items()}
+        return PartResult(
+            f"parity_shard_{index}",
+            "PASS",  # ran; the parent judges the checks
+            f"{len(results)} of {len(mine)} cases run",
+            time.perf_counter() - start,
+            {"results": raw, "stopped": stopped},
+            [],
+            environment(),
+        )
     log(
         "parity",
         f"seed {args.seed}, {len(cases)} cases over {len(plan.geometries)} geometries; "
@@ -2164,52 +2298,50 @@ def run_parity(args: argparse.Namespace) -> PartResult:
     )
     for i, geometry in enumerate(plan.geometries):
         log("parity", f"geometry {i}: {geometry.describe()}")
-    opts = ParityOptions(args.flex_geometries)
-    results: dict[int, list[Check]] = {}
-    failures: list[str] = []
-    stopped = ""
-    for n, c in enumerate(cases):
-        elapsed = time.perf_counter() - start
-        if args.time_limit and elapsed > args.time_limit:
-            stopped = (
-                f"stopped by --time-limit {args.time_limit:.0f} s after {n} of {len(cases)} cases"
-            )
-            break
-        try:
-            checks = run_parity_case(rt, plan, c, opts)
-        except Exception as exc:
-            checks = [Check("case", "-", "fail", first_line(exc))]
-            if is_fatal_cuda_error(exc):
-                failures.append(f"case {c.index}: {first_line(exc)} (CUDA context lost; stopped)")
-                results[c.index] = checks
-                stopped = f"stopped after case {c.index}: the CUDA context is lost"
-                break
-        results[c.index] = checks
-        for ch in checks:
+    if args.workers > 1 and args.case is None:
+        results, stops, env = _run_workers(args, plan, out)
+    else:
+        results, stopped = _run_cases(args, plan, cases, start)
+        stops, env = [stopped] if stopped else [], environment()
+    return _parity_verdict(args, plan, cases, results, stops, env, replay, start)
+
+
+def _parity_verdict(
+    args: argparse.Namespace,
+    plan: ParityPlan,
+    cases: Sequence[ParityCase],
+    results: dict[int, list[Check]],
+    stops: Sequence[str],
+    env: dict[str, str],
+    replay: str,
+    start: float,
+) -> PartResult:
+    by_index = {c.index: c for c in cases}
+    failures = []
+    for index in sorted(results):
+        c = by_index[index]
+        for ch in results[index]:
             if ch.status == "fail":
                 failures.append(
                     f"case {c.index} (seed {args.seed}; geometry {c.geometry}: "
                     f"{plan.geometries[c.geometry].describe()}; {c.describe()}): "
                     f"{ch.op}/{ch.backend}: {ch.detail}"
                 )
-        if n % 10 == 0 or n == len(cases) - 1:
-            log(
-                "parity",
-                f"case {c.index} ({n + 1}/{len(cases)}, {elapsed:.0f} s): geometry "
-                f"{c.geometry}, {c.describe()}; {len(failures)} failures so far",
-            )
     tallies = tally(results)
-    if rt.cuda and args.case is None:
+    if args.device == "cuda" and args.case is None:
         for name in REQUIRED_BACKENDS:
             ran = tallies.get(name, BackendTally())
             if ran.passed + ran.failed == 0:
                 failures.append(f"{name} never ran: {ran.line(name)}")
-    if stopped:
-        failures.append(stopped)
+    failures += stops
+    if len(results) < len(cases):
+        failures.append(f"{len(cases) - len(results)} of {len(cases)} cases did not run")
     per_backend = [t.line(name) for name, t in sorted(tallies.items())]
+    for line in per_backend:
+        log("parity", line)
     checks_run = sum(t.passed + t.failed for t in tallies.values())
     failed_cases = sorted(
-        {c for c, checks in results.items() if any(ch.status == "fail" for ch in checks)}
+        i for i, checks in results.items() if any(c.status == "fail" for c in checks)
     )
     headline = (
         f"{len(results) - len(failed_cases)}/{len(cases)} cases pass (seed {args.seed}), "
@@ -2222,12 +2354,9 @@ def run_parity(args: argparse.Namespace) -> PartResult:
         "backends": per_backend,
         "failed_cases": ", ".join(map(str, failed_cases)) or "none",
     }
-    for line in per_backend:
-        log("parity", line)
     status = "FAIL" if failures else "PASS"
-    return PartResult(
-        "parity", status, headline, time.perf_counter() - start, details, failures, environment(rt)
-    )
+    wall = time.perf_counter() - start
+    return PartResult("parity", status, headline, wall, details, failures, env)
 
 
 # ============================================================================ command line
@@ -2257,6 +2386,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p)
     p.add_argument("--case", default=None, help="only the sweep cases whose name contains this")
+    p.add_argument("--shards", type=int, default=3, help="processes per tool (and without one)")
     p.add_argument(
         "--tools",
         nargs="+",
@@ -2275,6 +2405,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sanitize-target", help="the sweep itself (run by the sanitizer)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--shard", default="0/1", help="I/N: run the I-th of N slices of the sweep")
     p.add_argument("--case", default=None, help="run only the sweep cases whose name contains this")
 
     p = sub.add_parser("long", help="T = 128k, 256k: selected branch and attention core")
@@ -2296,6 +2427,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
     p.add_argument("--cases", type=int, default=DEFAULT_CASES)
     p.add_argument("--case", type=int, default=None, help="replay only case N of the seed")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="processes, each owning whole geometries (default: one per geometry; 1 on cpu)",
+    )
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # I/N: one worker's share
     p.add_argument(
         "--dtype", nargs="+", default=None, choices=tuple(BOUNDS), help="only these dtypes"
     )
@@ -2335,7 +2473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 0
     if args.command == "sanitize-target":
-        return run_sweep(args.device, args.case)
+        return run_sweep(args.device, args.case, parse_shard(args.shard))
     if args.command == "report":
         out = Path(args.out)
         results = load_parts(out, args.sections.split())
@@ -2345,10 +2483,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         (out / "report.md").write_text(markdown_report(results))
         print("\n".join(summary_lines(results)))
         return 0 if all(r.status == "PASS" for r in results) else 1
+    if args.command == "parity" and args.workers is None:
+        args.workers = GPU_LIMITS.geometries if args.device == "cuda" else 1
     runners = {"sanitize": run_sanitize, "long": run_long, "parity": run_parity}
     result = runners[args.command](args)
     write_part(Path(args.out), result)
-    print("\n".join(summary_lines([result])))
+    if not result.part.startswith("parity_shard"):  # a worker's share has no verdict of its own
+        print("\n".join(summary_lines([result])))
     return 0 if result.status == "PASS" else 1
 
 

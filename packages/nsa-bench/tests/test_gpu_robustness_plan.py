@@ -152,7 +152,8 @@ RACECHECK_LOG = """\
 ========= COMPUTE-SANITIZER
 SWEEP ok a (1.0 s)
 SWEEP ok b (1.0 s)
-SWEEP coverage launched=17 total=18 missing=x.y_kernel exempt=z.gather_probe_kernel
+SWEEP kernels found=m.x_kernel,m.y_kernel,m.z_kernel
+SWEEP kernels launched=m.x_kernel
 ========= RACECHECK SUMMARY: 2 hazards displayed (0 errors, 2 warnings)
 ========= ERROR SUMMARY: 0 errors
 """
@@ -172,17 +173,34 @@ def test_parse_sanitizer() -> None:
     assert two.errors == 3, "one summary per process checked: they add up"
 
 
-def test_parse_sweep() -> None:
+def test_parse_sweep_and_coverage_over_shards() -> None:
     mem = gr.parse_sweep(MEMCHECK_LOG)
     assert mem.ok == ("branches/g1/dense",)
     assert mem.failed == (
         ("branches/g3/varlen", "RuntimeError: CUDA error: unspecified launch failure"),
     )
-    assert mem.launched is None
+    assert mem.found is None
+    assert mem.missing() == [], "no coverage without the list of kernels found"
     race = gr.parse_sweep(RACECHECK_LOG)
-    assert (race.launched, race.total) == (17, 18)
-    assert race.missing == ("x.y_kernel",)
-    assert race.exempt == ("z.gather_probe_kernel",)
+    assert race.found == frozenset({"m.x_kernel", "m.y_kernel", "m.z_kernel"})
+    assert race.missing() == ["m.y_kernel", "m.z_kernel"]
+    assert race.missing(["z_kernel"]) == ["m.y_kernel"]
+    other = gr.parse_sweep("SWEEP ok c (2 s)\nSWEEP kernels launched=m.y_kernel,m.z_kernel\n")
+    merged = gr.SweepSummary.merge([race, other, mem])
+    assert merged.ok == ("a", "b", "c", "branches/g1/dense")
+    assert len(merged.failed) == 1
+    assert merged.missing() == [], "a kernel launched by any shard counts"
+
+
+def test_shards_split_a_list_into_contiguous_near_equal_slices() -> None:
+    items = list(range(10))
+    slices = [gr.shard_of(items, i, 3) for i in range(3)]
+    assert slices == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert gr.shard_of(items[:1], 2, 3) == []
+    assert gr.parse_shard("2/6") == (2, 6)
+    for bad in ("6/6", "1", "a/b", "-1/2"):
+        with pytest.raises(ValueError, match="I/N"):
+            gr.parse_shard(bad)
 
 
 def test_report_marks_a_missing_part_failed(tmp_path: Path) -> None:
@@ -280,14 +298,14 @@ def test_sweep_case_runs_and_its_kernel_launch_is_recorded(
     assert gr.run_sweep("cpu", "quick/") == 0
     out = gr.parse_sweep(capsys.readouterr().out)
     assert out.ok == ("quick/dense_varlen",)
-    assert out.launched == 1
-    assert out.total is not None
-    assert out.total >= 15, "every Triton kernel of nsa_kernels is found"
+    assert [k.rsplit(".", 1)[1] for k in out.launched] == ["quick_fwd_kernel"]
+    assert out.found is None, "a filtered sweep reports no coverage"
     rt = gr.setup_runtime("cpu")
     names = [name for name, _ in gr.sweep_cases(rt)]
     assert len(names) == len(set(names))
-    with gr.kernel_launches() as (_, launched):
+    with gr.kernel_launches() as (kernels, launched):
         dict(gr.sweep_cases(rt))["quick/dense_varlen"]()
+    assert len(kernels) >= 15, "every Triton kernel of nsa_kernels is found"
     assert [k.rsplit(".", 1)[1] for k in launched] == ["quick_fwd_kernel"]
     from nsa_kernels.selected import quick
 
@@ -324,6 +342,7 @@ def test_sanitize_part_end_to_end(tmp_path: Path) -> None:
         + [env.get("PYTHONPATH", "")]
     )
     command = [sys.executable, str(SCRIPT), "sanitize", "--device", "cpu", "--case", "quick/"]
+    command += ["--shards", "1"]
     run = subprocess.run(
         [*command, "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
     )
