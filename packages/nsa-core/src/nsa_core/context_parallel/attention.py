@@ -193,129 +193,31 @@ def context_parallel_nsa_attention(
     ks, vs, rank = check_context_parallel(
         q, k, v, gates, config, plan, group, phi_k, phi_v, cu_seqlens, slc_exchange
     )
-    total = plan.total_tokens
-    bounds = [0, total] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
-    seqs = Sequences.build(bounds, config, varlen=cu_seqlens is not None)
+    bounds = [0, plan.total_tokens] if cu_seqlens is None else cu_seqlens.tolist()
+    seqs = Sequences.build([int(b) for b in bounds], config, varlen=cu_seqlens is not None)
     works = plan_work(plan, seqs, config)
+    link, sources = _exchange_raw_tokens(
+        ks, vs, works, plan, rank, slc_exchange, q.new_zeros(()), group, timer
+    )
+    link, k_cmp, v_cmp = _compress_and_share(
+        sources["cmp"], works, plan, rank, config, phi_k, phi_v, link, group, timer
+    )
     mine = [w for w in works if w.chunk.rank == rank]
-    tokens = token_layout(plan)
-    world = plan.world_size
-
-    shared_win = ks["win"] is ks["slc"] and vs["win"] is vs["slc"]
-    shared_cmp = ks["cmp"] is ks["slc"] and vs["cmp"] is vs["slc"]
-
-    # ---- stage 1: raw tokens (selected branch, window halo, straddling compressed blocks)
-    def reads_from(rank_works: list[ChunkWork]) -> int:
-        starts = [w.slc_start for w in rank_works]
-        if shared_win:
-            starts += [w.win_halo_start for w in rank_works]
-        if shared_cmp:
-            starts += [w.cmp_raw_start for w in rank_works]
-        return min(starts)
-
-    per_rank = [[w for w in works if w.chunk.rank == r] for r in range(world)]
-    transfers: list[Transfer] = []
-    inputs: list[torch.Tensor] = []
-    if slc_exchange == "all_gather":
-        window_start = 0
-        for name, x in (("slc_k", ks["slc"]), ("slc_v", vs["slc"])):
-            transfers.append(AllGather(name, tokens))
-            inputs.append(x)
-    else:
-        prefix = tuple(((reads_from(ws), ws[-1].chunk.end),) for ws in per_rank)
-        window_start = prefix[rank][0][0]
-        for name, x in (("slc_k", ks["slc"]), ("slc_v", vs["slc"])):
-            transfers.append(FetchRanges(name, tokens, prefix))
-            inputs.append(x)
-    win_requests = tuple(tuple((w.win_halo_start, w.chunk.start) for w in ws) for ws in per_rank)
-    cmp_requests = tuple(
-        tuple((min(w.cmp_raw_start, w.chunk.start), w.chunk.start) for w in ws) for ws in per_rank
-    )
-    if not shared_win:
-        transfers += [
-            FetchRanges("win_halo_k", tokens, win_requests),
-            FetchRanges("win_halo_v", tokens, win_requests),
-        ]
-        inputs += [ks["win"], vs["win"]]
-    if not shared_cmp:
-        transfers += [
-            FetchRanges("cmp_halo_k", tokens, cmp_requests),
-            FetchRanges("cmp_halo_v", tokens, cmp_requests),
-        ]
-        inputs += [ks["cmp"], vs["cmp"]]
-    link, outs = exchange(transfers, inputs, q.new_zeros(()), group=group, timer=timer)
-
-    slc_k = _TokenSource(ks["slc"], mine, window=outs[0], window_start=window_start)
-    slc_v = _TokenSource(vs["slc"], mine, window=outs[1], window_start=window_start)
-    at = 2
-
-    def halo_sources(
-        local_k: torch.Tensor,
-        local_v: torch.Tensor,
-        requests: tuple[tuple[tuple[int, int], ...], ...],
-    ) -> tuple[_TokenSource, _TokenSource]:
-        nonlocal at
-        lengths = [end - start for start, end in requests[rank]]
-        starts = [start for start, _ in requests[rank]]
-        halo_k, halo_v = (_split_rows(outs[at + i], lengths) for i in (0, 1))
-        at += 2
-        return (
-            _TokenSource(local_k, mine, halos=halo_k, halo_starts=starts),
-            _TokenSource(local_v, mine, halos=halo_v, halo_starts=starts),
-        )
-
-    win_k, win_v = (
-        (slc_k, slc_v) if shared_win else halo_sources(ks["win"], vs["win"], win_requests)
-    )
-    cmp_k, cmp_v = (
-        (slc_k, slc_v) if shared_cmp else halo_sources(ks["cmp"], vs["cmp"], cmp_requests)
-    )
-
-    # ---- stage 2: compress the blocks each chunk owns, share them
-    owned_k: list[torch.Tensor] = []
-    owned_v: list[torch.Tensor] = []
-    for index, work in enumerate(mine):
-        end = work.chunk.end
-        raw_cu = (
-            None
-            if work.cmp_raw_bounds is None
-            else torch.tensor(work.cmp_raw_bounds, dtype=torch.int32, device=q.device)
-        )
-        for source, phi, owned in ((cmp_k, phi_k, owned_k), (cmp_v, phi_v, owned_v)):
-            raw = source.tokens(index, work.cmp_raw_start, end)
-            compressed = compress(raw, config.cmp_block, config.cmp_stride, phi, cu_seqlens=raw_cu)
-            b0, b1 = work.owned_blocks
-            if compressed.shape[1] != b1 - b0:
-                raise RuntimeError(
-                    f"chunk {work.chunk.index} compressed {compressed.shape[1]} blocks, "
-                    f"owns {b1 - b0}: the ownership arithmetic is wrong"
-                )
-            owned.append(compressed)
-    blocks = block_layout(works, world)
-    link, (k_cmp, v_cmp) = exchange(
-        [AllGather("cmp_blocks_k", blocks), AllGather("cmp_blocks_v", blocks)],
-        [torch.cat(owned_k, dim=1), torch.cat(owned_v, dim=1)],
-        link,
-        group=group,
-        timer=timer,
-    )
-
-    # ---- stage 3: the branches, chunk by chunk, on the registry's backends
     out_parts = []
     for index, work in enumerate(mine):
         chunk = work.chunk
         for seg in work.segments:
             rows = (chunk.local_start + seg.start - chunk.start, seg.end - seg.start)
-            q_seg = q.narrow(1, *rows)
             varlen_cu = (
                 None
                 if seg.varlen_bounds is None
                 else torch.tensor(seg.varlen_bounds, dtype=torch.int32, device=q.device)
             )
             cmp_rows = (seg.cmp_start, seg.cmp_end - seg.cmp_start)
+            (slc_k, slc_v), (win_k, win_v) = sources["slc"], sources["win"]
             o_cmp, o_slc, o_win, _ = branch_outputs(
                 config,
-                q_seg,
+                q.narrow(1, *rows),
                 k_cmp.narrow(1, *cmp_rows),
                 v_cmp.narrow(1, *cmp_rows),
                 slc_k.tokens(index, seg.seq_start, seg.end),
@@ -328,6 +230,121 @@ def context_parallel_nsa_attention(
             )
             out_parts.append(ops.gated_combine(o_cmp, o_slc, o_win, gates.narrow(1, *rows)))
     return anchor(torch.cat(out_parts, dim=1), link)
+
+
+Sources = dict[str, tuple[_TokenSource, _TokenSource]]
+
+
+def _exchange_raw_tokens(
+    ks: dict[str, torch.Tensor],
+    vs: dict[str, torch.Tensor],
+    works: tuple[ChunkWork, ...],
+    plan: ShardPlan,
+    rank: int,
+    slc_exchange: SlcExchange,
+    link: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    timer: CommTimer | None,
+) -> tuple[torch.Tensor, Sources]:
+    """Stage 1, one exchange: the selected branch's K/V, the window and compressed halos.
+
+    Returns the link and, per branch, the (K, V) token sources its local work reads. A branch
+    whose K and V are the selected branch's tensors reads them from the selected exchange.
+    """
+    tokens = token_layout(plan)
+    per_rank = [[w for w in works if w.chunk.rank == r] for r in range(plan.world_size)]
+    mine = per_rank[rank]
+    shared = {b: ks[b] is ks["slc"] and vs[b] is vs["slc"] for b in ("win", "cmp")}
+
+    def first_read(rank_works: list[ChunkWork]) -> int:
+        starts = [w.slc_start for w in rank_works]
+        starts += [w.win_halo_start for w in rank_works if shared["win"]]
+        starts += [w.cmp_raw_start for w in rank_works if shared["cmp"]]
+        return min(starts)
+
+    transfers: list[Transfer] = []
+    if slc_exchange == "all_gather":
+        window_start = 0
+        transfers += [AllGather("slc_k", tokens), AllGather("slc_v", tokens)]
+    else:
+        prefix = tuple(((first_read(ws), ws[-1].chunk.end),) for ws in per_rank)
+        window_start = prefix[rank][0][0]
+        transfers += [FetchRanges("slc_k", tokens, prefix), FetchRanges("slc_v", tokens, prefix)]
+    inputs = [ks["slc"], vs["slc"]]
+    halo_requests = {
+        "win": tuple(tuple((w.win_halo_start, w.chunk.start) for w in ws) for ws in per_rank),
+        "cmp": tuple(
+            tuple((min(w.cmp_raw_start, w.chunk.start), w.chunk.start) for w in ws)
+            for ws in per_rank
+        ),
+    }
+    halo_branches = [b for b in ("win", "cmp") if not shared[b]]
+    for b in halo_branches:
+        transfers += [
+            FetchRanges(f"{b}_halo_k", tokens, halo_requests[b]),
+            FetchRanges(f"{b}_halo_v", tokens, halo_requests[b]),
+        ]
+        inputs += [ks[b], vs[b]]
+    link, outs = exchange(transfers, inputs, link, group=group, timer=timer)
+
+    slc = (
+        _TokenSource(ks["slc"], mine, window=outs[0], window_start=window_start),
+        _TokenSource(vs["slc"], mine, window=outs[1], window_start=window_start),
+    )
+    sources: Sources = {"slc": slc, "win": slc, "cmp": slc}
+    for i, b in enumerate(halo_branches):
+        requests = halo_requests[b][rank]
+        lengths = [end - start for start, end in requests]
+        starts = [start for start, _ in requests]
+        halo_k, halo_v = (_split_rows(outs[2 + 2 * i + j], lengths) for j in (0, 1))
+        sources[b] = (
+            _TokenSource(ks[b], mine, halos=halo_k, halo_starts=starts),
+            _TokenSource(vs[b], mine, halos=halo_v, halo_starts=starts),
+        )
+    return link, sources
+
+
+def _compress_and_share(
+    raw: tuple[_TokenSource, _TokenSource],
+    works: tuple[ChunkWork, ...],
+    plan: ShardPlan,
+    rank: int,
+    config: NSAConfig,
+    phi_k: nn.Module | None,
+    phi_v: nn.Module | None,
+    link: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    timer: CommTimer | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 2: phi over the blocks each chunk owns, then one all-gather of every block.
+
+    Returns the link, k_cmp [B, N, H, dk] and v_cmp [B, N, H, dv], N = every packed block.
+    """
+    mine = [w for w in works if w.chunk.rank == rank]
+    owned: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for index, work in enumerate(mine):
+        raw_cu = None
+        if work.cmp_raw_bounds is not None:
+            raw_cu = torch.tensor(work.cmp_raw_bounds, dtype=torch.int32, device=link.device)
+        for source, phi, blocks in zip(raw, (phi_k, phi_v), owned, strict=True):
+            x = source.tokens(index, work.cmp_raw_start, work.chunk.end)
+            compressed = compress(x, config.cmp_block, config.cmp_stride, phi, cu_seqlens=raw_cu)
+            b0, b1 = work.owned_blocks
+            if compressed.shape[1] != b1 - b0:
+                raise RuntimeError(
+                    f"chunk {work.chunk.index} compressed {compressed.shape[1]} blocks, "
+                    f"owns {b1 - b0}: the ownership arithmetic is wrong"
+                )
+            blocks.append(compressed)
+    layout = block_layout(works, plan.world_size)
+    link, (k_cmp, v_cmp) = exchange(
+        [AllGather("cmp_blocks_k", layout), AllGather("cmp_blocks_v", layout)],
+        [torch.cat(owned[0], dim=1), torch.cat(owned[1], dim=1)],
+        link,
+        group=group,
+        timer=timer,
+    )
+    return link, k_cmp, v_cmp
 
 
 __all__ = [
