@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import gc
 import json
 import math
 import os
@@ -351,7 +352,14 @@ def run_world(s: Settings, world: int) -> list[Row]:
         args = (world, s, str(Path(tmp) / "store"), str(rows_path))
         try:
             if world == 1:
-                spawned_rank(0, *args)
+                try:
+                    spawned_rank(0, *args)
+                finally:
+                    # The later world sizes' rank 0 shares GPU 0 with this process: give back
+                    # what its caching allocator holds.
+                    gc.collect()
+                    if s.device == "cuda":
+                        torch.cuda.empty_cache()
             else:
                 spawn(spawned_rank, args=args, nprocs=world, join=True)  # type: ignore[no-untyped-call]
         except Exception as exc:  # a rank failed: keep what finished, say why for the rest
