@@ -17,9 +17,10 @@ What each part checks:
 - ``sanitize``: a sweep of small shapes that launches every Triton kernel of nsa_kernels
   (block scoring, compressed and selected branches forward and backward, dense and varlen,
   G in {1, 3, 16}, lengths that end inside every block and tile, a varlen batch with a
-  sequence of one token, the attention core, the fused decode step) runs once plainly (it
-  compiles, checks results against the reference, and lists any kernel it never launched),
-  then under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck``: 0 errors each.
+  sequence of one token, the gated combine, the attention core, the fused decode step) runs
+  plainly (checking results against the reference and failing on any kernel it never launched)
+  and under ``compute-sanitizer --tool memcheck`` and ``--tool racecheck``: 0 errors each. Each
+  run is split into ``--shards`` processes, all started together: Triton compiles on the CPU.
 - ``long``: T = 128k and 256k, B = 1, HQ = 64, H = 4, d = 128, bf16, the paper's l=32, d=16,
   l'=64, n=16, w=512: the Triton selected branch forward and backward, then the whole attention
   core (``nsa_core.nsa_attention``) on its default routes; outputs and row gradients of 64 sampled
@@ -27,8 +28,9 @@ What each part checks:
   ops (``q_start`` = the row), block indices under the index contract, every gradient finite.
 - ``parity``: random shapes and configs from a fixed seed; every non-reference backend of every op
   that accepts a case, pinned through the toggles (``NSA_<STEP>_BACKEND`` as a ``Toggles`` value),
-  against the reference in float32 (float64 for float32 inputs). ``--seed S --case N`` replays
-  one case; case N of a seed is the same whatever ``--cases``.
+  against the reference in float32 (float64 for float32 inputs). The cases share a few
+  geometries (each compiles its own kernels) and run in one worker process per geometry.
+  ``--seed S --case N`` replays one case; case N of a seed is the same whatever ``--cases``.
 
 Bounds are docs/spec.md's ("Tolerances"): relative error ||out - ref|| / ||ref|| at most 1e-5 for
 float32 against float64, 1e-2 for bfloat16 and 5e-3 for float16 against float32, gradients twice
@@ -262,8 +264,9 @@ def _draw_geometry(
         cmp_mult, sel_mult = 1, 1  # l = d = l': scores reduce to the compressed probabilities
     else:
         cmp_mult, sel_mult = rng.randint(1, 4), rng.randint(1, 4)
-    # w = 1 (only itself), the paper's 512, or anything between 2 and 1024 (log-uniform)
-    window = rng.choice((1, 512, *(int(math.exp(rng.uniform(math.log(2), math.log(1024)))),) * 3))
+    # w = 1 (the token alone) and the paper's 512 one time in five each, else log-uniform
+    spread = int(math.exp(rng.uniform(math.log(2), math.log(1024))))
+    window = rng.choice((1, 512, spread, spread, spread))
     return Geometry(
         dtype=dtype,
         num_kv_heads=kv_heads,
@@ -455,11 +458,9 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def shard_of(items: Sequence[Any], index: int, count: int) -> list[Any]:
-    """The ``index``-th of ``count`` contiguous, near-equal slices of ``items`` (neighbours, such
-    as sweep cases of one G, share their compiled kernels)."""
-    size, extra = divmod(len(items), count)
-    start = index * size + min(index, extra)
-    return list(items[start : start + size + (index < extra)])
+    """Every ``count``-th item from ``index`` on: the heavy families of the sweep (one case per
+    G, each compiling its own kernels) spread evenly over the shards."""
+    return list(items[index::count])
 
 
 @dataclass(frozen=True)

@@ -192,10 +192,10 @@ def test_parse_sweep_and_coverage_over_shards() -> None:
     assert merged.missing() == [], "a kernel launched by any shard counts"
 
 
-def test_shards_split_a_list_into_contiguous_near_equal_slices() -> None:
+def test_shards_take_every_nth_item() -> None:
     items = list(range(10))
     slices = [gr.shard_of(items, i, 3) for i in range(3)]
-    assert slices == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert slices == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
     assert gr.shard_of(items[:1], 2, 3) == []
     assert gr.parse_shard("2/6") == (2, 6)
     for bad in ("6/6", "1", "a/b", "-1/2"):
