@@ -2271,7 +2271,7 @@ def _run_workers(
     env: dict[str, str] = {}
     for i, part in enumerate(load_parts(out, [f"parity_shard_{i}" for i in range(workers)])):
         if part.status != "PASS":
-            stops.append(f"worker {i}: {part.headline}; see parity_{i}.log")
+            stops.append(f"worker {i}: no result (it crashed or timed out); see parity_{i}.log")
             continue
         env = env or part.env
         for index, checks in part.details["results"].items():
@@ -2300,6 +2300,7 @@ def run_parity(args: argparse.Namespace) -> PartResult:
             [],
             environment(),
         )
+    setup_runtime(args.device)  # fail here, with the reason, rather than in every worker
     log(
         "parity",
         f"seed {args.seed}, {len(cases)} cases over {len(plan.geometries)} geometries; "
