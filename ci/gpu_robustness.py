@@ -2189,8 +2189,8 @@ def tally(checks_by_case: dict[int, list[Check]]) -> dict[str, BackendTally]:
     return out
 
 
-# The Triton backends every parity run must have exercised on a GPU: a run where they all
-# declined (a toggle turned them off) would pass without testing them.
+# Backends every parity run must have exercised on a GPU (and any other Triton backend it met):
+# a run where they all declined (a toggle turned them off) would pass without testing them.
 REQUIRED_BACKENDS = (
     "select_blocks/triton_score",
     "compressed_attention/triton_cmp",
@@ -2339,7 +2339,8 @@ def _parity_verdict(
                 )
     tallies = tally(results)
     if args.device == "cuda" and args.case is None:
-        for name in REQUIRED_BACKENDS:
+        triton = {n for n in tallies if n.split("/")[1].startswith("triton")}
+        for name in sorted(triton | set(REQUIRED_BACKENDS)):
             ran = tallies.get(name, BackendTally())
             if ran.passed + ran.failed == 0:
                 failures.append(f"{name} never ran: {ran.line(name)}")

@@ -6,6 +6,7 @@ These need the checkout (ci/ is not installed): the root conftest.py puts its fo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import os
@@ -225,6 +226,26 @@ def test_report_command_exit_status(tmp_path: Path) -> None:
     assert gr.main(["report", "--out", str(tmp_path), "--sections", "parity"]) == 0
     assert (tmp_path / "report.md").is_file()
     assert gr.main(["report", "--out", str(tmp_path), "--sections", "parity long"]) == 1
+
+
+def test_parity_verdict_needs_every_triton_backend_to_run_and_every_case() -> None:
+    plan = gr.make_plan(3, 3, gr.GPU_LIMITS)
+    args = argparse.Namespace(device="cuda", case=None, seed=3)
+    ran = [gr.Check(*name.split("/"), "pass", "o 1e-3") for name in gr.REQUIRED_BACKENDS]
+    ran.append(gr.Check("gated_combine", "triton_combine", "declined", "turned off"))
+    results = {0: ran, 1: [*ran[:-1], gr.Check("sliding_attention", "sdpa", "fail", "o 1 > 1e-2")]}
+    verdict = gr._parity_verdict(args, plan, plan.cases, results, [], {}, "replay", 0.0)
+    assert verdict.status == "FAIL"
+    assert verdict.headline.startswith("1/3 cases pass (seed 3)")
+    assert any(
+        "case 1 (seed 3; geometry" in f and "sliding_attention/sdpa" in f for f in verdict.failures
+    )
+    assert "gated_combine/triton_combine never ran: gated_combine/triton_combine: 0 run" in str(
+        verdict.failures
+    )
+    assert "1 of 3 cases did not run" in verdict.failures
+    every = {i: ran[:-1] for i in range(3)}
+    assert gr._parity_verdict(args, plan, plan.cases, every, [], {}, "r", 0.0).status == "PASS"
 
 
 def test_shell_wrapper_is_valid_bash() -> None:
