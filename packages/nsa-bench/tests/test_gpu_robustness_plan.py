@@ -231,7 +231,10 @@ def test_report_command_exit_status(tmp_path: Path) -> None:
 def test_parity_verdict_needs_every_triton_backend_to_run_and_every_case() -> None:
     plan = gr.make_plan(3, 3, gr.GPU_LIMITS)
     args = argparse.Namespace(device="cuda", case=None, seed=3)
-    ran = [gr.Check(*name.split("/"), "pass", "o 1e-3") for name in gr.REQUIRED_BACKENDS]
+    ran = [
+        gr.Check(name.split("/")[0], name.split("/")[1], "pass", "o 1e-3")
+        for name in gr.REQUIRED_BACKENDS
+    ]
     ran.append(gr.Check("gated_combine", "triton_combine", "declined", "turned off"))
     results = {0: ran, 1: [*ran[:-1], gr.Check("sliding_attention", "sdpa", "fail", "o 1 > 1e-2")]}
     verdict = gr._parity_verdict(args, plan, plan.cases, results, [], {}, "replay", 0.0)
