@@ -23,6 +23,8 @@ fields) at the largest T.
 
 Indices for prefill (:func:`nsa_block_indices`): forced {0, jt-1, jt} (the valid ones) plus
 random distinct valid blocks up to n, ascending, -1 padded at the end: what NSA's top-n emits.
+``--indices FILE`` takes a trained model's selections instead (:mod:`nsa_bench.sel_stats`; rows
+``dist=file``): the first T rows of the file's first sequence, its kv heads cycled over H.
 
 Every CSV row carries the environment (``env_*`` columns, :func:`nsa_bench.env.collect`). A short
 table is printed last.
@@ -42,6 +44,7 @@ from typing import Any
 
 import torch
 
+from nsa_bench.sel_stats import indices_for_bench
 from nsa_bench.timing import median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -463,6 +466,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prefill: also time the K/V gather alone (bandwidth ceiling)",
     )
+    parser.add_argument(
+        "--indices",
+        default=None,
+        help="prefill: block indices from FILE (nsa_bench.sel_stats, e.g. `nsa-bench needle`'s "
+        "sel_indices_T<T>_layer<i>.pt) instead of random ones; kv heads cycled, T up to the file's",
+    )
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition (ms)")
     parser.add_argument("--seed", type=int, default=0)
@@ -581,6 +590,10 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
                 "nsa",
                 args.seed,
             )
+            if args.indices:
+                # Real selections from a trained model in place of the random ones.
+                real = indices_for_bench(args.indices, t, h, args.n, args.sel_block)
+                cache[key].idx = real.to(device)
         p = cache[key]
         visible = visible_keys(p.idx, p.sel_block, 0, t)
         blocks = int((p.idx >= 0).sum())
@@ -607,7 +620,7 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
                     args.Dv,
                     args.n,
                     args.sel_block,
-                    "nsa",
+                    "file" if args.indices else "nsa",
                     config=cfg_text,
                     ms=ms,
                     status=status,
