@@ -7,7 +7,9 @@ These need the checkout (ci/ is not installed): the root conftest.py puts its fo
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import importlib
 import itertools
 import os
 import stat
@@ -249,6 +251,21 @@ def test_parity_verdict_needs_every_triton_backend_to_run_and_every_case() -> No
     assert "1 of 3 cases did not run" in verdict.failures
     every = {i: ran[:-1] for i in range(3)}
     assert gr._parity_verdict(args, plan, plan.cases, every, [], {}, "r", 0.0).status == "PASS"
+
+
+def test_every_name_the_script_imports_from_the_packages_exists() -> None:
+    """The GPU parts import nsa_core/nsa_kernels names inside functions that only a GPU runs:
+    a renamed function must fail here, on a CPU, not on the GPU host."""
+    imports = [
+        (node.module, alias.name)
+        for node in ast.walk(ast.parse(SCRIPT.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+        if node.module.split(".")[0] in ("nsa_core", "nsa_kernels")
+    ]
+    assert len(imports) > 20
+    for module, name in imports:
+        assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
 
 
 def test_shell_wrapper_is_valid_bash() -> None:
