@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "nsa_bench.decode_module_bench",
         "NSAAttention.decode (any device, CPU too) per context length, whole and per branch",
     ),
+    "needle": (
+        "nsa_bench.needle",
+        "train a small NSA LM and two ablations on passkey retrieval; accuracy, selection stats",
+    ),
     "layer": ("nsa_bench.layer_bench", "whole NSA layer vs fla-core, SDPA, FA-2 over T; by step"),
     "fa2": ("nsa_bench.fa2_bench", "FA-2 vs its torch fallbacks per branch over T and D, cutoffs"),
     "routing": ("nsa_bench.routing", "backend chosen per op, with reasons, and the pairing"),
