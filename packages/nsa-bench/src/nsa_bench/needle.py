@@ -57,6 +57,7 @@ from torch import nn
 from nsa_bench.sel_bench import nsa_block_indices
 from nsa_bench.sel_stats import SelStats, format_stats_table, save_indices, selection_stats
 from nsa_core import NSAAttention, NSAConfig, ops
+from nsa_core.registry import OpContext, routing_report
 
 VARIANTS = ("nsa", "window", "random")
 IGNORE = -100  # cross_entropy's ignore_index: positions that carry no loss
@@ -745,6 +746,8 @@ def run(args: argparse.Namespace) -> int:
     trained: dict[str, dict[str, Any]] = {}
     models: dict[str, NeedleModel] = {}
     settings = settings_from_args(args)
+    routes = routing(settings, device)
+    print(f"# routing at T={settings.train_len}, training:\n{routes}", file=sys.stderr, flush=True)
     for variant in variants:
         if args.eval_only:
             model, settings, info = load_checkpoint(
@@ -781,11 +784,27 @@ def run(args: argparse.Namespace) -> int:
         except torch.cuda.OutOfMemoryError as exc:
             print(f"# selection statistics at T={length}: {exc}", file=sys.stderr)
             torch.cuda.empty_cache()
-    notes = _write_outputs(out, cells, stats, trained, variants, settings, device)
+    notes = _write_outputs(out, cells, stats, trained, variants, settings, device, routes)
     for note in notes:
         print(f"# {note}", file=sys.stderr)
     print(_markdown(cells, stats, trained, variants))
     return 0
+
+
+def routing(settings: NeedleSettings, device: torch.device) -> str:
+    """The backend each op gets for a training call of these shapes, and why (registry)."""
+    ctx = OpContext(
+        device=device,
+        dtype=torch.bfloat16 if _use_autocast(device) else torch.float32,
+        seq_len=settings.train_len,
+        num_q_heads=settings.heads,
+        num_kv_heads=settings.kv_heads,
+        head_dim_qk=settings.head_dim,
+        head_dim_v=settings.head_dim,
+        requires_grad=True,
+        varlen=False,
+    )
+    return routing_report(ctx)
 
 
 def _markdown(
@@ -821,6 +840,7 @@ def _write_outputs(
     variants: list[str],
     settings: NeedleSettings,
     device: torch.device,
+    routes: str,
 ) -> list[str]:
     notes = []
     columns = [f.name for f in dataclasses.fields(Cell)]
@@ -837,6 +857,7 @@ def _write_outputs(
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "settings": dataclasses.asdict(settings),
+        "routing": routes.splitlines(),
         "train": trained,
         "cells": [dataclasses.asdict(c) for c in cells],
         "sel_stats": [s.as_dict() for s in stats],
