@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 import nsa_core  # noqa: E402
 from nsa_core.reference.combine import gated_combine  # noqa: E402
-from nsa_core.registry import resolve  # noqa: E402
+from nsa_core.registry import register_backend, resolve  # noqa: E402
 from nsa_core.toggles import get_toggles  # noqa: E402
 from nsa_kernels.combine.function import gated_combine_triton  # noqa: E402
 
@@ -37,6 +37,15 @@ def test_paper_shape(dtype: torch.dtype) -> None:
         assert err <= 2 * BOUND[dtype], name
 
 
+@pytest.fixture
+def kernels_registered() -> None:
+    """As an install's entry point would (a GPU host may run the checkout from PYTHONPATH)."""
+    from nsa_kernels.registration import register
+
+    register(register_backend)
+
+
+@pytest.mark.usefixtures("kernels_registered")
 def test_public_op_routes_to_triton_on_cuda() -> None:
     if get_toggles().combine_backend != "auto":
         pytest.skip(f"NSA_COMBINE_BACKEND={get_toggles().combine_backend} pins the backend")
