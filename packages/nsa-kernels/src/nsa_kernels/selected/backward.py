@@ -17,16 +17,10 @@
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from nsa_kernels.common.tile_config import pow2
-from nsa_kernels.selected.csr import (
-    RED_FIELDS,
-    SEG_FIELDS,
-    BlockCSR,
-    build_block_csr,
-    build_dkv_work,
-    default_segment_tokens,
-)
+from nsa_kernels.selected import csr as block_csr
 from nsa_kernels.selected.launch import (
     Launch,
     SelConfig,
@@ -60,14 +54,12 @@ def sel_bwd_dq_kernel(
     lse, delta [B, Tq, HQ], idx [B, Tq, H, n]. ``q``/``dq`` share strides, as do ``o``/``do``,
     and ``lse``/``delta``. Grid: (ceil(rows / RPP), H * NCH).
     """
-    pid_h = tl.program_id(1)
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
         b, r, t, tok0, h, heads, g_mask, idx_row = query_row(
-            tl.program_id(0).to(tl.int64) * RPP + rr, pid_h, n_rows, tq, q_start,
-            seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
-            G=G, HPP=HPP, BG=BG, VARLEN=VARLEN,
+            rr, n_rows, tq, q_start, seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
+            G=G, HPP=HPP, BG=BG, RPP=RPP, VARLEN=VARLEN,
         )  # fmt: skip
         offs_k = tl.arange(0, BK)
         k_mask = offs_k < DK
@@ -122,13 +114,23 @@ def sel_bwd_dq_kernel(
 
 
 @triton.jit
-def key_rows(j, krow0, kend, SEL: tl.constexpr, BL: tl.constexpr):
-    """(in_blk [BL], krow [BL], kvalid [BL]) of key sub-tile ``j`` of a block whose first key
-    sits on row ``krow0`` of k's T axis and whose sequence ends at row ``kend``."""
-    in_blk = j * BL + tl.arange(0, BL)
+def block_entry(table_ptr, FIELDS: tl.constexpr, SEL: tl.constexpr, BL: tl.constexpr):
+    """(entry, b, h, in_blk [BL], krow [BL], kvalid [BL]) of the program's key sub-tile.
+
+    Entry ``program_id(0)`` of an int64 table of FIELDS columns whose first four are b, h, the
+    k row of the block's first key and the end of its sequence's rows (the segments and the
+    reductions of csr.py both start so); sub-tile ``program_id(1)`` of the block: its offsets
+    in the block, its rows of k's T axis and which of them hold keys.
+    """
+    entry = table_ptr + tl.program_id(0).to(tl.int64) * FIELDS
+    b = tl.load(entry + 0)
+    h = tl.load(entry + 1)
+    krow0 = tl.load(entry + 2)
+    kend = tl.load(entry + 3)
+    in_blk = tl.program_id(1) * BL + tl.arange(0, BL)
     krow = krow0 + in_blk
     kvalid = (in_blk < SEL) & (krow < kend)
-    return in_blk, krow, kvalid
+    return entry, b, h, in_blk, krow, kvalid
 
 
 @triton.jit
@@ -178,19 +180,12 @@ def sel_bwd_dkv_kernel(
     go to k's and v's layout, or, when the block is split over several segments, to the fp32
     partials ``dk_part [P, SELP, BK]`` / ``dv_part [P, SELP, BV]`` at row ``part``.
     """
-    seg = seg_ptr + tl.program_id(0).to(tl.int64) * SEG_FIELDS
-    j = tl.program_id(1)
-    b = tl.load(seg + 0)
-    h = tl.load(seg + 1)
-    krow0 = tl.load(seg + 2)
-    kend = tl.load(seg + 3)
+    seg, b, h, in_blk, krow, kvalid = block_entry(seg_ptr, FIELDS=SEG_FIELDS, SEL=SEL, BL=BL)
     pos0 = tl.load(seg + 4)
     start = tl.load(seg + 5)
     end = tl.load(seg + 6)
     part = tl.load(seg + 7)
     tshift = tl.load(seg + 8)
-
-    in_blk, krow, kvalid = key_rows(j, krow0, kend, SEL=SEL, BL=BL)
     kpos = pos0 + in_blk
     offs_k = tl.arange(0, BK)
     k_mask = offs_k < DK
@@ -271,15 +266,9 @@ def sel_dkv_reduce_kernel(
 ):  # fmt: skip
     """Sum, in part order, the fp32 partials ``dk_part [P, SELP, BK]``, ``dv_part [P, SELP, BV]``
     of one block split over several segments into dk [B, Tk, H, dk] and dv [B, Tk, H, dv]."""
-    red = red_ptr + tl.program_id(0).to(tl.int64) * RED_FIELDS
-    j = tl.program_id(1)
-    b = tl.load(red + 0)
-    h = tl.load(red + 1)
-    krow0 = tl.load(red + 2)
-    kend = tl.load(red + 3)
+    red, b, h, in_blk, krow, kvalid = block_entry(red_ptr, FIELDS=RED_FIELDS, SEL=SEL, BL=BL)
     first = tl.load(red + 4)
     count = tl.load(red + 5)
-    in_blk, krow, kvalid = key_rows(j, krow0, kend, SEL=SEL, BL=BL)
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)
     dk = tl.zeros([BL, BK], dtype=tl.float32)
@@ -300,19 +289,11 @@ def sel_dkv_reduce_kernel(
 
 
 def backward(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    idx: torch.Tensor,
-    sel_block: int,
-    info: Launch,
-    cfg: SelConfig,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, idx: Tensor, info: Launch
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq [B, Tq, HQ, dk], dk [B, Tk, H, dk], dv [B, Tk, H, dv] for the upstream gradient
     ``do [B, Tq, HQ, dv]``, from the forward's o and lse and its index rows as sets ``idx``."""
+    sel_block, cfg = info.sel_block, info.cfg
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
@@ -345,10 +326,10 @@ def backward(
         VARLEN=info.seq_ids is not None, DOT_PREC=prec,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
-    csr = build_block_csr(
+    reverse = block_csr.build_block_csr(
         idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens
     )
-    dkv_backward(q, k, v, do, lse, delta, dk, dv, csr, sel_block, info.scale, cfg, prec)
+    dkv_backward(q, k, v, do, lse, delta, dk, dv, reverse, sel_block, info.scale, cfg, prec)
     return dq, dk, dv
 
 
@@ -361,7 +342,7 @@ def dkv_backward(
     delta: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
-    csr: BlockCSR,
+    csr: block_csr.BlockCSR,
     sel_block: int,
     scale: float,
     cfg: SelConfig,
@@ -372,8 +353,10 @@ def dkv_backward(
     num_pairs = int(csr.rows.numel())
     if num_pairs == 0:
         return
-    seg_tokens = cfg.segment_tokens or default_segment_tokens(num_pairs, num_sms(q.device))
-    work = build_dkv_work(csr, seg_tokens)
+    seg_tokens = cfg.segment_tokens or block_csr.default_segment_tokens(
+        num_pairs, num_sms(q.device)
+    )
+    work = block_csr.build_dkv_work(csr, seg_tokens)
     bk = pow2(max(k.shape[3], 16))
     bv = pow2(max(v.shape[3], 16))
     nsub = -(-sel_block // cfg.block_l)
@@ -392,7 +375,7 @@ def dkv_backward(
         scale * LOG2E, scale,
         G=group, R=rows, TPI=rows // group,
         DK=k.shape[3], BK=bk, DV=v.shape[3], BV=bv,
-        SEL=sel_block, BL=cfg.block_l, SELP=selp, SEG_FIELDS=SEG_FIELDS,
+        SEL=sel_block, BL=cfg.block_l, SELP=selp, SEG_FIELDS=block_csr.SEG_FIELDS,
         DOT_PREC=prec, num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages,
     )  # fmt: skip
     if work.reductions.shape[0]:
@@ -401,6 +384,6 @@ def dkv_backward(
             dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2),
             DK=k.shape[3], BK=bk, DV=v.shape[3], BV=bv,
-            SEL=sel_block, BL=cfg.block_l, SELP=selp, RED_FIELDS=RED_FIELDS,
+            SEL=sel_block, BL=cfg.block_l, SELP=selp, RED_FIELDS=block_csr.RED_FIELDS,
             num_warps=8,
         )  # fmt: skip

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected.launch import (
@@ -56,15 +57,13 @@ def sel_fwd_kernel(
     k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the visibility mask applies to s, and
     selects zeros for V's invisible rows), rows past the end read as 0.
     """
-    pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
         b, r, t, tok0, h, heads, g_mask, idx_row = query_row(
-            tl.program_id(0).to(tl.int64) * RPP + rr, pid_h, n_rows, tq, q_start,
-            seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
-            G=G, HPP=HPP, BG=BG, VARLEN=VARLEN,
+            rr, n_rows, tq, q_start, seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
+            G=G, HPP=HPP, BG=BG, RPP=RPP, VARLEN=VARLEN,
         )  # fmt: skip
         offs_v = pid_v * BV + tl.arange(0, BV)
         v_mask = offs_v < DV
@@ -166,17 +165,10 @@ def kv_descriptors(
     return out[0], out[1]
 
 
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    idx: torch.Tensor,
-    sel_block: int,
-    info: Launch,
-    cfg: SelConfig,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple[Tensor, Tensor]:
     """o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log, -inf on rows that
     see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32."""
+    sel_block, cfg = info.sel_block, info.cfg
     o = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(info.batch, info.tq, info.hq, dtype=torch.float32, device=q.device)
     if info.rows == 0:

@@ -19,10 +19,10 @@ accumulation, the softmax statistics and all accumulators in float32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from nsa_core.toggles import Toggles
 from nsa_kernels.selected.backward import backward
@@ -38,125 +38,66 @@ from nsa_kernels.selected.launch import (
 )
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One call's contiguous q, k, v, its index rows as sets, launch facts and resolved tiles."""
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    idx: torch.Tensor
-    info: Launch
-    cfg: SelConfig
-
-
-def _setup(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None,
-    q_start: int,
-    cu_seqlens: torch.Tensor | None,
-    config: SelConfig | None,
-    toggles: Toggles | None,
-) -> _Call:
-    """Validate, turn the index rows into sets and resolve the tiles (shapes as the public ops)."""
-    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, toggles)
+def _operands(
+    q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, info: Launch
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Contiguous q, k, v and the index rows as sets, as the kernels read them."""
     # dq/dk/dv are allocated like q/k/v and the kernels give them the same strides.
     idx = unique_block_rows(block_indices, info.num_blocks)
-    cfg = resolve_config(config, info.group, info.dk, info.dv, sel_block, toggles)
-    return _Call(q.contiguous(), k.contiguous(), v.contiguous(), idx, info, cfg)
+    return q.contiguous(), k.contiguous(), v.contiguous(), idx
 
 
 def selected_attention_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    config: SelConfig | None = None,
-    toggles: Toggles | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
+    scale: float | None = None, *, q_start: int = 0, cu_seqlens: Tensor | None = None,
+    config: SelConfig | None = None, toggles: Toggles | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Forward only: o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log).
 
     Arguments as :func:`selected_attention_triton`. ``lse`` is -inf on rows that see no token.
     """
-    c = _setup(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
-    return forward(c.q, c.k, c.v, c.idx, sel_block, c.info, c.cfg)
+    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    return forward(*_operands(q, k, v, block_indices, info), info)
 
 
 def selected_attention_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    config: SelConfig | None = None,
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+    block_indices: Tensor, sel_block: int, scale: float | None = None, *, q_start: int = 0,
+    cu_seqlens: Tensor | None = None, config: SelConfig | None = None,
     toggles: Toggles | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dq, dk, dv for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse from the forward)."""
-    c = _setup(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
-    return backward(do, c.q, c.k, c.v, o, lse, c.idx, sel_block, c.info, c.cfg)
+    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    q, k, v, idx = _operands(q, k, v, block_indices, info)
+    return backward(do, q, k, v, o, lse, idx, info)
 
 
 class SelectedAttentionFunction(torch.autograd.Function):
-    """o = selected_attention(q, k, v); backward gives dq, dk, dv without atomics."""
+    """o = selected_attention(q, k, v) for a prepared call; backward gives dq, dk, dv without
+    atomics."""
 
     @staticmethod
     def forward(
-        ctx: Any,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        block_indices: torch.Tensor,
-        sel_block: int,
-        scale: float | None,
-        q_start: int,
-        cu_seqlens: torch.Tensor | None,
-        config: SelConfig | None,
-        toggles: Toggles | None,
-    ) -> torch.Tensor:
-        c = _setup(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
-        o, lse = forward(c.q, c.k, c.v, c.idx, sel_block, c.info, c.cfg)
-        ctx.save_for_backward(c.q, c.k, c.v, o, lse, c.idx)
-        ctx.info = c.info
-        ctx.cfg = c.cfg
-        ctx.sel_block = sel_block
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, info: Launch
+    ) -> Tensor:
+        q, k, v, idx = _operands(q, k, v, block_indices, info)
+        o, lse = forward(q, k, v, idx, info)
+        ctx.save_for_backward(q, k, v, o, lse, idx)
+        ctx.info = info
         return o
 
     @staticmethod
-    def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, o, lse, idx = ctx.saved_tensors
-        dq, dk, dv = backward(do, q, k, v, o, lse, idx, ctx.sel_block, ctx.info, ctx.cfg)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv = backward(do, q, k, v, o, lse, idx, ctx.info)
+        return dq, dk, dv, None, None
 
 
 def selected_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    config: SelConfig | None = None,
-    toggles: Toggles | None = None,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
+    scale: float | None = None, *, q_start: int = 0, cu_seqlens: Tensor | None = None,
+    config: SelConfig | None = None, toggles: Toggles | None = None,
+) -> Tensor:  # fmt: skip
     """Selected attention (docs/spec.md), the Triton kernels; same contract as the reference.
 
     Query row r sits at position ``t = q_start + r``; its head h (group ``h // G``) attends in one
@@ -177,24 +118,12 @@ def selected_attention_triton(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype; differentiable in q, k and v.
     """
+    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out = SelectedAttentionFunction.apply(  # type: ignore[no-untyped-call]
-            q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles
-        )
+        out = SelectedAttentionFunction.apply(q, k, v, block_indices, info)  # type: ignore[no-untyped-call]
         assert isinstance(out, torch.Tensor)
         return out
-    return selected_attention_fwd(
-        q,
-        k,
-        v,
-        block_indices,
-        sel_block,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        config=config,
-        toggles=toggles,
-    )[0]
+    return forward(*_operands(q, k, v, block_indices, info), info)[0]
 
 
 def kv_bytes_read(

@@ -130,8 +130,10 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Launch:
-    """The facts every launch of one call shares."""
+    """The facts every launch of one call shares, its resolved tiles included."""
 
+    sel_block: int
+    cfg: SelConfig
     batch: int
     tq: int
     hq: int
@@ -160,12 +162,13 @@ def prepare(
     scale: float | None,
     q_start: int,
     cu_seqlens: torch.Tensor | None,
+    config: SelConfig | None,
     toggles: Toggles | None,
 ) -> Launch:
-    """Validate like the reference op and collect the launch facts.
+    """Validate like the reference op, resolve the tiles and collect the launch facts.
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n],
-    cu_seqlens int32 [S+1] or None.
+    cu_seqlens int32 [S+1] or None; ``config`` as :func:`resolve_config` takes it.
     """
     batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
     if sel_block < 1:
@@ -190,6 +193,8 @@ def prepare(
         num_blocks = -(-k.shape[1] // sel_block)
     check_block_indices(block_indices, batch, tq, h, num_blocks, q.device, check_range=strict)
     return Launch(
+        sel_block=sel_block,
+        cfg=resolve_config(config, hq // h, dk, dv, sel_block, toggles),
         batch=batch,
         tq=tq,
         hq=hq,

@@ -16,6 +16,7 @@ import itertools
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected.row_walk import LOG2E
@@ -159,13 +160,8 @@ def _launch(
 
 
 def sel_attn_fwd_dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float | None = None,
-    *,
-    block_l: int = 64,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, *, block_l: int = 64
+) -> Tensor:
     """O [N, H, Dv]: row n's H heads attend, unmasked, over row n's L keys.
 
     Args:
@@ -182,14 +178,14 @@ def sel_attn_fwd_dense(
 
 
 def sel_attn_fwd_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens: Tensor,
     scale: float | None = None,
     *,
     block_l: int = 64,
-) -> torch.Tensor:
+) -> Tensor:
     """O [N, H, Dv]: row n's H heads attend, unmasked, over ``K[cu[n]:cu[n+1]]``.
 
     Args:

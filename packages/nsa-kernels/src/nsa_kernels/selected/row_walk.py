@@ -28,8 +28,7 @@ LN2_CONST = tl.constexpr(LN2)
 
 @triton.jit
 def query_row(
-    row,
-    pid_h,
+    rr,
     n_rows,
     tq,
     q_start,
@@ -42,20 +41,23 @@ def query_row(
     G: tl.constexpr,
     HPP: tl.constexpr,
     BG: tl.constexpr,
+    RPP: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """(b, r, t, tok0, h, heads [BG], g_mask [BG], idx_row) of query row ``row`` (int64).
+    """(b, r, t, tok0, h, heads [BG], g_mask [BG], idx_row) of the program's row ``rr`` (int64).
 
-    ``row`` counts B * Tq rows (clamped to the last one, so a program's spare rows redo it);
-    ``pid_h`` is ``h * NCH + chunk`` with NCH = ceil(G / HPP) head chunks of HPP heads each.
+    A program walks RPP consecutive rows of the B * Tq rows: ``program_id(0) * RPP + rr``
+    (clamped to the last row, so a program's spare rows redo it); ``program_id(1)`` is
+    ``h * NCH + chunk`` with NCH = ceil(G / HPP) head chunks of HPP heads each.
     b, r: the row's batch and index along q's T axis; t: its position; tok0: the first token of
     its sequence (varlen, else 0); heads: its query heads, valid where g_mask; idx_row: the
     pointer to ``block_indices[b, r, h, :]`` (strides in elements).
     """
     NCH: tl.constexpr = (G + HPP - 1) // HPP
+    pid_h = tl.program_id(1)
     h = pid_h // NCH
     chunk = pid_h - h * NCH
-    row = tl.minimum(row, n_rows - 1)
+    row = tl.minimum(tl.program_id(0).to(tl.int64) * RPP + rr, n_rows - 1)
     if VARLEN:
         # Packed sequences: row indexes T directly; tok0 is the sequence's first token.
         tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
