@@ -13,6 +13,7 @@ q head h uses kv head ``h // (HQ / H)``.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 calls: list[str] = []
 
@@ -62,15 +63,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     assert k.shape[:-1] == v.shape[:-1]
 
 
+# flash_attn's signatures, as written there: tensors, then its options.
 def flash_attn_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
+    q: Tensor, k: Tensor, v: Tensor,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-) -> torch.Tensor:
+) -> Tensor:  # fmt: skip
     """q [B, Sq, HQ, D], k/v [B, Sk, H, D] -> o [B, Sq, HQ, D]."""
     _check(q, k, v)
     assert q.dim() == 4
@@ -82,18 +80,11 @@ def flash_attn_func(
 
 
 def flash_attn_varlen_func(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
+    q: Tensor, k: Tensor, v: Tensor,
+    cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float = 0.0, softmax_scale: float | None = None, causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
-) -> torch.Tensor:
+) -> Tensor:  # fmt: skip
     """q [Sq_total, HQ, D], k/v [Sk_total, H, D], cu_seqlens int32 [S+1] -> o [Sq_total, HQ, D]."""
     _check(q, k, v)
     assert q.dim() == 3

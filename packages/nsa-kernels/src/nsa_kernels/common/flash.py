@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 FA2_DTYPES = (torch.float16, torch.bfloat16)
 FA2_MAX_HEAD_DIM = 256
@@ -88,6 +89,31 @@ def _module_or_raise() -> Any:
     return module
 
 
+def _run(
+    entry: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    packing: tuple[Any, ...],
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """flash_attn's ``entry`` on q, k, v padded to one head dim, causal, ``packing`` (varlen's
+    cu_seqlens and max lengths) between the tensors and the options; o cut back to v's head dim."""
+    dv = v.shape[-1]
+    head_dim = common_head_dim(q.shape[-1], dv)
+    out: torch.Tensor = getattr(_module_or_raise(), entry)(
+        _pad_last(q, head_dim),
+        _pad_last(k, head_dim),
+        _pad_last(v, head_dim),
+        *packing,
+        softmax_scale=scale,
+        causal=True,
+        window_size=_window(window),
+    )
+    return out[..., :dv]
+
+
 def fa2_dense(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -101,17 +127,7 @@ def fa2_dense(
     Query row i keeps key j iff ``j <= i + Sk - Sq`` (and ``j >= i + Sk - Sq - window + 1`` when a
     window is given); a row that keeps nothing gives zeros. Returns o [B, Sq, HQ', dv].
     """
-    dv = v.shape[-1]
-    head_dim = common_head_dim(q.shape[-1], dv)
-    out: torch.Tensor = _module_or_raise().flash_attn_func(
-        _pad_last(q, head_dim),
-        _pad_last(k, head_dim),
-        _pad_last(v, head_dim),
-        softmax_scale=scale,
-        causal=True,
-        window_size=_window(window),
-    )
-    return out[..., :dv]
+    return _run("flash_attn_func", q, k, v, (), scale, window)
 
 
 def fa2_varlen(
@@ -132,18 +148,31 @@ def fa2_varlen(
     ``[cu_seqlens_q[s], cu_seqlens_q[s+1])`` with k rows ``[cu_seqlens_k[s], cu_seqlens_k[s+1])``,
     bottom-right aligned as in :func:`fa2_dense`. Returns o [Sq_total, HQ', dv].
     """
-    dv = v.shape[-1]
-    head_dim = common_head_dim(q.shape[-1], dv)
-    out: torch.Tensor = _module_or_raise().flash_attn_varlen_func(
-        _pad_last(q, head_dim),
-        _pad_last(k, head_dim),
-        _pad_last(v, head_dim),
-        cu_seqlens_q,
-        cu_seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-        softmax_scale=scale,
-        causal=True,
-        window_size=_window(window),
+    packing = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _run("flash_attn_varlen_func", q, k, v, packing, scale, window)
+
+
+def fa2_dense_as_varlen(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, *, window: int | None = None
+) -> Tensor:
+    """:func:`fa2_dense` through the varlen entry point, one packed sequence per batch row (the
+    debug path NSA_DEBUG_FA2_VARLEN): q [B, Sq, HQ', dk], k [B, Sk, H, dk], v [B, Sk, H, dv] ->
+    o [B, Sq, HQ', dv]."""
+    batch, sq, heads, _ = q.shape
+    sk = k.shape[1]
+
+    def offsets(length: int) -> torch.Tensor:
+        return torch.arange(batch + 1, dtype=torch.int32, device=q.device) * length
+
+    out = fa2_varlen(
+        q.reshape(batch * sq, heads, q.shape[-1]),
+        k.reshape(batch * sk, *k.shape[2:]),
+        v.reshape(batch * sk, *v.shape[2:]),
+        offsets(sq),
+        offsets(sk),
+        sq,
+        sk,
+        scale,
+        window=window,
     )
-    return out[..., :dv]
+    return out.view(batch, sq, heads, v.shape[-1])

@@ -24,15 +24,13 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from torch import Tensor
 
-from nsa_core.blocks import cmp_cu_seqlens
-from nsa_core.checks import check_compressed_attention, check_sliding_attention
-from nsa_core.toggles import Toggles
-from nsa_kernels.common.intervals import (
-    compressed_intervals,
-    compressed_intervals_varlen,
-    sliding_intervals,
-    sliding_intervals_varlen,
+from nsa_kernels.common.op_calls import (
+    CompressedBackend,
+    CompressedCall,
+    SlidingBackend,
+    SlidingCall,
 )
 
 FLEX_BLOCK = 128
@@ -138,13 +136,8 @@ def _cached_block_mask(
 
 
 def interval_attention_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, lo: Tensor, hi: Tensor, scale: float
+) -> Tensor:
     """Query row i attends to keys ``[lo[i], hi[i]]`` (inclusive; ``hi < lo``: output 0).
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; lo, hi int64 [Tq], non-decreasing.
@@ -177,68 +170,29 @@ def _attend(
     return out.transpose(1, 2)
 
 
-def sliding_attention_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
+def _sliding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: SlidingCall) -> torch.Tensor:
+    """Query t sees keys [max(0, t - w + 1), t] (its own sequence's, varlen)."""
+    tq = q.shape[1]
+    if call.cu_seqlens is not None:
+        return interval_attention_flex(q, k, v, *call.intervals(tq, q.device), call.scale)
+    # Keys past the last query are never seen; the cached mask is built for q_start + Tq keys.
+    k, v = k[:, : call.q_start + tq], v[:, : call.q_start + tq]
+    key = ("sliding", tq, call.q_start, call.window, q.device)
+    return _attend(q, k, v, key, lambda: call.intervals(tq, q.device), call.scale)
+
+
+def _compressed(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, call: CompressedCall
 ) -> torch.Tensor:
-    """nsa_core ``sliding_attention`` on FlexAttention: query t sees keys [max(0, t - w + 1), t].
-
-    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]. Varlen: B == 1,
-    int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
-    """
-    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-    tq, dk = q.shape[1], q.shape[3]
-    scale = dk**-0.5 if scale is None else scale
-    if cu_seqlens is not None:
-        lo, hi = sliding_intervals_varlen(cu_seqlens, window)
-        return interval_attention_flex(q, k, v, lo, hi, scale)
-    else:
-        k, v = k[:, : q_start + tq], v[:, : q_start + tq]
-        key = ("sliding", tq, q_start, window, q.device)
-        return _attend(
-            q, k, v, key, lambda: sliding_intervals(tq, q_start, window, q.device), scale
-        )
+    """Query t sees blocks i with i*d + l - 1 <= t; rows that see no block are 0."""
+    tq = q.shape[1]
+    if call.cu_seqlens is not None:
+        return interval_attention_flex(q, k_cmp, v_cmp, *call.intervals(tq, q.device), call.scale)
+    nk = k_cmp.shape[1]
+    key = ("compressed", tq, call.q_start, call.cmp_block, call.cmp_stride, nk, q.device)
+    return _attend(q, k_cmp, v_cmp, key, lambda: call.intervals(tq, q.device), call.scale)
 
 
-def compressed_attention_flex(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
-) -> torch.Tensor:
-    """nsa_core ``compressed_attention`` on FlexAttention: query t sees blocks i*d + l - 1 <= t.
-
-    q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv]; rows that see
-    no block are 0. Varlen: B == 1, q_start == 0, k_cmp packed per ``cmp_cu_seqlens``.
-    """
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    tq, dk = q.shape[1], q.shape[3]
-    scale = dk**-0.5 if scale is None else scale
-    if cu_seqlens is not None:
-        cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
-        lo, hi = compressed_intervals_varlen(cu_seqlens, cmp_cu, cmp_block, cmp_stride)
-        return interval_attention_flex(q, k_cmp, v_cmp, lo, hi, scale)
-    key = ("compressed", tq, q_start, cmp_block, cmp_stride, k_cmp.shape[1], q.device)
-    return _attend(
-        q,
-        k_cmp,
-        v_cmp,
-        key,
-        lambda: compressed_intervals(tq, q_start, cmp_block, cmp_stride, q.device),
-        scale,
-    )
+# nsa_core's sliding_attention / compressed_attention on FlexAttention, with their signatures.
+sliding_attention_flex = SlidingBackend(_sliding)
+compressed_attention_flex = CompressedBackend(_compressed)

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from nsa_core.blocks import cmp_cu_seqlens
-from nsa_core.checks import check_compressed_attention, check_sliding_attention
-from nsa_core.toggles import Toggles
-from nsa_kernels.common.intervals import (
-    compressed_intervals,
-    compressed_intervals_varlen,
-    sliding_intervals,
-    sliding_intervals_varlen,
+from nsa_kernels.common.op_calls import (
+    CompressedBackend,
+    CompressedCall,
+    SlidingBackend,
+    SlidingCall,
 )
 
 # Largest element count of one chunk's biggest intermediate: the [rows, span] mask on CUDA (the
@@ -54,15 +52,15 @@ def _chunks(lo: list[int], hi: list[int], row_cost: int, budget: int) -> list[tu
 
 
 def interval_attention_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lo: Tensor,
+    hi: Tensor,
     scale: float,
     *,
     budget: int | None = None,
-) -> torch.Tensor:
+) -> Tensor:
     """Query row i attends to keys ``[lo[i], hi[i]]`` (inclusive; ``hi < lo``: output 0).
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]; lo, hi int64 [Tq], non-decreasing.
@@ -103,57 +101,20 @@ def interval_attention_sdpa(
     return torch.cat(outs, dim=1)
 
 
-def sliding_attention_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
+def _sliding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: SlidingCall) -> torch.Tensor:
+    """Query t sees keys [max(0, t - w + 1), t] (its own sequence's, varlen)."""
+    lo, hi = call.intervals(q.shape[1], q.device)
+    return interval_attention_sdpa(q, k, v, lo, hi, call.scale)
+
+
+def _compressed(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, call: CompressedCall
 ) -> torch.Tensor:
-    """nsa_core ``sliding_attention`` on torch SDPA: query t sees keys [max(0, t - w + 1), t].
-
-    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]. Varlen: B == 1,
-    int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
-    """
-    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-    tq, dk = q.shape[1], q.shape[3]
-    scale = dk**-0.5 if scale is None else scale
-    if cu_seqlens is not None:
-        lo, hi = sliding_intervals_varlen(cu_seqlens, window)
-    else:
-        lo, hi = sliding_intervals(tq, q_start, window, q.device)
-    return interval_attention_sdpa(q, k, v, lo, hi, scale)
+    """Query t sees blocks i with i*d + l - 1 <= t; rows that see no block are 0."""
+    lo, hi = call.intervals(q.shape[1], q.device)
+    return interval_attention_sdpa(q, k_cmp, v_cmp, lo, hi, call.scale)
 
 
-def compressed_attention_sdpa(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
-) -> torch.Tensor:
-    """nsa_core ``compressed_attention`` on torch SDPA: query t sees blocks i with i*d + l - 1 <= t.
-
-    q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv]; rows that see
-    no block are 0. Varlen: B == 1, q_start == 0, k_cmp packed per ``cmp_cu_seqlens``.
-    """
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    tq, dk = q.shape[1], q.shape[3]
-    scale = dk**-0.5 if scale is None else scale
-    if cu_seqlens is not None:
-        cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
-        lo, hi = compressed_intervals_varlen(cu_seqlens, cmp_cu, cmp_block, cmp_stride)
-    else:
-        lo, hi = compressed_intervals(tq, q_start, cmp_block, cmp_stride, q.device)
-    return interval_attention_sdpa(q, k_cmp, v_cmp, lo, hi, scale)
+# nsa_core's sliding_attention / compressed_attention on torch SDPA, with their signatures.
+sliding_attention_sdpa = SlidingBackend(_sliding)
+compressed_attention_sdpa = CompressedBackend(_compressed)

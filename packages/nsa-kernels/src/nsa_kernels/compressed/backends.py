@@ -22,15 +22,7 @@ import torch
 
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels.common.fa2_routing import (
-    FA2_PRIORITY,
-    FLEX_PRIORITY,
-    SDPA_PRIORITY,
-    fa2_compressed_requested,
-    fa2_compressed_supports,
-    flex_supports,
-    sdpa_supports,
-)
+from nsa_kernels.common import fa2_routing as routing
 from nsa_kernels.common.flex import compressed_attention_flex
 from nsa_kernels.common.sdpa import compressed_attention_sdpa
 from nsa_kernels.common.triton_routing import triton_decline_reason
@@ -64,36 +56,14 @@ def compressed_attention_triton_lse_backend(
 
 
 def backends() -> list[Backend]:
-    """The compressed branch's backends, highest priority first."""
+    """The compressed branch's backends, highest priority first: the docstring's table, one row
+    each as ``Backend(op, name, fn, supports, priority, ...)``."""
+    fa2, flex, sdpa = compressed_attention_fa2, compressed_attention_flex, compressed_attention_sdpa
     return [
-        Backend(
-            op=OP,
-            name="fa2",
-            fn=compressed_attention_fa2,
-            supports=fa2_compressed_supports,
-            priority=FA2_PRIORITY,
-            requested_by=fa2_compressed_requested,
-        ),
-        Backend(
-            op=OP,
-            name="triton_cmp",
-            fn=compressed_attention_triton_backend,
-            supports=triton_cmp_supports,
-            priority=TRITON_PRIORITY,
-            fn_with_lse=compressed_attention_triton_lse_backend,
-        ),
-        Backend(
-            op=OP,
-            name="flex",
-            fn=compressed_attention_flex,
-            supports=flex_supports,
-            priority=FLEX_PRIORITY,
-        ),
-        Backend(
-            op=OP,
-            name="sdpa",
-            fn=compressed_attention_sdpa,
-            supports=sdpa_supports,
-            priority=SDPA_PRIORITY,
-        ),
-    ]
+        Backend(OP, "fa2", fa2, routing.fa2_compressed_supports, routing.FA2_PRIORITY,
+                requested_by=routing.fa2_compressed_requested),
+        Backend(OP, "triton_cmp", compressed_attention_triton_backend, triton_cmp_supports,
+                TRITON_PRIORITY, fn_with_lse=compressed_attention_triton_lse_backend),
+        Backend(OP, "flex", flex, routing.flex_supports, routing.FLEX_PRIORITY),
+        Backend(OP, "sdpa", sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
+    ]  # fmt: skip

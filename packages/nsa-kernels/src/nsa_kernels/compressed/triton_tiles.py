@@ -36,16 +36,25 @@ def visible_blocks(pos, LBLK: tl.constexpr, DSTR: tl.constexpr):
 
 
 @triton.jit
+def varlen_entry(tiles_ptr, cu_ptr, cmp_cu_ptr, i):
+    """(seq, offset, first, end, kbase) of entry ``i`` of a varlen tile table (int32 pairs
+    ``(sequence, offset)``, sequence -1 for padding; read from sequence 0 then).
+
+    offset: the entry's first token or block within its sequence; [first, end): the sequence's
+    query rows; kbase: row of the sequence's block 0 in k_cmp. offset and the rows are int64.
+    """
+    seq = tl.load(tiles_ptr + 2 * i)
+    offset = tl.load(tiles_ptr + 2 * i + 1).to(tl.int64)
+    seq_c = tl.maximum(seq, 0)
+    first = tl.load(cu_ptr + seq_c).to(tl.int64)
+    end = tl.load(cu_ptr + seq_c + 1).to(tl.int64)
+    kbase = tl.load(cmp_cu_ptr + seq_c).to(tl.int64)
+    return seq, offset, first, end, kbase
+
+
+@triton.jit
 def query_tile(
-    tiles_ptr,
-    cu_ptr,
-    cmp_cu_ptr,
-    i,
-    batch,
-    tq,
-    q_start,
-    TPP: tl.constexpr,
-    VARLEN: tl.constexpr,
+    tiles_ptr, cu_ptr, cmp_cu_ptr, i, batch, tq, q_start, TPP: tl.constexpr, VARLEN: tl.constexpr
 ):
     """(b, r0, r_end, t0, kbase) of query tile ``i`` (tiles ordered longest first).
 
@@ -54,14 +63,10 @@ def query_tile(
     kbase: row of the sequence's block 0 in k_cmp. All int64.
     """
     if VARLEN:
-        seq = tl.load(tiles_ptr + 2 * i)
-        t0 = tl.load(tiles_ptr + 2 * i + 1).to(tl.int64)
-        seq_c = tl.maximum(seq, 0)
-        first = tl.load(cu_ptr + seq_c).to(tl.int64)
+        seq, t0, first, end, kbase = varlen_entry(tiles_ptr, cu_ptr, cmp_cu_ptr, i)
         r0 = first + t0
-        r_end = tl.where(seq >= 0, tl.load(cu_ptr + seq_c + 1).to(tl.int64), r0)
+        r_end = tl.where(seq >= 0, end, r0)
         b = r0 * 0
-        kbase = tl.load(cmp_cu_ptr + seq_c).to(tl.int64)
     else:
         # Later tiles see more blocks: program 0 takes the last tile of each batch row.
         per_b = tl.cdiv(tq, TPP)
@@ -93,13 +98,10 @@ def key_tile(
     position p sits on row ``p + shift``. All int64.
     """
     if VARLEN:
-        seq = tl.load(tiles_ptr + 2 * i)
-        n0 = tl.load(tiles_ptr + 2 * i + 1).to(tl.int64)
-        seq_c = tl.maximum(seq, 0)
-        r_lo = tl.load(cu_ptr + seq_c).to(tl.int64)
-        r_end = tl.where(seq >= 0, tl.load(cu_ptr + seq_c + 1).to(tl.int64), r_lo)
-        kbase = tl.load(cmp_cu_ptr + seq_c).to(tl.int64)
-        n_end = tl.where(seq >= 0, tl.load(cmp_cu_ptr + seq_c + 1).to(tl.int64) - kbase, 0)
+        seq, n0, r_lo, end, kbase = varlen_entry(tiles_ptr, cu_ptr, cmp_cu_ptr, i)
+        r_end = tl.where(seq >= 0, end, r_lo)
+        kend = tl.load(cmp_cu_ptr + tl.maximum(seq, 0) + 1).to(tl.int64)
+        n_end = tl.where(seq >= 0, kend - kbase, 0)
         b = n0 * 0
         shift = r_lo
     else:

@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from nsa_core.debug_log import debug_log
 from nsa_core.registry import Backend, OpContext
-from nsa_core.toggles import Toggles, get_toggles, legacy_sel_tiles
+from nsa_core.toggles import Toggles, legacy_sel_tiles
+from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
 
 OP = "selected_attention"
 NAME = "triton_sel"
@@ -156,27 +158,15 @@ def _log_device(device: torch.device) -> None:
     )
 
 
-def selected_attention_backend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
-) -> torch.Tensor:
-    """The registered ``fn``: :func:`selected_attention_triton` with the routing's toggles.
+def _triton(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, call: SelectedCall) -> Tensor:
+    """:func:`selected_attention_triton` with the routing's toggles.
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n].
-    ``toggles`` defaults to :func:`get_toggles` when called by name. The deprecated
-    NSA_SEL_TRITON_BLOCK_* tiles (read once by nsa_core.toggles) arrive here as a ``SelConfig``.
+    The deprecated NSA_SEL_TRITON_BLOCK_* tiles (read once by nsa_core.toggles) arrive here as a
+    ``SelConfig``.
     """
     from nsa_kernels.selected.function import SelConfig, selected_attention_triton
 
-    toggles = get_toggles() if toggles is None else toggles
     _log_device(q.device)
     tiles = legacy_sel_tiles()
     return selected_attention_triton(
@@ -184,13 +174,18 @@ def selected_attention_backend(
         k,
         v,
         block_indices,
-        sel_block,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
+        call.sel_block,
+        call.scale,
+        q_start=call.q_start,
+        cu_seqlens=call.cu_seqlens,
         config=SelConfig(**tiles) if tiles else None,
-        toggles=toggles,
+        toggles=call.toggles,
     )
+
+
+# The registered ``fn``: nsa_core's selected_attention on the Triton kernels, with its signature
+# (``toggles`` defaults to get_toggles() when called by name).
+selected_attention_backend = SelectedBackend(_triton)
 
 
 def _requested(toggles: Toggles) -> bool:

@@ -1,7 +1,7 @@
-"""The backends of the sliding branch (``sliding_attention``) and their priorities.
+"""The sliding branch (``sliding_attention``): its backends and their priorities, in one table.
 
-The registry asks them from the highest priority down; the first whose ``supports`` returns
-``None`` serves, and nsa-core's reference (priority 0) serves whatever they all decline.
+Asked from the highest priority down, the first backend whose ``supports`` answers ``None``
+serves the call; whatever all of them decline falls to nsa-core's reference (priority 0).
 
 | priority | backend | serves when |
 |---|---|---|
@@ -15,15 +15,7 @@ The registry asks them from the highest priority down; the first whose ``support
 from __future__ import annotations
 
 from nsa_core.registry import Backend
-from nsa_kernels.common.fa2_routing import (
-    FA2_PRIORITY,
-    FLEX_PRIORITY,
-    SDPA_PRIORITY,
-    fa2_sliding_requested,
-    fa2_sliding_supports,
-    flex_supports,
-    sdpa_supports,
-)
+from nsa_kernels.common import fa2_routing as routing
 from nsa_kernels.common.flex import sliding_attention_flex
 from nsa_kernels.common.sdpa import sliding_attention_sdpa
 from nsa_kernels.sliding.fa2 import sliding_attention_fa2
@@ -32,28 +24,11 @@ OP = "sliding_attention"
 
 
 def backends() -> list[Backend]:
-    """The sliding branch's backends, highest priority first."""
+    """The sliding branch's backends, highest priority first: the docstring's table, one row
+    each as ``Backend(op, name, fn, supports, priority[, requested_by])``."""
+    fa2_row = (routing.fa2_sliding_supports, routing.FA2_PRIORITY, routing.fa2_sliding_requested)
     return [
-        Backend(
-            op=OP,
-            name="fa2",
-            fn=sliding_attention_fa2,
-            supports=fa2_sliding_supports,
-            priority=FA2_PRIORITY,
-            requested_by=fa2_sliding_requested,
-        ),
-        Backend(
-            op=OP,
-            name="flex",
-            fn=sliding_attention_flex,
-            supports=flex_supports,
-            priority=FLEX_PRIORITY,
-        ),
-        Backend(
-            op=OP,
-            name="sdpa",
-            fn=sliding_attention_sdpa,
-            supports=sdpa_supports,
-            priority=SDPA_PRIORITY,
-        ),
+        Backend(OP, "fa2", sliding_attention_fa2, *fa2_row),
+        Backend(OP, "flex", sliding_attention_flex, routing.flex_supports, routing.FLEX_PRIORITY),
+        Backend(OP, "sdpa", sliding_attention_sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
     ]

@@ -16,63 +16,34 @@ import itertools
 
 import torch
 
-from nsa_core.checks import check_sliding_attention
-from nsa_core.toggles import Toggles, get_toggles
-from nsa_kernels.common.flash import fa2_dense, fa2_varlen
+from nsa_kernels.common.flash import fa2_dense, fa2_dense_as_varlen, fa2_varlen
+from nsa_kernels.common.op_calls import SlidingBackend, SlidingCall
 
 
-def _batch_offsets(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(batch + 1, dtype=torch.int32, device=device) * length
-
-
-def sliding_attention_fa2(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
-) -> torch.Tensor:
-    """nsa_core ``sliding_attention`` on FA-2: query t attends to keys [max(0, t - w + 1), t].
-
-    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv] (q's dtype).
-    Varlen: B == 1, int32 cu_seqlens [S+1], q_start == 0, Tk == Tq.
-    """
-    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-    batch, tq, hq, dk = q.shape
-    h, dv = k.shape[2], v.shape[3]
-    scale = dk**-0.5 if scale is None else scale
-    toggles = get_toggles() if toggles is None else toggles
+def _sliding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: SlidingCall) -> torch.Tensor:
+    """Query t attends to keys [max(0, t - w + 1), t]; o [B, Tq, HQ, dv] in q's dtype."""
+    batch, tq, hq, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+    window, scale, cu_seqlens = call.window, call.scale, call.cu_seqlens
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
     if cu_seqlens is not None:
         lengths = [int(x) for x in cu_seqlens.tolist()]
         max_len = max(b - a for a, b in itertools.pairwise(lengths))
-        if toggles.debug_fa2_dense:
+        if call.toggles.debug_fa2_dense:
             return _varlen_as_dense(q, k, v, cu_seqlens, max_len, window, scale)
         return fa2_varlen(
             q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_len, max_len, scale, window=window
         ).unsqueeze(0)
 
-    tk = q_start + tq
+    tk = call.q_start + tq
     k, v = k[:, :tk], v[:, :tk]
-    if toggles.debug_fa2_varlen:
-        out = fa2_varlen(
-            q.reshape(batch * tq, hq, dk),
-            k.reshape(batch * tk, h, dk),
-            v.reshape(batch * tk, h, dv),
-            _batch_offsets(batch, tq, q.device),
-            _batch_offsets(batch, tk, q.device),
-            tq,
-            tk,
-            scale,
-            window=window,
-        )
-        return out.view(batch, tq, hq, dv)
+    if call.toggles.debug_fa2_varlen:
+        return fa2_dense_as_varlen(q, k, v, scale, window=window)
     return fa2_dense(q, k, v, scale, window=window)
+
+
+# nsa_core's sliding_attention on FA-2, with its signature.
+sliding_attention_fa2 = SlidingBackend(_sliding)
 
 
 def padded_slots(cu_seqlens: torch.Tensor, capacity: int) -> torch.Tensor:

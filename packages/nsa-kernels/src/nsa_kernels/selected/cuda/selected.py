@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from nsa_core.toggles import Toggles
+from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
 from nsa_kernels.selected.cuda.build import load_extension
 
 CUDA_SEL_DTYPES = (torch.float16, torch.bfloat16)
@@ -17,18 +18,7 @@ def sequence_starts(cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(cu_seqlens[:-1], lengths).to(torch.int32).contiguous()
 
 
-def selected_attention_cuda(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
-) -> torch.Tensor:
+def _cuda(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, call: SelectedCall) -> Tensor:
     """nsa_core ``selected_attention`` on the CUDA kernel (forward only).
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] (fp16 or bf16, CUDA), block_indices
@@ -46,7 +36,8 @@ def selected_attention_cuda(
         )
     if q.dim() != 4 or block_indices.dim() != 4:
         raise ValueError("q must be [B, Tq, HQ, dk] and block_indices [B, Tq, H, n]")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    sel_block, q_start, cu_seqlens = call.sel_block, call.q_start, call.cu_seqlens
+    scale = q.shape[-1] ** -0.5 if call.scale is None else call.scale
     seq_start = None
     if cu_seqlens is not None:
         if q.shape[0] != 1 or q_start != 0 or k.shape[1] != q.shape[1]:
@@ -61,3 +52,7 @@ def selected_attention_cuda(
     ext = load_extension()
     out: torch.Tensor = ext.sel_fwd(q, k, v, indices, seq_start, sel_block, float(scale), q_start)
     return out
+
+
+# nsa_core's selected_attention on the CUDA kernel, with its signature.
+selected_attention_cuda = SelectedBackend(_cuda)
