@@ -233,5 +233,29 @@ def test_tiny_run_trains_evaluates_and_reloads(
     args = ["needle", f"--out={again}", "--eval-only", f"--ckpt={out}", *common]
     assert main(args) == 0
     reloaded = json.loads((again / "needle.json").read_text())
-    assert len(reloaded["cells"]) == len(cells)
+    # The run evaluated its checkpoints' weights: reloading them gives the same numbers.
+    assert reloaded["cells"] == cells
     assert reloaded["train"]["nsa"]["steps"] == 3
+
+
+def test_a_failing_model_leaves_the_others_standing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_train = needle.train
+
+    def train_or_fail(
+        model: needle.NeedleModel, variant: str, *args: object, **kw: object
+    ) -> object:
+        if variant == "window":
+            raise RuntimeError("kernel refused")
+        return real_train(model, variant, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(needle, "train", train_or_fail)
+    out = tmp_path / "run"
+    argv = ["needle", f"--out={out}", "--steps=1", "--variants=window,nsa", "--lengths=96"]
+    argv += ["--depths=0.5", "--samples=1", "--stats-lens=", *TINY_ARGS]
+    assert main(argv) == 1
+    record = json.loads((out / "needle.json").read_text())
+    assert record["train"]["window"] == {"error": "RuntimeError: kernel refused"}
+    assert [c["variant"] for c in record["cells"]] == ["nsa"]
+    assert "failed: RuntimeError: kernel refused" in (out / "needle.md").read_text()

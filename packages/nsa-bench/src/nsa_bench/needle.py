@@ -47,6 +47,7 @@ import json
 import math
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -303,13 +304,13 @@ class NeedleSettings:
     sel_block: int = 64
     num_selected: int = 16
     window: int = 256
-    filler_vocab: int = 64
+    filler_vocab: int = 16
     value_len: int = 4
     value_vocab: int = 16
     train_len: int = 2048
     batch: int = 16
-    lr: float = 1e-3
-    warmup_steps: int = 50
+    lr: float = 2e-3
+    warmup_steps: int = 100
     seed: int = 0
 
     def nsa_config(self) -> NSAConfig:
@@ -702,7 +703,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100_000, help="training step cap per model")
     parser.add_argument("--eval-only", action="store_true", help="load --ckpt, skip training")
     parser.add_argument("--ckpt", default=None, help="folder of <variant>.pt (with --eval-only)")
-    parser.add_argument("--lengths", default="2048,4096,8192", help="evaluation lengths")
+    parser.add_argument("--lengths", default="2048,4096,8192,16384", help="evaluation lengths")
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
     parser.add_argument("--samples", type=int, default=32, help="sequences per (length, depth)")
     parser.add_argument("--eval-batch", type=int, default=16, help="sequences per eval forward")
@@ -744,51 +745,107 @@ def run(args: argparse.Namespace) -> int:
     lengths, depths = _ints(args.lengths), _floats(args.depths)
     cells: list[Cell] = []
     trained: dict[str, dict[str, Any]] = {}
-    models: dict[str, NeedleModel] = {}
     settings = settings_from_args(args)
     routes = routing(settings, device)
     print(f"# routing at T={settings.train_len}, training:\n{routes}", file=sys.stderr, flush=True)
-    for variant in variants:
-        if args.eval_only:
-            model, settings, info = load_checkpoint(
-                Path(args.ckpt) / f"{variant}.pt", variant, device
-            )
-        else:
-            model = settings.build(variant, device)
-            result = train(
-                model,
-                variant,
-                settings,
-                device,
-                budget_s=args.budget_s,
-                max_steps=args.steps,
-                log_every_s=args.log_every_s,
-            )
-            info = dataclasses.asdict(result)
-            save_checkpoint(out / f"{variant}.pt", model, settings, info)
-        trained[variant] = info
-        cells += evaluate(
-            model, variant, settings, device, lengths, depths, args.samples, args.eval_batch
-        )
-        if variant == "nsa":
-            models[variant] = model  # kept for the selection statistics
-        elif device.type == "cuda":
-            del model
-            torch.cuda.empty_cache()
     stats: list[SelStats] = []
-    for length in _ints(args.stats_lens) if "nsa" in models else []:
+    failed: list[str] = []
+    notes: list[str] = []
+    for variant in variants:
+        # One variant failing (a kernel error, memory) leaves the others' results standing.
         try:
-            stats += selection_statistics(
-                models["nsa"], settings, device, length, args.stats_batch, out
+            settings, info, found, found_stats = _one_variant(
+                args, variant, settings, device, out, lengths, depths
             )
-        except torch.cuda.OutOfMemoryError as exc:
-            print(f"# selection statistics at T={length}: {exc}", file=sys.stderr)
+            trained[variant] = info
+            cells += found
+            stats += found_stats
+        except Exception as exc:
+            traceback.print_exc()
+            trained[variant] = {"error": f"{type(exc).__name__}: {exc}"}
+            failed.append(variant)
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-    notes = _write_outputs(out, cells, stats, trained, variants, settings, device, routes)
+        # Written after every model: a run cut short keeps what it finished.
+        notes = _write_outputs(out, cells, stats, trained, variants, settings, device, routes)
     for note in notes:
         print(f"# {note}", file=sys.stderr)
     print(_markdown(cells, stats, trained, variants))
-    return 0
+    if failed:
+        print(f"# failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _train_or_load(
+    args: argparse.Namespace,
+    variant: str,
+    settings: NeedleSettings,
+    device: torch.device,
+    out: Path,
+) -> tuple[NeedleModel, NeedleSettings, dict[str, Any]]:
+    """The variant's model from --ckpt, or trained and saved; either way its bf16 weights, so
+    an --eval-only run reproduces the numbers of the run that trained it."""
+    if args.eval_only:
+        return load_checkpoint(Path(args.ckpt) / f"{variant}.pt", variant, device)
+    model = settings.build(variant, device)
+    result = train(
+        model,
+        variant,
+        settings,
+        device,
+        budget_s=args.budget_s,
+        max_steps=args.steps,
+        log_every_s=args.log_every_s,
+    )
+    save_checkpoint(out / f"{variant}.pt", model, settings, dataclasses.asdict(result))
+    del model
+    return load_checkpoint(out / f"{variant}.pt", variant, device)
+
+
+def _one_variant(
+    args: argparse.Namespace,
+    variant: str,
+    settings: NeedleSettings,
+    device: torch.device,
+    out: Path,
+    lengths: list[int],
+    depths: list[float],
+) -> tuple[NeedleSettings, dict[str, Any], list[Cell], list[SelStats]]:
+    """Train (or load) one model, evaluate it, and for ``nsa`` take its selection statistics."""
+    model, settings, info = _train_or_load(args, variant, settings, device, out)
+    cells = evaluate(
+        model, variant, settings, device, lengths, depths, args.samples, args.eval_batch
+    )
+    stats: list[SelStats] = []
+    if variant == "nsa":
+        stats = _statistics(model, settings, device, _ints(args.stats_lens), args, out)
+    return settings, info, cells, stats
+
+
+def _statistics(
+    model: NeedleModel,
+    settings: NeedleSettings,
+    device: torch.device,
+    lengths: list[int],
+    args: argparse.Namespace,
+    out: Path,
+) -> list[SelStats]:
+    """Selection statistics at each length; a length that runs out of memory is skipped."""
+    stats: list[SelStats] = []
+    for length in lengths:
+        try:
+            stats += selection_statistics(model, settings, device, length, args.stats_batch, out)
+        except torch.cuda.OutOfMemoryError as exc:
+            print(f"# selection statistics at T={length}: {exc}", file=sys.stderr)
+            torch.cuda.empty_cache()
+    for s in stats:
+        print(
+            f"# sel stats {s.source} layer {s.layer} T={s.T}: share t,t+1 {s.share_next:.3f}, "
+            f"saved /16 {s.saved_16:.3f}, /64 {s.saved_64:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return stats
 
 
 def routing(settings: NeedleSettings, device: torch.device) -> str:
@@ -821,6 +878,9 @@ def _markdown(
     ]
     for v in variants:
         info = trained.get(v, {})
+        if "error" in info:
+            parts.append(f"| {v} | failed: {info['error'][:120]} | | | |")
+            continue
         parts.append(
             f"| {v} | {info.get('steps', '-')} | {float(info.get('seconds', math.nan)):.1f} | "
             f"{float(info.get('final_loss', math.nan)):.4f} | "
@@ -863,7 +923,7 @@ def _write_outputs(
         "sel_stats": [s.as_dict() for s in stats],
     }
     (out / "needle.json").write_text(json.dumps(record, indent=1))
-    for variant in variants:
+    for variant in sorted({c.variant for c in cells}, key=variants.index):
         why_not = write_heatmap(cells, variant, out / f"needle_{variant}.png")
         if why_not:
             notes.append(why_not)
