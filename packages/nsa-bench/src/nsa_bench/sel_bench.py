@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from nsa_bench.sel_stats import indices_for_bench
 from nsa_bench.timing import median_ms
@@ -93,17 +94,10 @@ CSV_COLUMNS = [f for f in Row.__dataclass_fields__ if f != "extra"]
 
 
 def nsa_block_indices(
-    batch: int,
-    tq: int,
-    h: int,
-    n: int,
-    sel_block: int,
-    *,
-    q_start: int = 0,
-    generator: torch.Generator | None = None,
-    device: torch.device | str = "cpu",
+    batch: int, tq: int, h: int, n: int, sel_block: int, *, q_start: int = 0,
+    generator: torch.Generator | None = None, device: torch.device | str = "cpu",
     chunk: int = 2048,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """int32 [B, Tq, H, n]: forced {0, jt-1, jt} plus random distinct valid blocks, -1 padded.
 
     Row r sits at t = q_start + r and ``jt = t // sel_block``; valid blocks are 0..jt. The
@@ -134,17 +128,9 @@ def nsa_block_indices(
 
 
 def dist_block_indices(
-    batch: int,
-    tq: int,
-    h: int,
-    n: int,
-    sel_block: int,
-    dist: str,
-    *,
-    q_start: int = 0,
-    generator: torch.Generator | None = None,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
+    batch: int, tq: int, h: int, n: int, sel_block: int, dist: str, *, q_start: int = 0,
+    generator: torch.Generator | None = None, device: torch.device | str = "cpu",
+) -> torch.Tensor:  # fmt: skip
     """int32 [B, Tq, H, n] for the rows mode's distributions (ascending, distinct, -1 at the end).
 
     ``few``: the run jt-n+1..jt; ``many``: n scattered distinct valid blocks; ``mixed``: the
@@ -189,13 +175,8 @@ def visible_keys(idx: torch.Tensor, sel_block: int, q_start: int, num_keys: int)
 
 
 def gathered_sdpa(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    idx: torch.Tensor,
-    sel_block: int,
-    q_start: int = 0,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, sel_block: int, q_start: int = 0
+) -> Tensor:
     """The packed peer: gather each row's selected keys, then one masked SDPA call.
 
     q [B, Tq, HQ, dk], k/v [B, Tk, H, *], idx [B, Tq, H, n] -> o [B, Tq, HQ, dv]. Memory

@@ -178,14 +178,9 @@ def sel_attn_fwd_dense(
 
 
 def sel_attn_fwd_varlen(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor,
-    scale: float | None = None,
-    *,
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float | None = None, *,
     block_l: int = 64,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """O [N, H, Dv]: row n's H heads attend, unmasked, over ``K[cu[n]:cu[n+1]]``.
 
     Args:
