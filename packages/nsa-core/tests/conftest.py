@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
-from nsa_core import NSAAttention, NSAConfig
+from nsa_core import NSAAttention, NSAConfig, registry
 
 
 @pytest.fixture
@@ -38,6 +38,13 @@ def make_layer(gen: torch.Generator) -> LayerFactory:
         return layer
 
     return build
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[None]:
+    """Only nsa-core's reference backends, no entry points; the previous state is restored."""
+    with registry.isolated_registry():
+        yield
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -10,32 +10,12 @@ from typing import Any
 import pytest
 import torch
 
-from nsa_core import ops, registry
-from nsa_core.debug_log import reset_log_state
-from nsa_core.registry import OPS, Backend, OpContext, register_backend, resolve_fn
+from nsa_core import ops
+from nsa_core.registry import Backend, OpContext, register_backend, resolve_fn
 from nsa_core.toggles import Toggles, reload_toggles
 
 HOOK_TOGGLES = ("NSA_DEBUG_SHAPES", "NSA_DEBUG_TIMING", "NSA_DEBUG_COMPARE")
 SLEEP_S = 0.02
-
-
-@pytest.fixture
-def isolated_registry() -> Iterator[None]:
-    """Only nsa-core's reference backends, no entry points; the previous state is restored."""
-    saved = {op: list(rows) for op, rows in registry._backends.items()}
-    saved_loaded = registry._entry_points_loaded
-    registry._backends.clear()
-    registry._backends.update({op: [] for op in OPS})
-    registry._entry_points_loaded = True
-    registry.register_reference_backends()
-    reset_log_state()
-    try:
-        yield
-    finally:
-        registry._backends.clear()
-        registry._backends.update(saved)
-        registry._entry_points_loaded = saved_loaded
-        reset_log_state()
 
 
 def set_hooks(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:

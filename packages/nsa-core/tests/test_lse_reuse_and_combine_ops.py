@@ -11,11 +11,10 @@ import torch
 
 import nsa_core
 from nsa_core import NSAConfig, ops, registry
-from nsa_core.debug_log import reset_log_state
 from nsa_core.reference import compressed_attention as reference_compressed_attention
 from nsa_core.reference.combine import gated_combine as reference_gated_combine
 from nsa_core.reference.compressed_attention import compressed_attention_impl
-from nsa_core.registry import OPS, Backend, OpContext, register_backend
+from nsa_core.registry import Backend, OpContext, register_backend
 from nsa_core.toggles import Toggles, reload_toggles
 
 CONFIG = NSAConfig(
@@ -29,25 +28,6 @@ CONFIG = NSAConfig(
     num_selected=3,
     window=3,
 )
-
-
-@pytest.fixture
-def isolated_registry() -> Iterator[None]:
-    """Only nsa-core's reference backends, no entry points; the previous state is restored."""
-    saved = {op: list(rows) for op, rows in registry._backends.items()}
-    saved_loaded = registry._entry_points_loaded
-    registry._backends.clear()
-    registry._backends.update({op: [] for op in OPS})
-    registry._entry_points_loaded = True
-    registry.register_reference_backends()
-    reset_log_state()
-    try:
-        yield
-    finally:
-        registry._backends.clear()
-        registry._backends.update(saved)
-        registry._entry_points_loaded = saved_loaded
-        reset_log_state()
 
 
 @pytest.fixture

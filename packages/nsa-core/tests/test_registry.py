@@ -4,7 +4,7 @@ every rejection carries its reason, and the decision is observable."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from nsa_core import registry
-from nsa_core.debug_log import reset_log_state
 from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
@@ -38,25 +37,6 @@ REFERENCE_FNS: dict[str, Callable[..., Any]] = {
     "sliding_attention": sliding_attention_impl,
     "gated_combine": gated_combine_impl,
 }
-
-
-@pytest.fixture
-def isolated_registry() -> Iterator[None]:
-    """Only nsa-core's reference backends, no entry points; the previous state is restored."""
-    saved = {op: list(rows) for op, rows in registry._backends.items()}
-    saved_loaded = registry._entry_points_loaded
-    registry._backends.clear()
-    registry._backends.update({op: [] for op in OPS})
-    registry._entry_points_loaded = True
-    registry.register_reference_backends()
-    reset_log_state()
-    try:
-        yield
-    finally:
-        registry._backends.clear()
-        registry._backends.update(saved)
-        registry._entry_points_loaded = saved_loaded
-        reset_log_state()
 
 
 def context(**overrides: Any) -> OpContext:

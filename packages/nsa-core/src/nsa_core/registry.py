@@ -17,9 +17,10 @@ given context, so the choice is observable.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from nsa_core.debug_hooks import with_debug_hooks
-from nsa_core.debug_log import debug_log, log_once
+from nsa_core.debug_log import debug_log, log_once, reset_log_state
 from nsa_core.toggles import BACKEND_TOGGLE, Toggles, get_toggles, pinned_backend
 
 OPS = (
@@ -274,6 +275,32 @@ def register_reference_backends() -> None:
         register_backend(
             Backend(op=op, name="reference", fn=_without_toggles(fn), supports=_always, priority=0)
         )
+
+
+@contextlib.contextmanager
+def isolated_registry() -> Iterator[None]:
+    """A registry of nsa-core's reference backends alone for the duration of the block.
+
+    Entry points count as loaded (no installed package adds its backends), so what the block
+    registers competes with the references only; the once-only log state starts empty. On exit
+    the backends, the entry-point state and the log state are what they were before: a test that
+    registers a backend of its own leaves no trace for the next one.
+    """
+    global _entry_points_loaded
+    saved = {op: list(rows) for op, rows in _backends.items()}
+    saved_loaded = _entry_points_loaded
+    _backends.clear()
+    _backends.update({op: [] for op in OPS})
+    _entry_points_loaded = True
+    register_reference_backends()
+    reset_log_state()
+    try:
+        yield
+    finally:
+        _backends.clear()
+        _backends.update(saved)
+        _entry_points_loaded = saved_loaded
+        reset_log_state()
 
 
 logging.getLogger("nsa").addHandler(logging.NullHandler())

@@ -2,30 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    DEVICE: str | None = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    DEVICE = None
-SKIP_REASON = "needs a CUDA GPU or the Triton interpreter (run with TRITON_INTERPRET=1)"
-
-# docs/spec.md tolerances: relative error ||out - ref|| / ||ref||; gradients get twice these.
-# float32 is held to the float64 bound; half precision to its bound against float32.
-BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64 (1 as the denominator when ref is 0)."""
-    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
-    assert torch.isfinite(out64).all(), "non-finite values in the kernel output"
-    denom = ref64.norm()
-    return float((out64 - ref64).norm() / (denom if denom > 0 else 1.0))
 
 
 def draw(

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from combine_testlib import BOUND, draw, leaves, rel_err
+from combine_testlib import draw, leaves
+from kernel_testlib import BOUND, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")

@@ -14,7 +14,8 @@ import zlib
 
 import pytest
 import torch
-from combine_testlib import BOUND, DEVICE, SKIP_REASON, draw, leaves, rel_err
+from combine_testlib import draw, leaves
+from kernel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")

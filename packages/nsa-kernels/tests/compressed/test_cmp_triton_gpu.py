@@ -11,7 +11,8 @@ import zlib
 
 import pytest
 import torch
-from cmp_triton_testlib import BOUND, backprop, grads, leaves, rel_err
+from cmp_triton_testlib import backprop, grads, leaves
+from kernel_testlib import BOUND, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")

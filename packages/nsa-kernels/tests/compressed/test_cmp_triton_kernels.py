@@ -14,10 +14,6 @@ import zlib
 import pytest
 import torch
 from cmp_triton_testlib import (
-    BOUND,
-    DEVICE,
-    INTERPRET,
-    SKIP_REASON,
     Case,
     backprop,
     blind_rows,
@@ -26,9 +22,9 @@ from cmp_triton_testlib import (
     make_inputs,
     reference,
     reference_lse,
-    rel_err,
     unseen_blocks,
 )
+from kernel_testlib import BOUND, DEVICE, INTERPRET, SKIP_REASON, rel_err
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")

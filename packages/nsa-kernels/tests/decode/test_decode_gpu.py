@@ -12,7 +12,8 @@ import zlib
 
 import pytest
 import torch
-from decode_testlib import BOUND, Stream, check_step, rel_err, small_config
+from decode_testlib import Stream, check_step, small_config
+from kernel_testlib import BOUND, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")

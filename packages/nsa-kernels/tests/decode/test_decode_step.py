@@ -13,17 +13,14 @@ import zlib
 import pytest
 import torch
 from decode_testlib import (
-    BOUND,
-    DEVICE,
-    SKIP_REASON,
     ReferenceDecoder,
     Stream,
     assert_same_cache,
     check_reads,
     check_step,
-    rel_err,
     small_config,
 )
+from kernel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")

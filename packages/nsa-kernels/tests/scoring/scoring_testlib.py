@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -16,15 +15,6 @@ from nsa_kernels.scoring.contract import (
     reference_scores,
     row_positions,
 )
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    DEVICE: str | None = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    DEVICE = None
-SKIP_REASON = "needs a CUDA GPU or the Triton interpreter (run with TRITON_INTERPRET=1)"
 
 
 @dataclass

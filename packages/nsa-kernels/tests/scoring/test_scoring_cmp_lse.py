@@ -14,24 +14,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scoring_testlib import (
-    DEVICE,
-    SKIP_REASON,
-    Case,
-    check,
-    make_inputs,
-    positions,
-    reference_lse,
-    reference_selection,
-)
+from kernel_testlib import DEVICE, SKIP_REASON
+from scoring_testlib import Case, check, make_inputs, positions, reference_lse, reference_selection
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
 
 from nsa_core import NSAConfig, registry  # noqa: E402
 from nsa_core.attention import branch_outputs  # noqa: E402
-from nsa_core.debug_log import reset_log_state  # noqa: E402
-from nsa_core.registry import OPS, OpContext  # noqa: E402
+from nsa_core.registry import OpContext  # noqa: E402
 from nsa_core.toggles import Toggles  # noqa: E402
 from nsa_kernels.compressed.backends import backends as cmp_backends  # noqa: E402
 from nsa_kernels.compressed.triton_function import (  # noqa: E402
@@ -110,27 +101,15 @@ def test_scoring_on_the_compressed_lse_keeps_the_contract(
 @pytest.fixture
 def triton_routed_on_cpu() -> Iterator[None]:
     """The Triton compressed and scoring backends registered as serving this device."""
-    saved = {op: list(rows) for op, rows in registry._backends.items()}
-    saved_loaded = registry._entry_points_loaded
-    registry._backends.clear()
-    registry._backends.update({op: [] for op in OPS})
-    registry._entry_points_loaded = True
-    registry.register_reference_backends()
 
     def accept(ctx: OpContext, toggles: Toggles) -> str | None:
         return None
 
-    for backend in [*cmp_backends(), *score_backends()]:
-        if backend.name in ("triton_cmp", "triton_score"):
-            registry.register_backend(replace(backend, supports=accept))
-    reset_log_state()
-    try:
+    with registry.isolated_registry():
+        for backend in [*cmp_backends(), *score_backends()]:
+            if backend.name in ("triton_cmp", "triton_score"):
+                registry.register_backend(replace(backend, supports=accept))
         yield
-    finally:
-        registry._backends.clear()
-        registry._backends.update(saved)
-        registry._entry_points_loaded = saved_loaded
-        reset_log_state()
 
 
 @pytest.mark.usefixtures("triton_routed_on_cpu")

@@ -13,15 +13,8 @@ import zlib
 
 import pytest
 import torch
-from scoring_testlib import (
-    DEVICE,
-    SKIP_REASON,
-    Case,
-    check,
-    make_inputs,
-    reference_lse,
-    reference_selection,
-)
+from kernel_testlib import DEVICE, SKIP_REASON
+from scoring_testlib import Case, check, make_inputs, reference_lse, reference_selection
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")

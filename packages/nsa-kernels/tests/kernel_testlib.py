@@ -1,0 +1,38 @@
+"""Where the Triton kernel tests run, and how their outputs are compared with a reference.
+
+Shared by the per-step testlibs and tests below this folder (``conftest.py`` here puts the folder
+on ``sys.path``): the device a ``triton``-marked test uses, the docs/spec.md tolerances and the
+relative error they bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# The interpreter tier sets TRITON_INTERPRET=1 and runs the kernels on the CPU; elsewhere they need
+# a CUDA GPU. Tests skip with SKIP_REASON where DEVICE is None.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+if INTERPRET:
+    DEVICE: str | None = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    DEVICE = None
+SKIP_REASON = "needs a CUDA GPU or the Triton interpreter (run with TRITON_INTERPRET=1)"
+
+# docs/spec.md tolerances: relative error ||out - ref|| / ||ref||; gradients get twice these.
+# float32 is held to the float64 bound; half precision to its bound against float32.
+BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (1 as the denominator when ref is 0).
+
+    out and ref of one shape, any dtype and device; a non-finite value in ``out`` fails the test.
+    """
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert torch.isfinite(out64).all(), "non-finite values in the kernel output"
+    denom = ref64.norm()
+    return float((out64 - ref64).norm() / (denom if denom > 0 else 1.0))
