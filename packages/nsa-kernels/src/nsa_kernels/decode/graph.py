@@ -8,6 +8,9 @@ replays. Outputs live in the graph's memory and are overwritten by the next repl
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
 
 from nsa_kernels.decode.state import BlockPhi, DecodeState
@@ -18,6 +21,32 @@ from nsa_kernels.decode.step import (
     StepOutputs,
     decode_step,
 )
+
+Captured = TypeVar("Captured")
+
+
+def capture_decode_step(
+    state: DecodeState, run: Callable[[], Captured], warmup: int
+) -> tuple[torch.cuda.CUDAGraph, Captured]:
+    """A CUDA graph of one ``run()`` (a decode step over ``state``) and that run's outputs.
+
+    ``run`` first runs ``warmup`` times eagerly on a side stream, which compiles its kernels;
+    each of those steps is undone (the state's counters restored, see
+    :meth:`DecodeState.snapshot_counters`). Capturing runs nothing, so the state is left as it
+    was given. The returned outputs live in the graph's memory: every replay overwrites them.
+    """
+    saved = state.snapshot_counters()
+    side = torch.cuda.Stream(state.device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(state.device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            run()
+            state.restore_counters(saved)
+    torch.cuda.current_stream(state.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = run()
+    return graph, outputs
 
 
 class DecodeGraph:
@@ -52,17 +81,7 @@ class DecodeGraph:
         self.plan = DecodePlan(state, config)
         self.inputs = StepInputs.zeros(state)
         self._phi_k, self._phi_v = phi_k, phi_v
-        saved = state.snapshot_counters()
-        side = torch.cuda.Stream(state.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(state.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._run()
-                state.restore_counters(saved)
-        torch.cuda.current_stream(state.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = self._run()
+        self.graph, self.outputs = capture_decode_step(state, self._run, warmup)
 
     def _run(self) -> StepOutputs:
         return decode_step(

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from nsa_core import NSAAttention
 from nsa_core.rope import apply_rope
+from nsa_kernels.decode.graph import capture_decode_step
 from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
 from nsa_kernels.decode.step import (
     DecodeKernelConfig,
@@ -77,7 +78,7 @@ class LayerDecoder:
         )
         self._graph: torch.cuda.CUDAGraph | None = None
         if graph:
-            self._capture(warmup)
+            self._graph, (self._y, self._out) = capture_decode_step(state, self._run, warmup)
 
     @classmethod
     def prefill(
@@ -154,20 +155,6 @@ class LayerDecoder:
             )
             y: torch.Tensor = module.o_proj(out.o.flatten(1))
         return y, out
-
-    def _capture(self, warmup: int) -> None:
-        state = self.state
-        saved = state.snapshot_counters()
-        side = torch.cuda.Stream(state.device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(state.device))
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._run()
-                state.restore_counters(saved)
-        torch.cuda.current_stream(state.device).wait_stream(side)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._y, self._out = self._run()
 
     @property
     def graphed(self) -> bool:
