@@ -29,6 +29,7 @@ TINY = NeedleSettings(
     filler_vocab=16,
     value_len=3,
     value_vocab=8,
+    needle_repeats=2,
     train_len=96,
     batch=2,
 )
@@ -46,6 +47,7 @@ TINY_ARGS = [
     "--filler-vocab=16",
     "--value-len=3",
     "--value-vocab=8",
+    "--needle-repeats=2",
     "--train-len=96",
     "--batch=2",
     "--device=cpu",
@@ -53,33 +55,35 @@ TINY_ARGS = [
 
 
 def _check_layout(nb: needle.NeedleBatch, task: NeedleTask, t: int, reach: int, l_sel: int) -> None:
-    ln = task.value_len
+    ln, needle_len = task.value_len, task.needle_len
+    assert needle_len == task.needle_repeats * (ln + 1)
     q0 = t - ln - 1
     for b in range(nb.tokens.shape[0]):
         row, p = nb.tokens[b].tolist(), int(nb.starts[b])
-        assert row[p] == task.key_id
-        assert row[p + 1 : p + 1 + ln] == nb.answers[b].tolist()
+        answer = nb.answers[b].tolist()
+        assert row[p : p + needle_len] == ([task.key_id, *answer]) * task.needle_repeats
         assert row[q0] == task.query_id
-        assert row[q0 + 1 :] == nb.answers[b].tolist()
+        assert row[q0 + 1 :] == answer
         # Each special or value id appears only where the layout puts it.
-        needle_at = {p, *range(p + 1, p + 1 + ln), q0, *range(q0 + 1, t)}
+        needle_at = {*range(p, p + needle_len), q0, *range(q0 + 1, t)}
         assert all(tok < task.filler_vocab for i, tok in enumerate(row) if i not in needle_at)
         # Answer range k holds the k-th value.
         for k, value in enumerate(nb.answers[b].tolist()):
             assert task.value_base(k) <= value < task.value_base(k) + task.value_vocab
         # No scored row (q0 .. T-2) reaches the needle through the windows of every layer,
         # nor through its forced blocks (block 0 and the two local ones).
+        last = p + needle_len - 1
         for r in range(q0, t - 1):
-            assert p + ln < r - reach + 1
+            assert last < r - reach + 1
             assert p >= l_sel
-            assert (r // l_sel - 1) * l_sel > p + ln
+            assert (r // l_sel - 1) * l_sel > last
 
 
 def test_needle_sits_where_the_depth_says_beyond_the_windows() -> None:
     task = TINY.task()
     t, reach, l_sel = 120, TINY.reach, TINY.sel_block
     lo, hi = needle.needle_span(task, t, reach, l_sel)
-    assert (lo, hi) == (l_sel, t - task.value_len - 1 - reach - task.value_len)
+    assert (lo, hi) == (l_sel, t - task.value_len - 1 - reach - task.needle_len + 1)
     gen = torch.Generator().manual_seed(0)
     for depth, expected in ((0.0, lo), (1.0, hi), (0.5, lo + round(0.5 * (hi - lo)))):
         nb = needle_batch(task, 3, t, reach, l_sel, gen, depth=depth)
@@ -159,6 +163,25 @@ def test_window_ablation_cannot_see_the_needle_but_nsa_can() -> None:
                 attn.generator = torch.Generator().manual_seed(4)
             b = model(other, ln)
         assert torch.equal(a, b) != should_change, variant
+
+
+def test_recording_the_selection_changes_nothing_else() -> None:
+    model = TINY.build("nsa", torch.device("cpu"))
+    tokens = needle_batch(
+        TINY.task(), 2, 96, TINY.reach, TINY.sel_block, torch.Generator().manual_seed(5)
+    ).tokens
+    with torch.no_grad():
+        plain = model(tokens, 4)
+        for attn in model.attentions():
+            attn.recorded = []
+        recorded = model(tokens, 4)
+    assert torch.equal(plain, recorded)
+    for attn in model.attentions():
+        assert attn.recorded is not None
+        [indices] = attn.recorded
+        assert indices.shape == (2, 96, TINY.kv_heads, TINY.num_selected)
+        # The last row sees more blocks than n: every slot is filled.
+        assert (indices[:, -1] >= 0).all()
 
 
 def test_selection_stats_on_hand_made_indices() -> None:

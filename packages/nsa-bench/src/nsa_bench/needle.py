@@ -1,6 +1,7 @@
 """``nsa-bench needle``: a small NSA language model learns passkey retrieval beyond its window.
 
-Task (passkey). A sequence of T tokens is random filler with one needle, ``KEY v1 .. vL``, and
+Task (passkey). A sequence of T tokens is random filler with one needle, ``KEY v1 .. vL``
+written ``needle_repeats`` times in a row (the classic passkey prompt states its key twice), and
 ends in ``QUERY v1 .. vL``: the model must repeat the L value tokens after QUERY. Value token k
 is drawn from its own range of ``value_vocab`` ids (k = 1..L), so the answer is a lookup of the
 one token of range k+1 in the sequence; filler never uses those ids. The loss covers the L answer
@@ -73,12 +74,19 @@ class NeedleTask:
     """Token layout of the passkey task.
 
     Ids: filler [0, filler_vocab), then KEY, QUERY, then ``value_len`` ranges of ``value_vocab``
-    ids, one per answer position.
+    ids, one per answer position. The needle is ``KEY v1 .. vL`` written ``needle_repeats``
+    times in a row.
     """
 
-    filler_vocab: int = 64
+    filler_vocab: int = 16
     value_len: int = 4
     value_vocab: int = 16
+    needle_repeats: int = 1
+
+    @property
+    def needle_len(self) -> int:
+        """Tokens of the whole needle, its repeats included."""
+        return self.needle_repeats * (self.value_len + 1)
 
     @property
     def key_id(self) -> int:
@@ -100,7 +108,7 @@ class NeedleTask:
 @dataclass
 class NeedleBatch:
     """tokens [B, T] int64; targets [B, L+1] int64 for the last L+1 positions (IGNORE on the last
-    one: its prediction runs past the sequence); starts [B] (the KEY position); answers [B, L]."""
+    one: its prediction runs past the sequence); starts [B] (the first KEY); answers [B, L]."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -113,11 +121,11 @@ def needle_span(task: NeedleTask, seq_len: int, reach: int, sel_block: int) -> t
 
     The first scored row is QUERY at ``q0 = T - L - 1``; through the windows it can see tokens
     [q0 - reach + 1, q0] (``reach = layers * (w - 1) + 1``), the later scored rows less far back.
-    The needle [p, p + L] must end before that: ``p + L <= q0 - reach``. ``lo = l'`` skips
-    block 0.
+    The needle [p, p + N) (N = ``needle_len``) must end before that: ``p + N - 1 <= q0 - reach``.
+    ``lo = l'`` skips block 0.
     """
     q0 = seq_len - task.value_len - 1
-    lo, hi = sel_block, q0 - reach - task.value_len
+    lo, hi = sel_block, q0 - reach - task.needle_len + 1
     if hi < lo:
         raise ValueError(
             f"T={seq_len} is too short for a needle beyond the windows' reach of {reach} tokens "
@@ -153,9 +161,11 @@ def needle_batch(
             raise ValueError(f"depth must be in [0, 1], got {depth}")
         starts = torch.full((batch,), lo + round(depth * (hi - lo)), dtype=torch.int64)
     rows = torch.arange(batch)
-    tokens[rows, starts] = task.key_id
     offsets = torch.arange(1, task.value_len + 1)
-    tokens[rows.unsqueeze(1), starts.unsqueeze(1) + offsets] = answers
+    for copy in range(task.needle_repeats):
+        first = starts + copy * (task.value_len + 1)
+        tokens[rows, first] = task.key_id
+        tokens[rows.unsqueeze(1), first.unsqueeze(1) + offsets] = answers
     q0 = seq_len - task.value_len - 1
     tokens[:, q0] = task.query_id
     tokens[:, q0 + 1 :] = answers
@@ -307,6 +317,7 @@ class NeedleSettings:
     filler_vocab: int = 16
     value_len: int = 4
     value_vocab: int = 16
+    needle_repeats: int = 4
     train_len: int = 2048
     batch: int = 16
     lr: float = 2e-3
@@ -327,7 +338,7 @@ class NeedleSettings:
         )
 
     def task(self) -> NeedleTask:
-        return NeedleTask(self.filler_vocab, self.value_len, self.value_vocab)
+        return NeedleTask(self.filler_vocab, self.value_len, self.value_vocab, self.needle_repeats)
 
     @property
     def reach(self) -> int:
