@@ -15,6 +15,24 @@ from typing import Any
 
 import pytest
 import torch
+from bad_input_lib import (
+    D_CMP,
+    DK,
+    DV,
+    HIDDEN,
+    HQ,
+    L_CMP,
+    L_SEL,
+    N_BLOCKS,
+    N_CMP,
+    N_SEL,
+    B,
+    H,
+    T,
+    W,
+    rand,
+    valid_indices,
+)
 
 from nsa_core import (
     NSAAttention,
@@ -32,18 +50,8 @@ from nsa_core import (
     topn_blocks,
 )
 
-# One small, valid geometry: B=1, T=8, HQ=4, H=2, dk=8, dv=6, l=4, d=2, l'=4, n=3, w=3.
-B, T, HQ, H, DK, DV = 1, 8, 4, 2, 8, 6
-L_CMP, D_CMP, L_SEL, N_SEL, W = 4, 2, 4, 3, 3
-N_CMP = (T - L_CMP) // D_CMP + 1  # 3 compressed blocks
-N_BLOCKS = T // L_SEL  # 2 selection blocks
-HIDDEN = 16
 PREFILL = 5  # tokens in the decode cache of the stateful rows
 HUGE = 10**9  # would ask the allocator for gigabytes if it were not refused
-
-
-def rand(*shape: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
-    return torch.randn(*shape, dtype=dtype, device=device)
 
 
 def config(**over: Any) -> NSAConfig:
@@ -63,14 +71,6 @@ def config(**over: Any) -> NSAConfig:
 
 def paper_config(**over: Any) -> NSAConfig:
     return NSAConfig(**over)
-
-
-def indices() -> torch.Tensor:
-    """[B, T, H, n]: block 0, the current block and padding: always in range."""
-    idx = torch.full((B, T, H, N_SEL), -1, dtype=torch.int32)
-    idx[..., 0] = 0
-    idx[..., 1] = (torch.arange(T) // L_SEL).view(1, T, 1).to(torch.int32)
-    return idx
 
 
 def q_() -> torch.Tensor:
@@ -158,7 +158,7 @@ def selected_with(**over: Any) -> object:
         "q": q_(),
         "k": rand(B, T, H, DK),
         "v": rand(B, T, H, DV),
-        "block_indices": indices(),
+        "block_indices": valid_indices(),
         "sel_block": L_SEL,
     } | over
     return selected_attention(*a.values())
@@ -425,9 +425,9 @@ CASES = [
     case("selected_attention", "sel_block", 4.0, TE, "sel_block must be an int, got float 4.0",
          lambda: selected_with(sel_block=4.0)),
     case("selected_attention", "block_indices", 2, VE, "block_indices must lie in [-1, 2)",
-         lambda: selected_with(block_indices=indices().clamp_min(2))),
+         lambda: selected_with(block_indices=valid_indices().clamp_min(2))),
     case("selected_attention", "block_indices", "float32", TE, "must be int32 or int64",
-         lambda: selected_with(block_indices=indices().float())),
+         lambda: selected_with(block_indices=valid_indices().float())),
     case("selected_attention", "k", "H=0", VE, "kv heads H must be >= 1, got 0",
          lambda: selected_with(k=rand(B, T, 0, DK), v=rand(B, T, 0, DV))),
     # compress, split_blocks, gated_combine (nsa_core.reference)
