@@ -32,7 +32,8 @@ def config(**kw: int | str) -> NSAConfig:
 
 
 # (id, config, T, hidden). Small dims; each geometry makes selection and the window matter.
-CASES = [
+Case = tuple[str, NSAConfig, int, int]
+CASES: list[Case] = [
     # n = 3: the forced blocks fill every slot; w = 5 is shorter than l.
     (
         "l8-d4-ls8-n3-w5",
@@ -73,6 +74,17 @@ PHIS = ["avg", "mlp"]
 
 def with_phi(cfg: NSAConfig, phi: str) -> NSAConfig:
     return dataclasses.replace(cfg, phi=phi)  # type: ignore[arg-type]
+
+
+def layer_and_input(
+    make_layer: LayerFactory, gen: torch.Generator, case: Case, phi: str
+) -> tuple[NSAConfig, NSAAttention, torch.Tensor]:
+    """The case's config with ``phi``, its float64 layer and x [2, T, hidden] float64, all drawn
+    from ``gen`` (layer first)."""
+    _, cfg, t, hidden = case
+    cfg = with_phi(cfg, phi)
+    layer = make_layer(cfg, hidden)
+    return cfg, layer, torch.randn(2, t, hidden, generator=gen, dtype=torch.float64)
 
 
 def rel_err_per_position(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -117,21 +129,14 @@ def assert_same_cache(a: NSACache, b: NSACache) -> None:
 
 
 @pytest.mark.parametrize("phi", PHIS)
-@pytest.mark.parametrize(("name", "cfg", "t", "hidden"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_decode_equals_forward_at_every_position(
-    make_layer: LayerFactory,
-    gen: torch.Generator,
-    phi: str,
-    name: str,
-    cfg: NSAConfig,
-    t: int,
-    hidden: int,
+    make_layer: LayerFactory, gen: torch.Generator, phi: str, case: Case
 ) -> None:
     """Stepping from an empty cache reproduces forward (and prefill) at every position; the
     cache emits block i exactly when token i*d + l - 1 arrives."""
-    cfg = with_phi(cfg, phi)
-    layer = make_layer(cfg, hidden)
-    x = torch.randn(2, t, hidden, generator=gen, dtype=torch.float64)
+    cfg, layer, x = layer_and_input(make_layer, gen, case, phi)
+    t = x.shape[1]
     with torch.no_grad():
         ref = layer(x)
         y_prefill, _ = layer.prefill(x)
@@ -156,19 +161,12 @@ def prefixes(cfg: NSAConfig, t: int) -> list[int]:
 
 
 @pytest.mark.parametrize("phi", PHIS)
-@pytest.mark.parametrize(("name", "cfg", "t", "hidden"), CASES[:3], ids=CASE_IDS[:3])
+@pytest.mark.parametrize("case", CASES[:3], ids=CASE_IDS[:3])
 def test_prefill_then_decode_equals_forward(
-    make_layer: LayerFactory,
-    gen: torch.Generator,
-    phi: str,
-    name: str,
-    cfg: NSAConfig,
-    t: int,
-    hidden: int,
+    make_layer: LayerFactory, gen: torch.Generator, phi: str, case: Case
 ) -> None:
-    cfg = with_phi(cfg, phi)
-    layer = make_layer(cfg, hidden)
-    x = torch.randn(2, t, hidden, generator=gen, dtype=torch.float64)
+    cfg, layer, x = layer_and_input(make_layer, gen, case, phi)
+    t = x.shape[1]
     with torch.no_grad():
         ref = layer(x)
         for p in prefixes(cfg, t):
@@ -194,22 +192,15 @@ def test_prefill_then_decode_paper_geometry(make_layer: LayerFactory, gen: torch
 
 
 @pytest.mark.parametrize("phi", PHIS)
-@pytest.mark.parametrize(("name", "cfg", "t", "hidden"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_prefill_cache_equals_stepped_cache(
-    make_layer: LayerFactory,
-    gen: torch.Generator,
-    phi: str,
-    name: str,
-    cfg: NSAConfig,
-    t: int,
-    hidden: int,
+    make_layer: LayerFactory, gen: torch.Generator, phi: str, case: Case
 ) -> None:
     """The cache after prefill(P) and after P single steps: identical lengths, block counts and
     shapes; values equal up to float64 rounding (projecting one row or P rows at once may differ
     in the last bits, because the matmul is blocked differently)."""
-    cfg = with_phi(cfg, phi)
-    layer = make_layer(cfg, hidden)
-    x = torch.randn(2, t, hidden, generator=gen, dtype=torch.float64)
+    cfg, layer, x = layer_and_input(make_layer, gen, case, phi)
+    t = x.shape[1]
     with torch.no_grad():
         stepped = NSACache.empty(cfg, 2, dtype=torch.float64)
         done = 0
@@ -297,21 +288,13 @@ def test_cache_state_while_filling(gen: torch.Generator) -> None:
 
 
 @pytest.mark.parametrize("phi", PHIS)
-@pytest.mark.parametrize(("name", "cfg", "t", "hidden"), CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_float32_forward_matches_float64(
-    make_layer: LayerFactory,
-    gen: torch.Generator,
-    phi: str,
-    name: str,
-    cfg: NSAConfig,
-    t: int,
-    hidden: int,
+    make_layer: LayerFactory, gen: torch.Generator, phi: str, case: Case
 ) -> None:
     """The same layer and inputs in float32 and float64 agree to 1e-5 (docs/spec.md)."""
-    cfg = with_phi(cfg, phi)
-    layer64 = make_layer(cfg, hidden)
+    _, layer64, x = layer_and_input(make_layer, gen, case, phi)
     layer32 = copy.deepcopy(layer64).float()
-    x = torch.randn(2, t, hidden, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         y64 = layer64(x)
         y32 = layer32(x.float())
