@@ -73,6 +73,19 @@ def dummy(*args: Any, **kwargs: Any) -> None:
     raise AssertionError("the registry must not call a backend's fn")
 
 
+def sel_triton_rejecting(reason: str) -> Backend:
+    """A "triton" selected-attention backend (priority 10) that NSA_SEL_TRITON asks for and
+    that rejects every call with ``reason``."""
+    return Backend(
+        "selected_attention",
+        "triton",
+        dummy,
+        reject_because(reason),
+        priority=10,
+        requested_by=lambda toggles: toggles.sel_triton,
+    )
+
+
 def test_reference_backends_registered_for_every_op() -> None:
     """In the live registry (entry points included), every op ends in the reference."""
     for op in OPS:
@@ -159,16 +172,7 @@ def test_same_name_replaces_earlier_registration() -> None:
 @pytest.mark.usefixtures("isolated_registry")
 def test_requested_backend_rejection_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     op = "selected_attention"
-    register_backend(
-        Backend(
-            op,
-            "triton",
-            dummy,
-            reject_because("sm 8.9 falls back"),
-            priority=10,
-            requested_by=lambda toggles: toggles.sel_triton,
-        )
-    )
+    register_backend(sel_triton_rejecting("sm 8.9 falls back"))
     register_backend(Backend(op, "quiet", dummy, reject_because("not asked for"), priority=5))
     with caplog.at_level(logging.WARNING, logger="nsa"):
         for _ in range(3):
@@ -186,16 +190,7 @@ def test_requested_backend_rejection_logged_once(caplog: pytest.LogCaptureFixtur
 @pytest.mark.usefixtures("isolated_registry")
 def test_unrequested_rejection_is_not_logged(caplog: pytest.LogCaptureFixture) -> None:
     op = "selected_attention"
-    register_backend(
-        Backend(
-            op,
-            "triton",
-            dummy,
-            reject_because("disabled"),
-            priority=10,
-            requested_by=lambda toggles: toggles.sel_triton,
-        )
-    )
+    register_backend(sel_triton_rejecting("disabled"))
     with caplog.at_level(logging.WARNING, logger="nsa"):
         resolve(op, context(), Toggles(sel_triton=False))
     assert "registry.fallback" not in caplog.text
