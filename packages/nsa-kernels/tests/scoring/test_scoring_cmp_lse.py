@@ -61,14 +61,22 @@ def _cmp_lse(
     return lse
 
 
+def _inputs_and_cmp_lse(
+    case: Case, request: pytest.FixtureRequest
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], cu_seqlens and the compressed branch's lse
+    [B, Tq, HQ] of ``case``, drawn from the test's own generator."""
+    assert DEVICE is not None
+    gen = _gen(request)
+    q, k, cu = make_inputs(case, gen, torch.float32, DEVICE)
+    return q, k, cu, _cmp_lse(case, q, k, cu, gen)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_compressed_lse_has_the_scoring_convention(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
-    assert DEVICE is not None
-    gen = _gen(request)
-    q, k, cu = make_inputs(case, gen, torch.float32, DEVICE)
-    lse = _cmp_lse(case, q, k, cu, gen)
+    q, k, cu, lse = _inputs_and_cmp_lse(case, request)
     want = reference_lse(case, q, k, cu)
     assert lse.dtype == torch.float32
     assert lse.shape == want.shape
@@ -85,10 +93,7 @@ def test_compressed_lse_has_the_scoring_convention(
 def test_scoring_on_the_compressed_lse_keeps_the_contract(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
-    assert DEVICE is not None
-    gen = _gen(request)
-    q, k, cu = make_inputs(case, gen, torch.float32, DEVICE)
-    lse = _cmp_lse(case, q, k, cu, gen)
+    q, k, cu, lse = _inputs_and_cmp_lse(case, request)
     args = (q, k, case.cmp_block, case.cmp_stride, case.sel_block, case.n)
     kw = {"q_start": case.q_start, "cu_seqlens": cu, "config": ScoreConfig(**case.config)}
     got = select_blocks_triton(*args, lse=lse, **kw)  # type: ignore[arg-type]
