@@ -356,6 +356,7 @@ class NeedleSettings:
 
 
 def _use_autocast(device: torch.device) -> bool:
+    """bf16 autocast over float32 weights on CUDA (the Triton routes); float32 elsewhere."""
     return device.type == "cuda"
 
 
@@ -369,6 +370,9 @@ def _autocast(device: torch.device) -> torch.autocast:
 
 @dataclass
 class TrainResult:
+    """What one model's training did: steps, seconds (kernel compile excluded), the mean loss of
+    its last logging period and the tokens per second it processed."""
+
     variant: str
     steps: int
     seconds: float
@@ -377,6 +381,7 @@ class TrainResult:
 
 
 def _step_loss(model: NeedleModel, batch: NeedleBatch, device: torch.device) -> torch.Tensor:
+    """Scalar cross-entropy over the answer tokens of tokens [B, T] (targets [B, L+1])."""
     tokens = batch.tokens.to(device, non_blocking=True)
     targets = batch.targets.to(device, non_blocking=True)
     with _autocast(device):
@@ -628,6 +633,8 @@ def save_checkpoint(path: Path, model: NeedleModel, settings: NeedleSettings, in
 def load_checkpoint(
     path: Path, variant: str, device: torch.device
 ) -> tuple[NeedleModel, NeedleSettings, dict[str, Any]]:
+    """A model of ``variant`` with the checkpoint's weights (bf16 values in float32 parameters),
+    its settings and its training record."""
     payload = torch.load(path, map_location="cpu", weights_only=True)
     settings = NeedleSettings(**payload["settings"])
     model = settings.build(variant, device)
@@ -738,6 +745,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> NeedleSettings:
+    """The settings the command line gives (one option per field of :class:`NeedleSettings`)."""
     return NeedleSettings(
         **{f.name: getattr(args, f.name) for f in dataclasses.fields(NeedleSettings)}
     )
