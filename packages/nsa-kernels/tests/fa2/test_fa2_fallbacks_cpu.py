@@ -106,6 +106,25 @@ def test_sdpa_many_small_chunks() -> None:
     assert rel_err(out, ref) < FLOAT32_BOUND
 
 
+@pytest.mark.parametrize("name", ["sdpa", "flex"])
+def test_compressed_with_no_visible_block_keeps_the_graph(name: str) -> None:
+    """T < l: no query sees a compressed block (flex: not one block exists). The output is 0
+    and, as in the reference, backward gives exact zero gradients instead of failing on a
+    detached output; a NaN in q stays out of them (docs/spec.md, "Non-finite values")."""
+    cl, d, tq = 8, 4, 6
+    kv_len = 1 if name == "sdpa" else 0  # flex meets an empty K~, sdpa a block nobody sees
+    q = randn(1, tq, 2, 8, dtype=torch.float32)
+    q[0, 2, 0, 0] = float("nan")
+    kc = randn(1, kv_len, 1, 8, dtype=torch.float32)
+    vc = randn(1, kv_len, 1, 8, dtype=torch.float32)
+    inputs = [t.clone().requires_grad_() for t in (q, kc, vc)]
+    out = COMPRESSED[name](*inputs, cl, d)
+    assert torch.equal(out, torch.zeros_like(out))
+    grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+    for grad, inp in zip(grads, inputs, strict=True):
+        assert torch.equal(grad, torch.zeros_like(inp))
+
+
 def _grad_case(
     fn: Callable[..., torch.Tensor],
     ref_fn: Callable[..., torch.Tensor],

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nsa_kernels.common.no_keys import no_keys_output
 from nsa_kernels.common.op_calls import (
     CompressedBackend,
     CompressedCall,
@@ -154,10 +155,9 @@ def _attend(
     intervals: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     scale: float,
 ) -> torch.Tensor:
-    batch, tq, hq, _ = q.shape
-    tk, dv = k.shape[1], v.shape[3]
+    tq, tk = q.shape[1], k.shape[1]
     if tq == 0 or tk == 0:
-        return q.new_zeros(batch, tq, hq, dv)
+        return no_keys_output(q, k, v)
     block_mask = _cached_block_mask(key, intervals, tk)
     out: torch.Tensor = _flex(q.device)(
         q.transpose(1, 2),

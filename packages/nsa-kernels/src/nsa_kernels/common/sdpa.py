@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from nsa_kernels.common.no_keys import no_keys_output
 from nsa_kernels.common.op_calls import (
     CompressedBackend,
     CompressedCall,
@@ -70,7 +71,7 @@ def interval_attention_sdpa(
     h, dv = k.shape[2], v.shape[3]
     g = hq // h
     if tq == 0:
-        return q.new_zeros(batch, 0, hq, dv)
+        return no_keys_output(q, k, v)
     on_cuda = q.device.type == "cuda"
     row_cost = g if on_cuda else batch * hq
     if budget is None:
@@ -81,7 +82,7 @@ def interval_attention_sdpa(
         rows = c1 - c0
         first, last = lo_list[c0], hi_list[c1 - 1]
         if last < first:  # every query of the chunk sees nothing
-            outs.append(q.new_zeros(batch, rows, hq, dv))
+            outs.append(no_keys_output(q[:, c0:c1], k, v))
             continue
         keys = torch.arange(first, last + 1, device=q.device)
         lo_c, hi_c = lo[c0:c1].unsqueeze(1), hi[c0:c1].unsqueeze(1)
