@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nsa_bench import needle
-from nsa_bench.cli import main
+from nsa_bench.cli import build_parser, main
 from nsa_bench.needle import IGNORE, NeedleSettings, NeedleTask, answer_hits, needle_batch
 from nsa_bench.sel_stats import fit_indices, indices_for_bench, load_indices, selection_stats
 
@@ -282,3 +282,9 @@ def test_a_failing_model_leaves_the_others_standing(
     assert record["train"]["window"] == {"error": "RuntimeError: kernel refused"}
     assert [c["variant"] for c in record["cells"]] == ["nsa"]
     assert "failed: RuntimeError: kernel refused" in (out / "needle.md").read_text()
+
+
+def test_sel_bench_takes_an_indices_file() -> None:
+    args = build_parser().parse_args(["sel", "--prefill", "--indices", "sel.pt"])
+    assert args.indices == "sel.pt"
+    assert build_parser().parse_args(["sel", "--prefill"]).indices is None
