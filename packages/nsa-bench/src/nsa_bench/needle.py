@@ -423,10 +423,16 @@ def train(
         settings.sel_block,
         torch.Generator().manual_seed(settings.seed + 3),
     )
+    warm_start = time.perf_counter()
     torch.autograd.backward(_step_loss(model, warm, device))
     opt.zero_grad(set_to_none=True)
     _sync(device)
     start = time.perf_counter()
+    print(
+        f"# train {variant} warm-up step (kernel compile) {start - warm_start:.1f}s",
+        file=sys.stderr,
+        flush=True,
+    )
     last_log = start
     step, loss_value, recent = 0, math.nan, []
     while step < max_steps:
@@ -513,6 +519,7 @@ def evaluate(
     task = settings.task()
     model.eval()
     cells: list[Cell] = []
+    began = time.perf_counter()
     for length in lengths:
         for d_index, depth in enumerate(depths):
             gen = torch.Generator().manual_seed(_cell_seed(settings.seed, length, d_index))
@@ -561,6 +568,7 @@ def evaluate(
                 flush=True,
             )
     model.train()
+    print(f"# eval {variant} took {time.perf_counter() - began:.1f}s", file=sys.stderr, flush=True)
     return cells
 
 
