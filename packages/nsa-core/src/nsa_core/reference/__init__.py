@@ -1,9 +1,10 @@
 """The reference NSA: every op as plain PyTorch with the shapes of docs/spec.md.
 
 These bodies are the parity target of every kernel and what CPU users run. Each public function
-here validates its arguments (:mod:`nsa_core.checks`) and computes; the ``*_impl`` variants in
-the op modules skip the checks and are what the registry runs after :mod:`nsa_core.ops` has
-validated a call.
+here validates its arguments (:mod:`nsa_core.checks`) and computes. The attention ops,
+select_blocks and gated_combine are :class:`~nsa_core.reference.common.ValidatedOp` objects:
+their ``body`` (exported by the op modules as ``<op>_impl``) skips the checks and is what the
+registry runs after :mod:`nsa_core.ops` has validated a call.
 """
 
 from nsa_core.reference.combine import gated_combine

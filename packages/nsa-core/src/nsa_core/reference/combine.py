@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from nsa_core.checks import check_gated_combine
+from nsa_core.reference.common import validated_by
 
 
+@validated_by(check_gated_combine)
 def gated_combine(
     o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
 ) -> torch.Tensor:
@@ -17,19 +19,13 @@ def gated_combine(
         gates: [B, T, HQ, 3] in (0, 1), ordered (cmp, slc, win).
 
     Returns:
-        [B, T, HQ, dv] in the inputs' dtype. Every product is taken, so a non-finite branch
-        value stays non-finite whatever its gate (0 x NaN = NaN).
-    """
-    check_gated_combine(o_cmp, o_slc, o_win, gates)
-    return gated_combine_impl(o_cmp, o_slc, o_win, gates)
-
-
-def gated_combine_impl(
-    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
-) -> torch.Tensor:
-    """:func:`gated_combine` on arguments that passed ``check_gated_combine``.
-
-    In the inputs' dtype, left to right: ``(g0 * o_cmp + g1 * o_slc) + g2 * o_win``.
+        [B, T, HQ, dv] in the inputs' dtype, summed left to right:
+        ``(g0 * o_cmp + g1 * o_slc) + g2 * o_win``. Every product is taken, so a non-finite
+        branch value stays non-finite whatever its gate (0 x NaN = NaN).
     """
     g = gates.unsqueeze(-1)
     return g[..., 0, :] * o_cmp + g[..., 1, :] * o_slc + g[..., 2, :] * o_win
+
+
+# The body without the checks: the registry's reference backend (ValidatedOp).
+gated_combine_impl = gated_combine.body

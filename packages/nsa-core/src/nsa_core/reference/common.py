@@ -1,10 +1,48 @@
-"""Pieces the reference ops share: varlen spans, the compute dtype, the masked softmax, chunking."""
+"""Pieces the reference ops share: validation before the body, varlen spans, the compute dtype,
+the masked softmax, chunking."""
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
+from typing import Generic, ParamSpec, TypeVar
 
 import torch
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class ValidatedOp(Generic[P, R]):
+    """A reference op as users call it by name: ``check`` on the arguments, then ``body``.
+
+    ``body`` alone is what the registry's reference backends run, because :mod:`nsa_core.ops`
+    has validated the call already (the op modules export it as ``<op>_impl``). Name, docstring
+    and signature are the body's (``functools.update_wrapper``).
+    """
+
+    def __init__(self, check: Callable[..., object], body: Callable[P, R]) -> None:
+        self.check = check
+        self.body = body
+        functools.update_wrapper(self, body)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        self.check(*args, **kwargs)
+        return self.body(*args, **kwargs)
+
+
+def validated_by(check: Callable[..., object]) -> Callable[[Callable[P, R]], ValidatedOp[P, R]]:
+    """Decorator of a reference op's body: calls validate with ``check`` (:class:`ValidatedOp`).
+
+    ``check`` takes the op's arguments as the body does (nsa_core.checks' ``check_<op>``).
+    """
+
+    def wrap(body: Callable[P, R]) -> ValidatedOp[P, R]:
+        return ValidatedOp(check, body)
+
+    return wrap
+
 
 # Upper bound on the elements of the largest intermediate one query chunk may create; it keeps
 # every op's memory O(T * n * l') (or O(T * w)) instead of O(T^2).

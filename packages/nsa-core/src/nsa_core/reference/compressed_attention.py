@@ -12,6 +12,7 @@ from nsa_core.reference.common import (
     masked_softmax,
     query_chunk,
     spans,
+    validated_by,
 )
 
 
@@ -46,6 +47,7 @@ def cmp_probs(
     return masked_softmax(scores, visible[None, None, :, None, :])
 
 
+@validated_by(check_compressed_attention)
 def compressed_attention(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -71,26 +73,6 @@ def compressed_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype; zero for rows that see no block.
     """
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    return compressed_attention_impl(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-
-
-def compressed_attention_impl(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`compressed_attention` on arguments that passed ``check_compressed_attention``."""
     batch, _, hq, dk = q.shape
     dv = v_cmp.shape[3]
     scale = dk**-0.5 if scale is None else scale
@@ -104,6 +86,10 @@ def compressed_attention_impl(
         ]
         return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
     return _compressed_dense(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start)
+
+
+# The body without the checks: the registry's reference backend (ValidatedOp).
+compressed_attention_impl = compressed_attention.body
 
 
 def _compressed_dense(

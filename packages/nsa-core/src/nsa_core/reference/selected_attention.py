@@ -12,9 +12,11 @@ from nsa_core.reference.common import (
     masked_softmax,
     query_chunk,
     spans,
+    validated_by,
 )
 
 
+@validated_by(check_selected_attention)
 def selected_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -45,26 +47,6 @@ def selected_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    check_selected_attention(
-        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    return selected_attention_impl(
-        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-
-
-def selected_attention_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`selected_attention` on arguments that passed ``check_selected_attention``."""
     batch, _, hq, dk = q.shape
     dv = v.shape[3]
     scale = dk**-0.5 if scale is None else scale
@@ -77,6 +59,10 @@ def selected_attention_impl(
         ]
         return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
     return _selected_dense(q, k, v, block_indices, sel_block, scale, q_start)
+
+
+# The body without the checks: the registry's reference backend (ValidatedOp).
+selected_attention_impl = selected_attention.body
 
 
 def selected_visibility(

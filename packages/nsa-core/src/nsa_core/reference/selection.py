@@ -6,7 +6,7 @@ import torch
 
 from nsa_core.blocks import cmp_block_band, cmp_cu_seqlens, num_sel_blocks
 from nsa_core.checks import check_block_scores, check_select_blocks, check_topn_blocks
-from nsa_core.reference.common import masked_softmax, query_chunk, spans
+from nsa_core.reference.common import masked_softmax, query_chunk, spans, validated_by
 from nsa_core.reference.compressed_attention import cmp_visible
 
 
@@ -115,6 +115,7 @@ def topn_blocks(
     return top.to(torch.int32), chosen.sum(dim=-1).to(torch.int32)
 
 
+@validated_by(check_select_blocks)
 def select_blocks(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -138,43 +139,6 @@ def select_blocks(
     Returns:
         indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H] int32.
     """
-    check_select_blocks(
-        q,
-        k_cmp,
-        cmp_block,
-        cmp_stride,
-        sel_block,
-        num_selected,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-    )
-    return select_blocks_impl(
-        q,
-        k_cmp,
-        cmp_block,
-        cmp_stride,
-        sel_block,
-        num_selected,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-    )
-
-
-def select_blocks_impl(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    sel_block: int,
-    num_selected: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`select_blocks` on arguments that passed ``check_select_blocks``."""
     batch, tq, hq, _ = q.shape
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
@@ -202,3 +166,7 @@ def select_blocks_impl(
         indices.append(i)
         counts.append(c)
     return torch.cat(indices, 1), torch.cat(counts, 1)
+
+
+# The body without the checks: the registry's reference backend (ValidatedOp).
+select_blocks_impl = select_blocks.body

@@ -13,9 +13,11 @@ from nsa_core.reference.common import (
     compute_dtype,
     masked_softmax,
     spans,
+    validated_by,
 )
 
 
+@validated_by(check_sliding_attention)
 def sliding_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -38,21 +40,6 @@ def sliding_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-    return sliding_attention_impl(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-
-
-def sliding_attention_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`sliding_attention` on arguments that passed ``check_sliding_attention``."""
     batch, _, hq, dk = q.shape
     dv = v.shape[3]
     scale = dk**-0.5 if scale is None else scale
@@ -63,6 +50,10 @@ def sliding_attention_impl(
         ]
         return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
     return _sliding_dense(q, k, v, window, scale, q_start)
+
+
+# The body without the checks: the registry's reference backend (ValidatedOp).
+sliding_attention_impl = sliding_attention.body
 
 
 def _sliding_dense(
