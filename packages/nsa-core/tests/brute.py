@@ -393,6 +393,33 @@ def select_blocks(
     return indices, counts, margins
 
 
+SequenceAttention = Callable[[Tensor, Tensor, Tensor, int, slice, float], Tensor]
+
+
+def per_sequence(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float | None,
+    cu_seqlens: Tensor | None,
+    attend: SequenceAttention,
+) -> Tensor:
+    """q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv] float64.
+
+    ``attend(q_seq, k_seq, v_seq, b, rows, scale)`` gives the rows of batch entry b and one
+    sequence (``rows`` of q; packed sequences see only their own keys, a dense one all of them).
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    sc = _scale(scale, q.shape[-1])
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=F64)
+    for b in range(q.shape[0]):
+        for start, end in sequences(cu_seqlens, q.shape[1]):
+            rows = slice(start, end)
+            keys = rows if cu_seqlens is not None else slice(None)
+            out[b, rows] = attend(q[b, rows], k[b, keys], v[b, keys], b, rows, sc)
+    return out
+
+
 def selected_attention(
     q: Tensor,
     k: Tensor,
@@ -405,22 +432,16 @@ def selected_attention(
     cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], indices [B, Tq, H, n] -> o."""
-    q, k, v = _f64(q), _f64(k), _f64(v)
-    sc = _scale(scale, q.shape[-1])
-    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=F64)
-    for b in range(q.shape[0]):
-        for start, end in sequences(cu_seqlens, q.shape[1]):
-            keys = slice(start, end) if cu_seqlens is not None else slice(None)
-            out[b, start:end] = selected_sequence(
-                q[b, start:end],
-                k[b, keys],
-                v[b, keys],
-                block_indices[b, start:end],
-                l_sel,
-                sc,
-                q_start,
-            )
-    return out
+    return per_sequence(
+        q,
+        k,
+        v,
+        scale,
+        cu_seqlens,
+        lambda qs, ks, vs, b, rows, sc: selected_sequence(
+            qs, ks, vs, block_indices[b, rows], l_sel, sc, q_start
+        ),
+    )
 
 
 def sliding_attention(
@@ -434,16 +455,14 @@ def sliding_attention(
     cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]."""
-    q, k, v = _f64(q), _f64(k), _f64(v)
-    sc = _scale(scale, q.shape[-1])
-    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=F64)
-    for b in range(q.shape[0]):
-        for start, end in sequences(cu_seqlens, q.shape[1]):
-            keys = slice(start, end) if cu_seqlens is not None else slice(None)
-            out[b, start:end] = sliding_sequence(
-                q[b, start:end], k[b, keys], v[b, keys], w, sc, q_start
-            )
-    return out
+    return per_sequence(
+        q,
+        k,
+        v,
+        scale,
+        cu_seqlens,
+        lambda qs, ks, vs, b, rows, sc: sliding_sequence(qs, ks, vs, w, sc, q_start),
+    )
 
 
 def gated_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, gates: Tensor) -> Tensor:
