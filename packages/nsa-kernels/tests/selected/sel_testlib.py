@@ -2,31 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from nsa_core.reference.selected_attention import selected_attention
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-if INTERPRET:
-    DEVICE: str | None = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
-else:
-    DEVICE = None
-SKIP_REASON = "needs a CUDA GPU or the Triton interpreter (run with TRITON_INTERPRET=1)"
-
-# docs/spec.md tolerances: relative error ||out - ref|| / ||ref||.
-BOUND = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 1e-2}
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
-    assert torch.isfinite(out64).all(), "non-finite values in the kernel output"
-    denom = ref64.norm()
-    return float((out64 - ref64).norm() / (denom if denom > 0 else 1.0))
 
 
 @dataclass

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from sel_testlib import DEVICE, SKIP_REASON, Case, make_inputs
+from kernel_testlib import DEVICE, SKIP_REASON
+from sel_testlib import Case, make_inputs
 
 from nsa_core import registry
 from nsa_core.debug_log import reset_log_state
@@ -81,20 +82,8 @@ def test_alignment_guard() -> None:
 
 @pytest.fixture
 def isolated_registry() -> Iterator[None]:
-    saved = {op: list(rows) for op, rows in registry._backends.items()}
-    saved_loaded = registry._entry_points_loaded
-    registry._backends.clear()
-    registry._backends.update({op: [] for op in registry.OPS})
-    registry._entry_points_loaded = True
-    registry.register_reference_backends()
-    reset_log_state()
-    try:
+    with registry.isolated_registry():
         yield
-    finally:
-        registry._backends.clear()
-        registry._backends.update(saved)
-        registry._entry_points_loaded = saved_loaded
-        reset_log_state()
 
 
 def test_registered_backend_falls_back_on_cpu_with_its_reason(

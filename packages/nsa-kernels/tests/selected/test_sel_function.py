@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sel_testlib import DEVICE, SKIP_REASON
+from kernel_testlib import DEVICE, SKIP_REASON
 
 pytest.importorskip("triton")
 

@@ -14,7 +14,7 @@ import zlib
 
 import pytest
 import torch
-from sel_testlib import BOUND, rel_err
+from kernel_testlib import BOUND, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")

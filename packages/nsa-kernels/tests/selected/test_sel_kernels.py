@@ -12,17 +12,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from sel_testlib import (
-    BOUND,
-    DEVICE,
-    INTERPRET,
-    SKIP_REASON,
-    Case,
-    make_inputs,
-    reference,
-    reference_lse,
-    rel_err,
-)
+from kernel_testlib import BOUND, DEVICE, INTERPRET, SKIP_REASON, rel_err
+from sel_testlib import Case, make_inputs, reference, reference_lse
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 import torch
-from sel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
+from kernel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
