@@ -550,27 +550,20 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
     runs += [("groups", max(lengths), g * h, "") for g in _ints(args.groups)]
     runs += [("configs", max(lengths), args.heads, c) for c in args.configs.split(";") if c]
     rows: list[Row] = []
+
+    def prefill_problem(t: int, hq: int) -> Problem:
+        """B = 1, Tq = Tk = t, hq query heads over the h kv heads, NSA's index rows."""
+        return make_problem(
+            1, t, t, hq, h, args.D, args.Dv, args.n, args.sel_block, dtype, device, "nsa", args.seed
+        )
+
     cache: dict[tuple[int, int], Problem] = {}
     for mode, t, hq, cfg_text in runs:
         key = (t, hq)
         if key not in cache:
             cache.clear()
             torch.cuda.empty_cache() if device.type == "cuda" else None
-            cache[key] = make_problem(
-                1,
-                t,
-                t,
-                hq,
-                h,
-                args.D,
-                args.Dv,
-                args.n,
-                args.sel_block,
-                dtype,
-                device,
-                "nsa",
-                args.seed,
-            )
+            cache[key] = prefill_problem(t, hq)
             if args.indices:
                 # Real selections from a trained model in place of the random ones.
                 real = indices_for_bench(args.indices, t, h, args.n, args.sel_block)
@@ -619,21 +612,7 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
             rows += here
     if args.probe:
         t = max(lengths)
-        p = make_problem(
-            1,
-            t,
-            t,
-            args.heads,
-            h,
-            args.D,
-            args.Dv,
-            args.n,
-            args.sel_block,
-            dtype,
-            device,
-            "nsa",
-            args.seed,
-        )
+        p = prefill_problem(t, args.heads)
         # The probe's kernel needs triton (and TMA descriptors): imported only when asked for.
         from nsa_bench.gather_probe import run_probe
 
