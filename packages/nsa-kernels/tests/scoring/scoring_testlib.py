@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +16,9 @@ from nsa_kernels.scoring.contract import (
     reference_scores,
     row_positions,
 )
+
+if TYPE_CHECKING:
+    from nsa_kernels.scoring.function import ScoreConfig
 
 
 @dataclass
@@ -146,4 +150,31 @@ def check(
     ref_idx, _, scores = ref
     return assert_index_contract(
         indices, counts, ref_idx, scores, positions(case, cu), case.sel_block, exact_ties=exact_ties
+    )
+
+
+def run_select_blocks_triton(
+    case: Case,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    config: ScoreConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton select_blocks on q [B, Tq, HQ, dk], k_cmp [B, N, H, dk] with ``case``'s
+    geometry and q_start: indices [B, Tq, H, n] int32 and counts [B, Tq, H] int32."""
+    # Imported on use: the test modules import this testlib before importorskip("triton").
+    from nsa_kernels.scoring.function import select_blocks_triton
+
+    return select_blocks_triton(
+        q,
+        k,
+        case.cmp_block,
+        case.cmp_stride,
+        case.sel_block,
+        case.n,
+        q_start=case.q_start,
+        cu_seqlens=cu,
+        lse=lse,
+        config=config,
     )

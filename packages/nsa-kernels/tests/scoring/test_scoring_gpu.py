@@ -13,12 +13,19 @@ from typing import Any
 
 import pytest
 import torch
-from scoring_testlib import Case, check, make_inputs, reference_lse, reference_selection
+from scoring_testlib import (
+    Case,
+    check,
+    make_inputs,
+    reference_lse,
+    reference_selection,
+    run_select_blocks_triton,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")
 
-from nsa_kernels.scoring.function import ScoreConfig, select_blocks_triton  # noqa: E402
+from nsa_kernels.scoring.function import ScoreConfig  # noqa: E402
 
 
 def paper(name: str, **shape: Any) -> Case:
@@ -28,28 +35,6 @@ def paper(name: str, **shape: Any) -> Case:
 
 def _gen(request: pytest.FixtureRequest) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-
-
-def _run(
-    case: Case,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-    config: ScoreConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return select_blocks_triton(
-        q,
-        k,
-        case.cmp_block,
-        case.cmp_stride,
-        case.sel_block,
-        case.n,
-        q_start=case.q_start,
-        cu_seqlens=cu,
-        lse=lse,
-        config=config,
-    )
 
 
 def _report(
@@ -80,9 +65,15 @@ def test_paper_shapes_bf16(dk: int, request: pytest.FixtureRequest) -> None:
     case = paper(f"paper_dk{dk}", tq=8192, h=4, group=16, dk=dk)
     q, k, cu = make_inputs(case, _gen(request), torch.bfloat16, "cuda")
     ref = reference_selection(case, q, k, cu)
-    _report(f"dk={dk}, own lse", case, _run(case, q, k), ref, max_fraction=0.01)
+    _report(f"dk={dk}, own lse", case, run_select_blocks_triton(case, q, k), ref, max_fraction=0.01)
     lse = reference_lse(case, q, k, cu)
-    _report(f"dk={dk}, lse given", case, _run(case, q, k, lse=lse), ref, max_fraction=0.01)
+    _report(
+        f"dk={dk}, lse given",
+        case,
+        run_select_blocks_triton(case, q, k, lse=lse),
+        ref,
+        max_fraction=0.01,
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,15 +96,21 @@ def test_paper_shapes_bf16(dk: int, request: pytest.FixtureRequest) -> None:
 def test_shapes(case: Case, dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
     q, k, cu = make_inputs(case, _gen(request), dtype, "cuda")
     ref = reference_selection(case, q, k, cu)
-    _report(f"{case.name} {dtype}", case, _run(case, q, k, cu), ref, cu)
+    _report(f"{case.name} {dtype}", case, run_select_blocks_triton(case, q, k, cu), ref, cu)
     lse = reference_lse(case, q, k, cu)
-    _report(f"{case.name} {dtype} lse given", case, _run(case, q, k, cu, lse=lse), ref, cu)
+    _report(
+        f"{case.name} {dtype} lse given",
+        case,
+        run_select_blocks_triton(case, q, k, cu, lse=lse),
+        ref,
+        cu,
+    )
 
 
 def test_float32(request: pytest.FixtureRequest) -> None:
     case = paper("fp32", tq=2048, h=4, group=16, dk=128)
     q, k, cu = make_inputs(case, _gen(request), torch.float32, "cuda")
-    _report("fp32", case, _run(case, q, k), reference_selection(case, q, k, cu))
+    _report("fp32", case, run_select_blocks_triton(case, q, k), reference_selection(case, q, k, cu))
 
 
 @pytest.mark.parametrize("shift", [1, 2], ids=["gather", "one_hot"])
@@ -132,7 +129,7 @@ def test_exact_ties_bit_for_bit(
     q, k, cu = make_inputs(case, _gen(request), dtype, "cuda")
     ref = reference_selection(case, q, k, cu)
     for lse in (None, reference_lse(case, q, k, cu)):
-        got = _run(case, q, k, lse=lse, config=ScoreConfig(shift=shift))
+        got = run_select_blocks_triton(case, q, k, lse=lse, config=ScoreConfig(shift=shift))
         report = check(case, got, ref, cu, exact_ties=True)
         differ = int((got[0] != ref[0]).any(dim=-1).sum())
         print(f"\nties {dtype} shift={shift} lse={lse is not None}: {differ} rows differ, {report}")
@@ -142,9 +139,9 @@ def test_exact_ties_bit_for_bit(
 def test_deterministic(request: pytest.FixtureRequest) -> None:
     case = paper("det", tq=8192, h=4, group=16, dk=128)
     q, k, _ = make_inputs(case, _gen(request), torch.bfloat16, "cuda")
-    first = _run(case, q, k)
+    first = run_select_blocks_triton(case, q, k)
     for _ in range(3):
-        again = _run(case, q, k)
+        again = run_select_blocks_triton(case, q, k)
         assert torch.equal(first[0], again[0])
         assert torch.equal(first[1], again[1])
 
@@ -161,5 +158,5 @@ def test_deterministic(request: pytest.FixtureRequest) -> None:
 def test_tile_configs(config: ScoreConfig, request: pytest.FixtureRequest) -> None:
     case = paper("tiles", tq=4096, h=4, group=16, dk=128)
     q, k, cu = make_inputs(case, _gen(request), torch.bfloat16, "cuda")
-    got = _run(case, q, k, config=config)
+    got = run_select_blocks_triton(case, q, k, config=config)
     _report(config.describe(), case, got, reference_selection(case, q, k, cu))

@@ -14,7 +14,14 @@ import zlib
 import pytest
 import torch
 from kernel_testlib import DEVICE, SKIP_REASON
-from scoring_testlib import Case, check, make_inputs, reference_lse, reference_selection
+from scoring_testlib import (
+    Case,
+    check,
+    make_inputs,
+    reference_lse,
+    reference_selection,
+    run_select_blocks_triton,
+)
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
@@ -71,18 +78,7 @@ def _run(
     cu: torch.Tensor | None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return select_blocks_triton(
-        q,
-        k,
-        case.cmp_block,
-        case.cmp_stride,
-        case.sel_block,
-        case.n,
-        q_start=case.q_start,
-        cu_seqlens=cu,
-        lse=lse,
-        config=ScoreConfig(**case.config),
-    )
+    return run_select_blocks_triton(case, q, k, cu, lse, ScoreConfig(**case.config))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
