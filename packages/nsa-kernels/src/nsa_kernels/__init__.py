@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nsa_kernels._lazy import lazy_attribute
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -22,8 +24,4 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'nsa_kernels' has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, name)

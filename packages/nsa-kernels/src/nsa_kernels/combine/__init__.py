@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nsa_kernels._lazy import lazy_attribute
+
 _LAZY = {
     "GatedCombineFunction": "nsa_kernels.combine.function",
     "gated_combine_triton": "nsa_kernels.combine.function",
@@ -20,8 +22,4 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'nsa_kernels.combine' has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, name)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from nsa_kernels._lazy import lazy_attribute
+
 _LAZY = {
     "ScoreConfig": "nsa_kernels.scoring.function",
     "select_blocks_triton": "nsa_kernels.scoring.function",
@@ -23,8 +25,4 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'nsa_kernels.scoring' has no attribute {name!r}")
+    return lazy_attribute(__name__, _LAZY, name)
