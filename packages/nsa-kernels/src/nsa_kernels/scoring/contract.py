@@ -14,13 +14,17 @@ Pure torch; no Triton needed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec
 
 import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_sel_blocks
 from nsa_core.reference.common import spans
 from nsa_core.reference.selection import block_scores
+
+P = ParamSpec("P")
 
 # Relative score tolerance: 2^-14 (about 6.1e-5, 512 float32 ulps). docs/spec.md says why.
 SCORE_REL_TOL = 2.0**-14
@@ -176,36 +180,26 @@ def check_index_contract(
     )
 
 
-def assert_index_contract(
-    indices: torch.Tensor,
-    counts: torch.Tensor,
-    ref_indices: torch.Tensor,
-    ref_scores: torch.Tensor,
-    positions: torch.Tensor,
-    sel_block: int,
-    *,
-    rel_tol: float = SCORE_REL_TOL,
-    abs_tol: float = SCORE_ABS_TOL,
-    exact_ties: bool = False,
-) -> IndexContractReport:
-    """:func:`check_index_contract`, raising AssertionError on any broken row."""
-    report = check_index_contract(
-        indices,
-        counts,
-        ref_indices,
-        ref_scores,
-        positions,
-        sel_block,
-        rel_tol=rel_tol,
-        abs_tol=abs_tol,
-        exact_ties=exact_ties,
-    )
-    if report.broken_rows:
-        raise AssertionError(
-            f"{report.broken_rows} of {report.rows} rows break the index contract "
-            f"({report.tolerance_rows} tolerance rows); first: {report.first_broken}"
-        )
-    return report
+def _raising_on_broken_rows(
+    check: Callable[P, IndexContractReport],
+) -> Callable[P, IndexContractReport]:
+    """``check`` that raises AssertionError when its report has a broken row."""
+
+    def assert_index_contract(*args: P.args, **kwargs: P.kwargs) -> IndexContractReport:
+        """:func:`check_index_contract` (the same arguments), raising AssertionError on any
+        broken row."""
+        report = check(*args, **kwargs)
+        if report.broken_rows:
+            raise AssertionError(
+                f"{report.broken_rows} of {report.rows} rows break the index contract "
+                f"({report.tolerance_rows} tolerance rows); first: {report.first_broken}"
+            )
+        return report
+
+    return assert_index_contract
+
+
+assert_index_contract = _raising_on_broken_rows(check_index_contract)
 
 
 @dataclass(frozen=True)
