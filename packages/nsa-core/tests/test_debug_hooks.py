@@ -65,6 +65,16 @@ def sliding_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return q, k, v
 
 
+def dummy_sliding_with_hooks(
+    monkeypatch: pytest.MonkeyPatch, *hooks: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The named hook toggles on (:func:`set_hooks`), the off-by-half dummy registered as the
+    sliding backend (priority 10), and :func:`sliding_inputs`."""
+    set_hooks(monkeypatch, *hooks)
+    register_backend(Backend("sliding_attention", "dummy", off_by_half, accept, priority=10))
+    return sliding_inputs()
+
+
 def records(caplog: pytest.LogCaptureFixture, tag: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith(tag + " ")]
 
@@ -77,9 +87,7 @@ def field(message: str, name: str) -> str:
 def test_no_hook_toggle_leaves_the_backend_unwrapped(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    set_hooks(monkeypatch)
-    register_backend(Backend("sliding_attention", "dummy", off_by_half, accept, priority=10))
-    q, k, v = sliding_inputs()
+    q, k, v = dummy_sliding_with_hooks(monkeypatch)
     ctx = ops.op_context(q, k, v, k.shape[1], varlen=False)
     assert resolve_fn("sliding_attention", ctx, Toggles()) is off_by_half
     with caplog.at_level(logging.INFO, logger="nsa"):
@@ -91,9 +99,7 @@ def test_no_hook_toggle_leaves_the_backend_unwrapped(
 def test_shapes_hook_logs_each_tensor_argument(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    set_hooks(monkeypatch, "NSA_DEBUG_SHAPES")
-    register_backend(Backend("sliding_attention", "dummy", off_by_half, accept, priority=10))
-    q, k, v = sliding_inputs()
+    q, k, v = dummy_sliding_with_hooks(monkeypatch, "NSA_DEBUG_SHAPES")
     k_strided = k.transpose(1, 2).contiguous().transpose(1, 2)
     with caplog.at_level(logging.INFO, logger="nsa"):
         ops.sliding_attention(q, k_strided, v, 4)
@@ -110,9 +116,7 @@ def test_shapes_hook_logs_each_tensor_argument(
 def test_timing_hook_measures_the_call(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    set_hooks(monkeypatch, "NSA_DEBUG_TIMING")
-    register_backend(Backend("sliding_attention", "dummy", off_by_half, accept, priority=10))
-    q, k, v = sliding_inputs()
+    q, k, v = dummy_sliding_with_hooks(monkeypatch, "NSA_DEBUG_TIMING")
     with caplog.at_level(logging.INFO, logger="nsa"):
         ops.sliding_attention(q, k, v, 4)
     (timing,) = records(caplog, "debug.timing")
@@ -126,9 +130,7 @@ def test_timing_hook_measures_the_call(
 def test_compare_hook_reports_the_error_against_the_reference(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    set_hooks(monkeypatch, "NSA_DEBUG_COMPARE")
-    register_backend(Backend("sliding_attention", "dummy", off_by_half, accept, priority=10))
-    q, k, v = sliding_inputs()
+    q, k, v = dummy_sliding_with_hooks(monkeypatch, "NSA_DEBUG_COMPARE")
     q.requires_grad_(True)
     with caplog.at_level(logging.INFO, logger="nsa"):
         out = ops.sliding_attention(q, k, v, 4)
