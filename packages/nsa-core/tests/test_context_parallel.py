@@ -185,17 +185,10 @@ def leaves(
     return named
 
 
-def gradients(
-    case: Case,
-    inp: Inputs,
-    q: torch.Tensor,
-    k: dict[str, torch.Tensor],
-    v: dict[str, torch.Tensor],
-    gates: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """``grad_<name>`` of every leaf and of phi_k/phi_v's parameters (each must have one)."""
+def gradients(inp: Inputs, named_leaves: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``grad_<name>`` of every named leaf and of phi_k/phi_v's parameters (each must have one)."""
     result = {}
-    for name, x in leaves(case, q, k, v, gates).items():
+    for name, x in named_leaves.items():
         assert x.grad is not None
         result[f"grad_{name}"] = x.grad
     for name, phi in (("phi_k", inp.phi_k), ("phi_v", inp.phi_v)):
@@ -257,7 +250,7 @@ def run_rank(
         timer=timer,
     )
     out.backward(plan.shard(inp.grad_out, rank))
-    result = {"out": out.detach(), **gradients(case, inp, q, k, v, gates)}
+    result = {"out": out.detach(), **gradients(inp, leaves(case, q, k, v, gates))}
     # Every exchange ran forward and backward (the timer counts each once per call).
     assert all(timer.calls.get(f"{d}:cmp_blocks_k") == 1 for d in ("fwd", "bwd")), timer.calls
     return result
@@ -361,7 +354,7 @@ def reference(case: Case, seed: int) -> dict[str, torch.Tensor]:
         cu_seqlens=cu,
     )
     out.backward(inp.grad_out)
-    result = {"out": out.detach(), **gradients(case, inp, q, k, v, gates)}
+    result = {"out": out.detach(), **gradients(inp, leaves(case, q, k, v, gates))}
     return result
 
 
