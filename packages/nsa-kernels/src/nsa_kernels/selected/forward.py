@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected.launch import (
     Launch,
@@ -112,10 +113,7 @@ def sel_fwd_kernel(
                     )
                     s += tl.dot(qc, tl.trans(kc_t), input_precision=DOT_PREC)
             s = tl.where(live[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
             if TMA:
                 # The whole tile arrives, keys the row cannot see included (later tokens of the
                 # block, the next sequence's first ones, block 0 under a -1 slot). Their p is 0,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected.row_walk import LOG2E
 
@@ -109,10 +110,7 @@ def quick_fwd_kernel(
         )
         s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
         s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
         vt = tl.load(
             v_row + keys[:, None] * stride_vl + offs_v[None, :],
             mask=live[:, None] & (offs_v < DV)[None, :],
