@@ -125,6 +125,10 @@ def test_flex_reasons() -> None:
     assert "power-of-two group size" in str(flex_supports(ctx("cuda", hq=12, h=4), on))
     assert f"< {FLEX_MIN_LEN}" in str(flex_supports(ctx("cuda", seq_len=FLEX_MIN_LEN - 1), on))
     assert flex_supports(ctx("cuda", seq_len=FLEX_MIN_LEN), on) is None
+    fp32 = torch.float32
+    assert "shared memory" in str(flex_supports(ctx("cuda", dtype=fp32, dk=192), on))
+    assert flex_supports(ctx("cuda", dtype=fp32, dk=128), on) is None
+    assert flex_supports(ctx("cuda", dk=192), on) is None  # bf16 fits
 
 
 @pytest.mark.usefixtures("isolated_registry")

@@ -31,6 +31,10 @@ from nsa_kernels.common.flex import flex_missing_reason
 # and forward+backward (the one exception, compressed D=64 forward at 16k, is a 3% tie). Below one
 # 128-token tile torch 2.11's inductor finds no kernel for it (NoValidChoicesError at T=16, 64).
 FLEX_MIN_LEN = 256
+# Above this head dim torch 2.11's inductor finds no float32 FlexAttention kernel that fits in an
+# SM's shared memory (dk=192, dv=128 asked 278784 B against 232448 B on an H200, in the GPU
+# robustness parity run): float32 there goes to SDPA.
+FLEX_FP32_MAX_HEAD_DIM = 128
 
 FA2_PRIORITY = 30
 FLEX_PRIORITY = 20
@@ -78,6 +82,12 @@ def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     missing = flex_missing_reason()
     if missing is not None:
         return missing
+    head_dim = max(ctx.head_dim_qk, ctx.head_dim_v)
+    if ctx.dtype == torch.float32 and head_dim > FLEX_FP32_MAX_HEAD_DIM:
+        return (
+            f"float32 at head dim {head_dim} > {FLEX_FP32_MAX_HEAD_DIM}: FlexAttention's kernels "
+            "need more shared memory than an SM has"
+        )
     g = ctx.group_size
     if g & (g - 1):
         return f"FlexAttention's decode kernel needs a power-of-two group size, G={g}"
