@@ -467,8 +467,9 @@ def shard_of(items: Sequence[Any], index: int, count: int) -> list[Any]:
 class SanitizerSummary:
     """The verdict lines of one compute-sanitizer run.
 
-    ``errors``: the sum of every "ERROR SUMMARY: N errors" line (one per process checked), None
-    when there is none (the tool did not finish); ``race_errors``/``race_warnings``: racecheck's
+    ``errors``: the sum of every "ERROR SUMMARY: N errors" line (one per process checked), else
+    racecheck's summed "RACECHECK SUMMARY" errors, None when there is neither (the tool did not
+    finish); ``race_errors``/``race_warnings``: racecheck's
     "RACECHECK SUMMARY" counts (None for other tools); ``first_finding``: the first report line.
     """
 
@@ -493,6 +494,10 @@ def parse_sanitizer(text: str) -> SanitizerSummary:
             and not m.group(1).startswith(_NOT_FINDINGS)
         ):
             first = m.group(1).strip()
+    if errors is None and race_errors is not None:
+        # racecheck may end on its own summary alone (it exits with the error code on hazards):
+        # that summary is its verdict, and the run finished.
+        errors = race_errors
     return SanitizerSummary(errors, race_errors, race_warnings, first)
 
 

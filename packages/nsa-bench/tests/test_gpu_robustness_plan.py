@@ -172,6 +172,10 @@ def test_parse_sanitizer() -> None:
     assert race.first_finding == ""
     unfinished = gr.parse_sanitizer("========= COMPUTE-SANITIZER\nSWEEP ok a (1 s)\n")
     assert unfinished.errors is None, "no ERROR SUMMARY line: the tool did not finish"
+    race_only = gr.parse_sanitizer(
+        "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n"
+    )
+    assert (race_only.errors, race_only.race_errors, race_only.race_warnings) == (1, 1, 2)
     two = gr.parse_sanitizer("ERROR SUMMARY: 1 error\nERROR SUMMARY: 2 errors\n")
     assert two.errors == 3, "one summary per process checked: they add up"
 
