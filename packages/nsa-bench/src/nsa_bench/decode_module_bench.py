@@ -111,17 +111,7 @@ def bench_one(
         _, stats = layer.decode(x_t, after)
         inp = layer.branch_inputs(x_t, torch.tensor([s], device=device))
         q = inp.q
-        ctx = OpContext(
-            device=device,
-            dtype=dtype,
-            seq_len=s + 1,
-            num_q_heads=cfg.num_q_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim_qk=cfg.head_dim_qk,
-            head_dim_v=cfg.head_dim_v,
-            requires_grad=False,
-            varlen=False,
-        )
+        ctx = OpContext.for_config(cfg, device=device, dtype=dtype, seq_len=s + 1)
         scale = cfg.softmax_scale
         toggles = get_toggles()
         cmp_fn = resolve("compressed_attention", ctx, toggles).backend.fn

@@ -38,17 +38,7 @@ def run(args: argparse.Namespace) -> int:
     total = args.prefill + args.steps
     x = torch.randn(1, total, args.hidden, device=device, dtype=dtype)
 
-    ctx = OpContext(
-        device=device,
-        dtype=dtype,
-        seq_len=args.prefill,
-        num_q_heads=config.num_q_heads,
-        num_kv_heads=config.num_kv_heads,
-        head_dim_qk=config.head_dim_qk,
-        head_dim_v=config.head_dim_v,
-        requires_grad=False,
-        varlen=False,
-    )
+    ctx = OpContext.for_config(config, device=device, dtype=dtype, seq_len=args.prefill)
     print(f"NSA demo on {device} ({args.dtype}): {config}")
     print("\nrouting (prefill context):")
     print(routing_report(ctx))

@@ -393,16 +393,12 @@ def routed_backend(op: str, ctx: OpContext) -> str:
 
 def op_context(shape: Shape, device: torch.device, requires_grad: bool) -> OpContext:
     """The registry's routing context of the core's calls at ``shape`` (dense, no varlen)."""
-    return OpContext(
+    return OpContext.for_config(
+        shape.config(),
         device=device,
         dtype=DTYPES[shape.dtype],
         seq_len=shape.seq_len,
-        num_q_heads=shape.num_q_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim_qk=shape.head_dim_qk,
-        head_dim_v=shape.head_dim_v,
         requires_grad=requires_grad,
-        varlen=False,
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from nsa_core.config import NSAConfig
 from nsa_core.debug_hooks import with_debug_hooks
 from nsa_core.debug_log import debug_log, log_once, reset_log_state
 from nsa_core.toggles import BACKEND_TOGGLE, Toggles, get_toggles, pinned_backend
@@ -58,6 +59,30 @@ class OpContext:
     head_dim_v: int
     requires_grad: bool
     varlen: bool
+
+    @classmethod
+    def for_config(
+        cls,
+        config: NSAConfig,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        seq_len: int,
+        requires_grad: bool = False,
+        varlen: bool = False,
+    ) -> OpContext:
+        """The context of a call with ``config``'s heads and head dims."""
+        return cls(
+            device=device,
+            dtype=dtype,
+            seq_len=seq_len,
+            num_q_heads=config.num_q_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim_qk=config.head_dim_qk,
+            head_dim_v=config.head_dim_v,
+            requires_grad=requires_grad,
+            varlen=varlen,
+        )
 
     @property
     def group_size(self) -> int:
