@@ -17,7 +17,7 @@ import torch
 
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels.common.triton_routing import TRITON_DTYPES, triton_available
+from nsa_kernels.common.triton_routing import triton_decline_reason
 
 OP = "gated_combine"
 TRITON_PRIORITY = 20
@@ -25,13 +25,7 @@ TRITON_PRIORITY = 20
 
 def triton_combine_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     """Why the Triton combine cannot serve ``ctx``, or None (it loops over dv: no head-dim cap)."""
-    if ctx.device.type != "cuda":
-        return f"Triton kernels run on CUDA (device is {ctx.device.type})"
-    if not triton_available():
-        return "triton is not installed"
-    if ctx.dtype not in TRITON_DTYPES:
-        return f"needs float16, bfloat16 or float32, got {ctx.dtype} (float64 runs the reference)"
-    return None
+    return triton_decline_reason(ctx, max_head_dim=None)
 
 
 def gated_combine_triton_backend(*args: Any, toggles: Toggles, **kwargs: Any) -> torch.Tensor:

@@ -16,14 +16,17 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def triton_decline_reason(ctx: OpContext) -> str | None:
-    """Why a Triton kernel cannot serve ``ctx`` (device, triton, dtype, head dims), or None."""
+def triton_decline_reason(
+    ctx: OpContext, max_head_dim: int | None = TRITON_MAX_HEAD_DIM
+) -> str | None:
+    """Why a Triton kernel cannot serve ``ctx`` (device, triton, dtype, head dims up to
+    ``max_head_dim``; None: any), or None."""
     if ctx.device.type != "cuda":
         return f"Triton kernels run on CUDA (device is {ctx.device.type})"
     if not triton_available():
         return "triton is not installed"
     if ctx.dtype not in TRITON_DTYPES:
         return f"needs float16, bfloat16 or float32, got {ctx.dtype} (float64 runs the reference)"
-    if max(ctx.head_dim_qk, ctx.head_dim_v) > TRITON_MAX_HEAD_DIM:
-        return f"head dims dk={ctx.head_dim_qk}, dv={ctx.head_dim_v} exceed {TRITON_MAX_HEAD_DIM}"
+    if max_head_dim is not None and max(ctx.head_dim_qk, ctx.head_dim_v) > max_head_dim:
+        return f"head dims dk={ctx.head_dim_qk}, dv={ctx.head_dim_v} exceed {max_head_dim}"
     return None
