@@ -50,4 +50,6 @@ tail -3 "$OUT/decode.err"
 cat "$OUT/summary.txt"
 [[ -f "$OUT/decode/decode.md" ]] && cat "$OUT/decode/decode.md"
 tail -1 "$OUT/decode.log"
+source ci/pack_out.sh
+pack_out "$OUT" summary.txt decode/decode.md decode/decode.csv decode/decode.json decode/decode.png
 exit 0

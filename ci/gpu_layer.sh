@@ -49,4 +49,6 @@ echo "bench layer: exit $?" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/layer.log"
 cat "$OUT/summary.txt"
 [[ -f "$OUT/layer/layer.md" ]] && cat "$OUT/layer/layer.md"
+source ci/pack_out.sh
+pack_out "$OUT" summary.txt layer/layer.md layer/layer.csv layer/layer.json layer/layer.png
 exit 0

@@ -50,4 +50,6 @@ done
 
 echo "== summary (details: $OUT/report.md)"
 "$PY" ci/gpu_robustness.py report --out "$OUT" --sections "$SECTIONS"
+source ci/pack_out.sh
+pack_out "$OUT" report.md report.json gpu.txt
 exit 0
