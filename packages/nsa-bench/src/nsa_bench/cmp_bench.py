@@ -13,15 +13,15 @@ tokens. ``--configs "block_m=64;dkv_block_n=128"`` times each
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
 
@@ -234,11 +234,6 @@ def run(args: argparse.Namespace) -> int:
                 f"fwd+bwd {both_ms:8.3f} ms ({row.fwd_bwd_tflops:5.0f} TFLOP/s)  {shown}",
                 flush=True,
             )
-    if args.csv and rows:
-        out = Path(args.csv)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-            writer.writeheader()
-            writer.writerows(asdict(r) for r in rows)
+    if args.csv:
+        write_dataclass_csv(Path(args.csv), rows)
     return 0

@@ -28,7 +28,6 @@ in every row), rewritten after every world size, and the Markdown table printed 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
 import json
@@ -43,13 +42,13 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
 from nsa_bench.layer_bench import failure_status, parse_length, parse_pairs
+from nsa_bench.tables import finite_or_dash, write_env_tables
 from nsa_core import NSAConfig, nsa_attention
 from nsa_core.context_parallel import (
     LAYOUTS,
@@ -381,40 +380,9 @@ def add_ratios(rows: Sequence[Row]) -> None:
 # --------------------------------------------------------------------------------------- output
 
 
-def _cell(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return ""
-    return value
-
-
-def records(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """One flat dict per row: the row's columns, then every ``env_*`` key, sorted."""
-    env_keys = sorted({k for row in rows for k in row.env})
-    keys = ROW_COLUMNS + env_keys
-    out = []
-    for row in rows:
-        flat = {k: _cell(v) for k, v in asdict(row).items() if k != "env"}
-        flat.update(row.env)
-        out.append({k: flat.get(k, "") for k in keys})
-    return out
-
-
 def write_tables(rows: Sequence[Row], out: Path) -> tuple[Path, Path]:
     """cp.csv and cp.json under ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path = out / "cp.csv", out / "cp.json"
-    recs = records(rows)
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(recs[0]) if recs else ROW_COLUMNS)
-        writer.writeheader()
-        writer.writerows(recs)
-    with json_path.open("w") as f:
-        json.dump(recs, f, indent=1)
-    return csv_path, json_path
-
-
-def _fmt(value: float, spec: str) -> str:
-    return format(value, spec) if math.isfinite(value) else "-"
+    return write_env_tables(ROW_COLUMNS, rows, out, "cp")
 
 
 def table(rows: Sequence[Row]) -> list[str]:
@@ -427,10 +395,10 @@ def table(rows: Sequence[Row]) -> list[str]:
     for r in rows:
         lines.append(
             f"| {r.world_size} | {r.T} | {r.method} | {r.slc_exchange} | "
-            f"{_fmt(r.step_ms, '.2f')} | {_fmt(r.tokens_per_s, '.0f')} | "
-            f"{_fmt(r.vs_single, '.2f')} | {_fmt(r.comm_fwd_ms, '.2f')} | "
-            f"{_fmt(r.comm_bwd_ms, '.2f')} | {_fmt(r.comm_share, '.1%')} | "
-            f"{_fmt(r.peak_mib, '.0f')} | {r.status} |"
+            f"{finite_or_dash(r.step_ms, '.2f')} | {finite_or_dash(r.tokens_per_s, '.0f')} | "
+            f"{finite_or_dash(r.vs_single, '.2f')} | {finite_or_dash(r.comm_fwd_ms, '.2f')} | "
+            f"{finite_or_dash(r.comm_bwd_ms, '.2f')} | {finite_or_dash(r.comm_share, '.1%')} | "
+            f"{finite_or_dash(r.peak_mib, '.0f')} | {r.status} |"
         )
     return lines
 
@@ -442,8 +410,10 @@ def _log(text: str) -> None:
 def _progress(row: Row) -> str:
     return (
         f"[cp] W={row.world_size} T={row.T:<8d} {row.method:6s} {row.slc_exchange:10s} "
-        f"{_fmt(row.step_ms, '10.2f')} ms  comm {_fmt(row.comm_fwd_ms, '.2f')}+"
-        f"{_fmt(row.comm_bwd_ms, '.2f')} ms  peak {_fmt(row.peak_mib, '.0f')} MiB  {row.status}"
+        f"{finite_or_dash(row.step_ms, '10.2f')} ms  "
+        f"comm {finite_or_dash(row.comm_fwd_ms, '.2f')}+"
+        f"{finite_or_dash(row.comm_bwd_ms, '.2f')} ms  "
+        f"peak {finite_or_dash(row.peak_mib, '.0f')} MiB  {row.status}"
     )
 
 

@@ -38,11 +38,10 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
-import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 import nsa_core
+from nsa_bench.tables import finite_or_dash, write_env_tables
 from nsa_bench.timing import median_ms
 from nsa_core import NSAConfig
 from nsa_core.registry import OpContext
@@ -680,43 +680,9 @@ def add_ratios(rows: Sequence[Row]) -> None:
 # Outputs
 
 
-def _cell(value: Any) -> Any:
-    # A missing number (NaN) is an empty cell; the others keep full precision, so ratios
-    # recomputed from the files equal the written ones.
-    if isinstance(value, float) and not math.isfinite(value):
-        return ""
-    return value
-
-
-def columns(rows: Sequence[Row]) -> list[str]:
-    """The row's columns, then every ``env_*`` key of any row, sorted."""
-    env_keys = sorted({k for row in rows for k in row.env})
-    return ROW_COLUMNS + env_keys
-
-
-def records(rows: Sequence[Row]) -> list[dict[str, Any]]:
-    """One flat dict per row, keys in :func:`columns` order (CSV and JSON share them)."""
-    keys = columns(rows)
-    out = []
-    for row in rows:
-        flat = {k: _cell(v) for k, v in asdict(row).items() if k != "env"}
-        flat.update(row.env)
-        out.append({k: flat.get(k, "") for k in keys})
-    return out
-
-
 def write_tables(rows: Sequence[Row], out: Path) -> tuple[Path, Path]:
     """layer.csv and layer.json under ``out`` (one schema; missing numbers are empty)."""
-    out.mkdir(parents=True, exist_ok=True)
-    csv_path, json_path = out / "layer.csv", out / "layer.json"
-    recs = records(rows)
-    with csv_path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns(rows))
-        writer.writeheader()
-        writer.writerows(recs)
-    with json_path.open("w") as f:
-        json.dump(recs, f, indent=1)
-    return csv_path, json_path
+    return write_env_tables(ROW_COLUMNS, rows, out, "layer")
 
 
 def read_rows(path: Path) -> list[Row]:
@@ -751,7 +717,7 @@ def _ms(row: Row | None) -> str:
 
 
 def _fmt(value: float, spec: str = ".3f") -> str:
-    return format(value, spec) if math.isfinite(value) else "-"
+    return finite_or_dash(value, spec)
 
 
 def methods_table(rows: Sequence[Row]) -> list[str]:

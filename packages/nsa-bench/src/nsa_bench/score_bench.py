@@ -10,12 +10,12 @@ milliseconds, the q.k work of one pass (TFLOP) and the rate (passes * work / tim
 from __future__ import annotations
 
 import argparse
-import csv
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
 
@@ -129,10 +129,5 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
     if args.csv:
-        out = Path(args.csv)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
-            writer.writeheader()
-            writer.writerows(asdict(r) for r in rows)
+        write_dataclass_csv(Path(args.csv), rows)
     return 0
