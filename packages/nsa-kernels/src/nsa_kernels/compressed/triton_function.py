@@ -25,6 +25,7 @@ import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
+from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
 from nsa_kernels.compressed.triton_bwd import (
     cmp_bwd_dkv_kernel,
     cmp_bwd_dq_kernel,
@@ -41,7 +42,7 @@ MIN_SEGMENT_ROWS = 512
 
 
 @dataclass(frozen=True)
-class CmpConfig:
+class CmpConfig(TileConfig):
     """Tiles and launch parameters; 0 means "choose" (see :func:`resolve_config`).
 
     Attributes:
@@ -73,26 +74,10 @@ class CmpConfig:
     dkv_stages: int = 0
     dkv_segment: int = 0
 
-    def describe(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
-
 
 def parse_config(text: str) -> CmpConfig:
     """``"block_m=64,fwd_warps=4"`` -> CmpConfig (unnamed fields keep 0 = choose)."""
-    values: dict[str, int] = {}
-    names = set(CmpConfig.__dataclass_fields__)
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, raw = item.partition("=")
-        if name not in names:
-            raise ValueError(
-                f"unknown CmpConfig field {name!r} in {text!r}; known: {sorted(names)}"
-            )
-        values[name] = int(raw)
-    return CmpConfig(**values)
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+    return CmpConfig.parse(text)
 
 
 _TILE_FIELDS = ("block_m", "block_n", "dq_block_m", "dq_block_n", "dkv_block_n", "dkv_block_m")
@@ -111,15 +96,12 @@ def resolve_config(config: CmpConfig | None, dk: int, dv: int, dtype: torch.dtyp
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
     """
     cfg = config or CmpConfig()
-    for name in _TILE_FIELDS:
-        value = getattr(cfg, name)
-        if value and (value < 16 or value & (value - 1)):
-            raise ValueError(f"{name}={value} must be 0 or a power of two >= 16")
+    check_pow2_tiles(cfg, _TILE_FIELDS)
     if cfg.dkv_segment < 0:
         raise ValueError(f"dkv_segment must be >= 0, got {cfg.dkv_segment}")
     if dtype == torch.float32:
         table = (32, 16, 8, 2, 32, 16, 8, 2, 16, 16, 8, 2)
-    elif _pow2(max(dk, dv, 16)) > 128:
+    elif pow2(max(dk, dv, 16)) > 128:
         table = (128, 64, 8, 2, 64, 32, 8, 3, 32, 32, 8, 2)
     else:
         table = (128, 64, 8, 3, 128, 64, 8, 2, 64, 32, 8, 2)
@@ -171,11 +153,11 @@ class _Launch:
 
     @property
     def bk(self) -> int:
-        return _pow2(max(self.dk, 16))
+        return pow2(max(self.dk, 16))
 
     @property
     def bv(self) -> int:
-        return _pow2(max(self.dv, 16))
+        return pow2(max(self.dv, 16))
 
 
 def _prepare(

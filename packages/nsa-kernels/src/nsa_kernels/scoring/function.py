@@ -24,6 +24,7 @@ import triton.language as tl
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_select_blocks
+from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
 from nsa_kernels.scoring.kernels import LOG2E, score_topn_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,7 +34,7 @@ HAS_GATHER = hasattr(tl, "gather")
 
 
 @dataclass(frozen=True)
-class ScoreConfig:
+class ScoreConfig(TileConfig):
     """Tiles and launch parameters; 0 means "choose" (see :func:`resolve_config`).
 
     Attributes:
@@ -54,26 +55,10 @@ class ScoreConfig:
     stages: int = 0
     shift: int = 0
 
-    def describe(self) -> str:
-        return ",".join(f"{k}={v}" for k, v in self.__dict__.items())
-
 
 def parse_config(text: str) -> ScoreConfig:
     """``"block_rows=64,warps=4"`` -> ScoreConfig (unnamed fields keep 0 = choose)."""
-    values: dict[str, int] = {}
-    names = set(ScoreConfig.__dataclass_fields__)
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, raw = item.partition("=")
-        if name not in names:
-            raise ValueError(
-                f"unknown ScoreConfig field {name!r} in {text!r}; known: {sorted(names)}"
-            )
-        values[name] = int(raw)
-    return ScoreConfig(**values)
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
+    return ScoreConfig.parse(text)
 
 
 def _log2(x: int) -> int:
@@ -111,18 +96,13 @@ def phase_weights(cmp_block: int, cmp_stride: int, sel_block: int) -> PhaseWeigh
     ratio = sel_block // cmp_stride
     length = cmp_block // cmp_stride
     reach = (length + ratio - 2) // ratio
-    m = torch.arange(_pow2(ratio))
+    m = torch.arange(pow2(ratio))
     q = torch.arange(reach + 1).unsqueeze(1)
     spill = torch.clamp(torch.minimum(m + length - q * ratio, torch.tensor(ratio)), min=0)
     own = torch.clamp(torch.minimum(torch.tensor(length), ratio - m), min=0)
     weights = torch.where(q == 0, own, spill)
     weights = torch.where(m < ratio, weights, torch.zeros_like(weights))
     return PhaseWeights(ratio=ratio, reach=reach, weights=weights.to(torch.float32))
-
-
-def _check_block(name: str, value: int) -> None:
-    if value and (value < 16 or value & (value - 1)):
-        raise ValueError(f"{name}={value} must be 0 or a power of two >= 16")
 
 
 def resolve_config(
@@ -149,21 +129,20 @@ def resolve_config(
     NP-wide chunks of a tile) and pow2(Q) (a spill reaches one tile back at most).
     """
     cfg = config or ScoreConfig()
-    for name in ("block_rows", "block_sel", "block_lse"):
-        _check_block(name, getattr(cfg, name))
+    check_pow2_tiles(cfg, ("block_rows", "block_sel", "block_lse"))
     if cfg.shift not in (0, 1, 2):
         raise ValueError(f"shift must be 0 (choose), 1 (tl.gather) or 2 (one-hot), got {cfg.shift}")
     if cfg.shift == 1 and not HAS_GATHER:
         raise ValueError("shift=1 needs tl.gather (Triton >= 3.2); use shift=2")
-    heads = _pow2(group)
+    heads = pow2(group)
     wide = 32 if dtype == torch.float32 else 128
-    rows = max(cfg.block_rows or min(wide, heads * _pow2(max(tq, 1))), heads, 16)
+    rows = max(cfg.block_rows or min(wide, heads * pow2(max(tq, 1))), heads, 16)
     tokens = rows // heads
     columns = 128 if head_dim <= 192 else 64
-    sel = cfg.block_sel or min(max(16, columns // _pow2(weights.ratio)), max(16, 1024 // tokens))
+    sel = cfg.block_sel or min(max(16, columns // pow2(weights.ratio)), max(16, 1024 // tokens))
     return ScoreConfig(
         block_rows=rows,
-        block_sel=max(sel, _pow2(num_selected), _pow2(weights.reach)),
+        block_sel=max(sel, pow2(num_selected), pow2(weights.reach)),
         block_lse=cfg.block_lse or 64,
         warps=cfg.warps or (8 if rows >= 128 else 4),
         stages=cfg.stages or 2,
@@ -178,7 +157,7 @@ def _head_dim_chunks(dk: int) -> tuple[int, int]:
     """
     first = max(16, 1 << (dk.bit_length() - 1))
     rest = dk - first
-    return first, (max(16, _pow2(rest)) if rest > 0 else 0)
+    return first, (max(16, pow2(rest)) if rest > 0 else 0)
 
 
 def varlen_query_tiles(cu_seqlens: torch.Tensor, total: int, tokens: int) -> torch.Tensor:
@@ -272,11 +251,11 @@ def select_blocks_triton(
         dtype=q.dtype,
         head_dim=dk,
     )
-    heads = _pow2(group)
+    heads = pow2(group)
     tokens = cfg.block_rows // heads
     bk1, bk2 = _head_dim_chunks(dk)
     # The running top-n is NP >= 2 wide (a sort network needs one axis).
-    top_width = max(2, _pow2(num_selected))
+    top_width = max(2, pow2(num_selected))
     q = q if q.stride(-1) == 1 else q.contiguous()
     k_cmp = k_cmp if k_cmp.stride(-1) == 1 else k_cmp.contiguous()
     if cu_seqlens is None:
@@ -302,7 +281,7 @@ def select_blocks_triton(
         H=h, G=group, GP=heads, BT=tokens,
         DK=dk, BK1=bk1, BK2=bk2,
         CMP_BLOCK=cmp_block, CMP_STRIDE=cmp_stride, SEL=sel_block,
-        R=geometry.ratio, RP=_pow2(geometry.ratio), REACH=geometry.reach,
+        R=geometry.ratio, RP=pow2(geometry.ratio), REACH=geometry.reach,
         BS=cfg.block_sel, BL=cfg.block_lse,
         NUM_SEL=num_selected, NP=top_width,
         LOG_BT=_log2(tokens), LOG_BS=_log2(cfg.block_sel), LOG_NP=_log2(top_width),
