@@ -16,70 +16,43 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from nsa_core.checks import check_compressed_attention
-from nsa_core.toggles import Toggles, get_toggles
-from nsa_kernels.common.flash import fa2_dense, fa2_varlen
+from nsa_kernels.common.flash import fa2_dense, fa2_dense_as_varlen, fa2_varlen
+from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
 from nsa_kernels.compressed.cmp_fold import dense_fold, fold_heads, unfold_heads, varlen_fold
 
 
-def _batch_offsets(batch: int, length: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(batch + 1, dtype=torch.int32, device=device) * length
-
-
-def compressed_attention_fa2(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles | None = None,
+def _compressed(
+    q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor, call: CompressedCall
 ) -> torch.Tensor:
-    """nsa_core ``compressed_attention`` on FA-2: query t sees blocks i with ``i*d + l - 1 <= t``.
-
-    q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv] (q's dtype),
-    zero for rows that see no block. Varlen: B == 1, int32 cu_seqlens [S+1] over tokens,
-    q_start == 0, k_cmp packed per sequence as ``nsa_core.blocks.cmp_cu_seqlens`` says.
-    """
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    batch, tq, hq, dk = q.shape
+    """Query t sees blocks i with ``i*d + l - 1 <= t``: q [B, Tq, HQ, dk], k_cmp [B, N, H, dk],
+    v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv] (q's dtype), zero for rows that see no block."""
+    batch, tq, hq, _ = q.shape
     h, dv = k_cmp.shape[2], v_cmp.shape[3]
-    scale = dk**-0.5 if scale is None else scale
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
-    toggles = get_toggles() if toggles is None else toggles
-    d = cmp_stride
-    if cu_seqlens is not None:
-        return _varlen(q, k_cmp, v_cmp, cu_seqlens, cmp_block, d, scale, toggles.debug_fa2_dense)
+    d, scale = call.cmp_stride, call.scale
+    if call.cu_seqlens is not None:
+        return _varlen(
+            q, k_cmp, v_cmp, call.cu_seqlens, call.cmp_block, d, scale,
+            call.toggles.debug_fa2_dense,
+        )  # fmt: skip
 
-    fold = dense_fold(tq, q_start, cmp_block, d)
+    fold = dense_fold(tq, call.q_start, call.cmp_block, d)
     if fold.num_keys <= 0:
         return q.new_zeros(batch, tq, hq, dv)
     if fold.num_keys > k_cmp.shape[1]:
         raise ValueError(f"queries see {fold.num_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
-    nk, rows = fold.num_keys, fold.rows
     qf = fold_heads(F.pad(q, (0, 0, 0, 0, fold.front, fold.back)), h, d)  # [B, R, H*d*G, dk]
-    k_use, v_use = k_cmp[:, :nk], v_cmp[:, :nk]
-    if toggles.debug_fa2_varlen:
-        heads = qf.shape[2]
-        o = fa2_varlen(
-            qf.reshape(batch * rows, heads, dk),
-            k_use.reshape(batch * nk, h, dk),
-            v_use.reshape(batch * nk, h, dv),
-            _batch_offsets(batch, rows, q.device),
-            _batch_offsets(batch, nk, q.device),
-            rows,
-            nk,
-            scale,
-        ).view(batch, rows, heads, dv)
-    else:
-        o = fa2_dense(qf, k_use, v_use, scale)
+    k_use, v_use = k_cmp[:, : fold.num_keys], v_cmp[:, : fold.num_keys]
+    attend = fa2_dense_as_varlen if call.toggles.debug_fa2_varlen else fa2_dense
+    o = attend(qf, k_use, v_use, scale)
     return unfold_heads(o, h, d)[:, fold.front : fold.front + tq]
+
+
+# nsa_core's compressed_attention on FA-2, with its signature (varlen: B == 1, int32 cu_seqlens
+# [S+1] over tokens, q_start == 0, k_cmp packed per sequence as
+# ``nsa_core.blocks.cmp_cu_seqlens`` says).
+compressed_attention_fa2 = CompressedBackend(_compressed)
 
 
 def _varlen(
