@@ -21,6 +21,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nsa_bench.cli_args import (
+    add_compression_args,
+    add_device_arg,
+    add_kernel_shape_args,
+    add_kernel_timing_args,
+)
 from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
@@ -163,14 +169,9 @@ def time_peer(method: str, p: CmpProblem, timer: Timer) -> tuple[float, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--T", default="8192,16384,32768,65536", help="comma-separated tokens")
-    parser.add_argument("--B", type=int, default=1, help="batch")
-    parser.add_argument("--hq", type=int, default=64, help="query heads HQ")
-    parser.add_argument("--h", type=int, default=4, help="kv heads H")
-    parser.add_argument("--dk", type=int, default=128, help="query/key head dim")
+    add_kernel_shape_args(parser)
     parser.add_argument("--dv", type=int, default=128, help="value head dim")
-    parser.add_argument("--l", type=int, default=32, help="compression block length")
-    parser.add_argument("--d", type=int, default=16, help="compression stride")
+    add_compression_args(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument(
         "--methods", default="triton", help=f"comma-separated, of {', '.join(METHODS)}"
@@ -179,13 +180,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-max-t", type=int, default=16384, help="longest T for reference and sdpa"
     )
-    parser.add_argument("--iters", type=int, default=20, help="timed runs")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up runs")
-    parser.add_argument("--csv", default="", help="write the rows to this CSV file")
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu runs the Triton method under the Triton interpreter (TRITON_INTERPRET=1) only",
+    add_kernel_timing_args(parser)
+    add_device_arg(
+        parser, "cpu runs the Triton method under the Triton interpreter (TRITON_INTERPRET=1) only"
     )
     parser.add_argument("--seed", type=int, default=0)
 

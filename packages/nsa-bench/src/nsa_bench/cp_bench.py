@@ -47,7 +47,14 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
-from nsa_bench.layer_bench import failure_status, parse_length, parse_pairs
+from nsa_bench.cli_args import (
+    add_layer_blocks_args,
+    add_layer_heads_args,
+    parse_length,
+    parse_pairs,
+)
+from nsa_bench.env import collect_columns
+from nsa_bench.layer_bench import failure_status
 from nsa_bench.tables import finite_or_dash, write_env_tables
 from nsa_core import NSAConfig, nsa_attention
 from nsa_core.context_parallel import (
@@ -427,14 +434,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seqlens", default="128k,256k,512k,1m", help="lengths T (131072, 128k or 1m)"
     )
-    parser.add_argument("--batch", type=int, default=1, help="B")
-    parser.add_argument("--heads", default="64/4", help="HQ/H, query and kv heads")
+    add_layer_heads_args(parser)
     parser.add_argument("--head-dims", default="192/128", help="dk/dv")
-    parser.add_argument("--cmp-block", type=int, default=32, help="l")
-    parser.add_argument("--cmp-stride", type=int, default=16, help="d")
-    parser.add_argument("--sel-block", type=int, default=64, help="l'")
-    parser.add_argument("--num-selected", type=int, default=16, help="n")
-    parser.add_argument("--window", type=int, default=512, help="w")
+    add_layer_blocks_args(parser)
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="bf16 on CUDA, fp32 on CPU by default"
     )
@@ -495,15 +497,9 @@ def settings(args: argparse.Namespace) -> Settings:
     )
 
 
-def _env() -> dict[str, str]:
-    from nsa_bench.env import collect
-
-    return {f"env_{k}": v for k, v in collect().items()}
-
-
 def _finish(rows: list[Row], out: Path) -> None:
     add_ratios(rows)
-    env = _env()
+    env = collect_columns()
     for row in rows:
         row.env = env
     csv_path, json_path = write_tables(rows, out)

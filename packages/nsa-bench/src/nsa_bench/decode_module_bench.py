@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from nsa_bench.cli_args import add_compression_args, add_device_arg
 from nsa_bench.timing import graph_median_ms, median_ms
 from nsa_core import NSAAttention, NSACache, NSAConfig, select_blocks
 from nsa_core.registry import OpContext, resolve
@@ -37,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=2, help="kv heads H")
     parser.add_argument("--dk", type=int, default=32)
     parser.add_argument("--dv", type=int, default=32)
-    parser.add_argument("--l", type=int, default=32, help="compression block length")
-    parser.add_argument("--d", type=int, default=16, help="compression stride")
+    add_compression_args(parser)
     parser.add_argument("--l_sel", type=int, default=64, help="selection block length")
     parser.add_argument("--n_sel", type=int, default=16, help="selected blocks per query")
     parser.add_argument("--w", type=int, default=512, help="sliding window")
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "('env' is an earlier name for the same thing)",
     )
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arg(parser)
     parser.add_argument("--no-graph", action="store_true", help="time eagerly even on CUDA")
     parser.add_argument("--seed", type=int, default=0)
 

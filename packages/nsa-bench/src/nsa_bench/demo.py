@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from nsa_bench.cli_args import add_device_arg
 from nsa_core import NSAAttention, NSAConfig
 from nsa_core.registry import OpContext, routing_report
 
@@ -19,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=4, help="kv heads H")
     parser.add_argument("--dk", type=int, default=32)
     parser.add_argument("--dv", type=int, default=32)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arg(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--seed", type=int, default=0)
 

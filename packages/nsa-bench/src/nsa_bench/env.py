@@ -152,3 +152,8 @@ def collect(repo: str | Path | None = None, nvidia_smi: str | None = "") -> dict
         "timestamp_utc": utc_timestamp(),
     }
     return {key: row[key] for key in FIELDS}
+
+
+def collect_columns() -> dict[str, str]:
+    """:func:`collect` with every key as the benches' CSV column ``env_<key>``."""
+    return {f"env_{key}": value for key, value in collect().items()}

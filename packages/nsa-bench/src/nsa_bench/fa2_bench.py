@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from nsa_bench.cli_args import add_device_arg, parse_ints
+from nsa_bench.cli_args import parse_names as _names
 from nsa_bench.env import collect
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
@@ -56,18 +58,6 @@ CSV_COLUMNS = (
 )
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _names(text: str, allowed: Sequence[str]) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in names if x not in allowed]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(allowed)}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--branches", default="sliding,compressed", help="sliding,compressed")
     parser.add_argument("--T", default="256,512,1024,2048,4096,8192,16384", help="lengths")
@@ -81,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="fa2,flex,sdpa", help="fa2,flex,sdpa,reference")
     parser.add_argument("--modes", default="fwd,fwd_bwd", help="fwd,fwd_bwd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arg(parser)
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--min-speedup", type=float, default=1.2, help="cutoff rule")
@@ -361,8 +351,8 @@ def run(args: argparse.Namespace) -> int:
         )
         for branch in branches
         for mode in modes
-        for d in _ints(args.D)
-        for length in _ints(args.T)
+        for d in parse_ints(args.D)
+        for length in parse_ints(args.T)
     ]
     rows = measure(
         cases,

@@ -49,6 +49,15 @@ import torch
 import torch.nn.functional as F
 
 import nsa_core
+from nsa_bench.cli_args import (
+    add_device_arg,
+    add_layer_blocks_args,
+    add_layer_heads_args,
+    parse_length,
+    parse_names,
+    parse_pairs,
+)
+from nsa_bench.env import collect_columns
 from nsa_bench.tables import finite_or_dash, write_env_tables
 from nsa_bench.timing import median_ms
 from nsa_core import NSAConfig
@@ -853,48 +862,15 @@ def write_outputs(rows: list[Row], out: Path, *, plot: bool) -> list[str]:
 # CLI
 
 
-def parse_length(text: str) -> int:
-    """``8192``, ``8k`` (= 8192) or ``1m``."""
-    text = text.strip().lower()
-    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:], 1)
-    return int(text[:-1] if scale > 1 else text) * scale
-
-
-def parse_pairs(text: str) -> list[tuple[int, int]]:
-    """``128/128,192/128`` -> [(128, 128), (192, 128)]."""
-    pairs = []
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        a, sep, b = item.partition("/")
-        if not sep:
-            raise argparse.ArgumentTypeError(f"{item!r} is not A/B")
-        pairs.append((int(a), int(b)))
-    return pairs
-
-
-def parse_names(text: str, allowed: Sequence[str]) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    unknown = [x for x in names if x not in allowed]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(allowed)}")
-    return names
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--seqlens", default="8k,16k,32k,64k,128k", help="lengths T (8192 or 8k), comma-separated"
     )
-    parser.add_argument("--batch", type=int, default=1, help="B")
-    parser.add_argument("--heads", default="64/4", help="HQ/H, query and kv heads")
+    add_layer_heads_args(parser)
     parser.add_argument(
         "--head-dims", default="128/128,192/128", help="dk/dv pairs, comma-separated"
     )
-    parser.add_argument("--cmp-block", type=int, default=32, help="l")
-    parser.add_argument("--cmp-stride", type=int, default=16, help="d")
-    parser.add_argument("--sel-block", type=int, default=64, help="l'")
-    parser.add_argument("--num-selected", type=int, default=16, help="n")
-    parser.add_argument("--window", type=int, default=512, help="w")
+    add_layer_blocks_args(parser)
     parser.add_argument("--hidden-size", type=int, default=2048, help="nsa_module's hidden size")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--modes", default="fwd,fwdbwd", help="fwd,fwdbwd")
@@ -910,18 +886,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CSV",
         help="time nothing: rebuild every output from these layer.csv files",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arg(parser)
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
     parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition (ms)")
     parser.add_argument("--iters", type=int, default=3, help="timed runs on CPU")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs on CPU")
     parser.add_argument("--seed", type=int, default=0)
-
-
-def _env() -> dict[str, str]:
-    from nsa_bench.env import collect
-
-    return {f"env_{k}": v for k, v in collect().items()}
 
 
 def _log(text: str) -> None:
@@ -956,7 +926,7 @@ def sweep(args: argparse.Namespace, out: Path) -> list[Row]:
     fa2 = load_fa2() if "fa2" in methods else Peer(None, "not requested")
     has_gqa = sdpa_has_gqa()
     _log(f"[layer] fla: {fla.info}; fa2: {fa2.info}; sdpa enable_gqa: {has_gqa}; on {device}")
-    env = _env()
+    env = collect_columns()
     rows: list[Row] = []
     for dk, dv in head_dims:
         for length in lengths:

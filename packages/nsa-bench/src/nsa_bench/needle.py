@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nsa_bench.cli_args import parse_floats, parse_ints
 from nsa_bench.sel_bench import nsa_block_indices
 from nsa_bench.sel_stats import SelStats, format_stats_table, save_indices, selection_stats
 from nsa_core import NSAAttention, NSAConfig, ops
@@ -714,14 +715,6 @@ def write_heatmap(cells: list[Cell], variant: str, path: Path) -> str | None:
 # CLI
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder (checkpoints, tables, PNGs)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="models to train/evaluate")
@@ -769,7 +762,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
     if args.eval_only and not args.ckpt:
         raise SystemExit("--eval-only needs --ckpt DIR")
-    lengths, depths = _ints(args.lengths), _floats(args.depths)
+    lengths, depths = parse_ints(args.lengths), parse_floats(args.depths)
     cells: list[Cell] = []
     trained: dict[str, dict[str, Any]] = {}
     settings = settings_from_args(args)
@@ -845,7 +838,7 @@ def _one_variant(
     )
     stats: list[SelStats] = []
     if variant == "nsa":
-        stats = _statistics(model, settings, device, _ints(args.stats_lens), args, out)
+        stats = _statistics(model, settings, device, parse_ints(args.stats_lens), args, out)
     return settings, info, cells, stats
 
 

@@ -15,6 +15,12 @@ from pathlib import Path
 
 import torch
 
+from nsa_bench.cli_args import (
+    add_compression_args,
+    add_device_arg,
+    add_kernel_shape_args,
+    add_kernel_timing_args,
+)
 from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
@@ -87,13 +93,8 @@ def bench_one(args: argparse.Namespace, seq_len: int, with_lse: bool) -> ScoreRo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--T", default="8192,16384,32768,65536", help="comma-separated tokens")
-    parser.add_argument("--B", type=int, default=1, help="batch")
-    parser.add_argument("--hq", type=int, default=64, help="query heads HQ")
-    parser.add_argument("--h", type=int, default=4, help="kv heads H")
-    parser.add_argument("--dk", type=int, default=128, help="query/key head dim")
-    parser.add_argument("--l", type=int, default=32, help="compression block length")
-    parser.add_argument("--d", type=int, default=16, help="compression stride")
+    add_kernel_shape_args(parser)
+    add_compression_args(parser)
     parser.add_argument("--l_sel", type=int, default=64, help="selection block length l'")
     parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -104,13 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time with the lse given (one pass), computed by the kernel (two passes), or both",
     )
     parser.add_argument("--config", default="", help='ScoreConfig, e.g. "block_rows=64,warps=4"')
-    parser.add_argument("--iters", type=int, default=20, help="timed runs")
-    parser.add_argument("--warmup", type=int, default=5, help="warm-up runs")
-    parser.add_argument("--csv", default="", help="write the rows to this CSV file")
-    parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu runs the kernel under the Triton interpreter (TRITON_INTERPRET=1) only",
+    add_kernel_timing_args(parser)
+    add_device_arg(
+        parser, "cpu runs the kernel under the Triton interpreter (TRITON_INTERPRET=1) only"
     )
     parser.add_argument("--seed", type=int, default=0)
 

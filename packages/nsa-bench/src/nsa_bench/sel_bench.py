@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nsa_bench.cli_args import parse_ints
 from nsa_bench.sel_stats import indices_for_bench
 from nsa_bench.timing import median_ms
 
@@ -384,10 +385,6 @@ def recommend_min_l(rows: Sequence[Row], min_speedup: float) -> int | None:
 # CLI
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
@@ -468,10 +465,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _env() -> dict[str, str]:
     try:
-        from nsa_bench.env import collect
+        from nsa_bench.env import collect_columns
     except ImportError as exc:
         return {"env_error": str(exc)}
-    return {f"env_{k}": v for k, v in collect().items()}
+    return collect_columns()
 
 
 def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
@@ -480,7 +477,7 @@ def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
     passes = (args.passes or "fwd").split(",")
     bench = _timer(args, device)
     rows: list[Row] = []
-    for length in _ints(args.L_list):
+    for length in parse_ints(args.L_list):
         tq = min(args.N, length)
         n = min(args.n, -(-length // args.sel_block))
         p = make_problem(
@@ -544,10 +541,10 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
     bench = _timer(args, device)
     fla_fn, fla_info = load_fla() if "fla" in methods else (None, "not requested")
     print(f"# fla peer: {fla_info}", file=sys.stderr)
-    lengths = _ints(args.T)
+    lengths = parse_ints(args.T)
     h = args.prefill_kv_heads
     runs: list[tuple[str, int, int, str]] = [("prefill", t, args.heads, "") for t in lengths]
-    runs += [("groups", max(lengths), g * h, "") for g in _ints(args.groups)]
+    runs += [("groups", max(lengths), g * h, "") for g in parse_ints(args.groups)]
     runs += [("configs", max(lengths), args.heads, c) for c in args.configs.split(";") if c]
     rows: list[Row] = []
 
