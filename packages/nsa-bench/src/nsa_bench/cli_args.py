@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from nsa_core import NSAConfig
+
 # ---------------------------------------------------------------------------------------------
 # Comma-separated values
 
@@ -78,6 +80,24 @@ def add_layer_blocks_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sel-block", type=int, default=64, help="l'")
     parser.add_argument("--num-selected", type=int, default=16, help="n")
     parser.add_argument("--window", type=int, default=512, help="w")
+
+
+# NSAConfig's block geometry, named as the flags of add_layer_blocks_args (and as the fields of
+# the layer bench's Shape and the needle task's settings) name it.
+BLOCK_GEOMETRY = ("cmp_block", "cmp_stride", "sel_block", "num_selected", "window")
+
+
+def blocks_config(
+    geometry: object, heads: tuple[int, int], head_dims: tuple[int, int]
+) -> NSAConfig:
+    """The NSAConfig of (HQ, H), (dk, dv) and the l, d, l', n, w that ``geometry`` carries.
+
+    ``geometry`` is anything with the :data:`BLOCK_GEOMETRY` attributes: parsed flags of
+    :func:`add_layer_blocks_args`, the layer bench's ``Shape``, the needle task's settings.
+    """
+    (hq, h), (dk, dv) = heads, head_dims
+    blocks = {name: getattr(geometry, name) for name in BLOCK_GEOMETRY}
+    return NSAConfig(num_q_heads=hq, num_kv_heads=h, head_dim_qk=dk, head_dim_v=dv, **blocks)
 
 
 def add_kernel_shape_args(parser: argparse.ArgumentParser) -> None:

@@ -50,6 +50,7 @@ from torch.multiprocessing.spawn import spawn
 from nsa_bench.cli_args import (
     add_layer_blocks_args,
     add_layer_heads_args,
+    blocks_config,
     parse_length,
     parse_pairs,
 )
@@ -468,17 +469,7 @@ def settings(args: argparse.Namespace) -> Settings:
     if not exchanges or len(exchanges) != len(set(names)):
         raise argparse.ArgumentTypeError(f"--slc-exchanges: choose from {SLC_EXCHANGES}")
     layout = next(x for x in LAYOUTS if x == args.layout)
-    config = NSAConfig(
-        num_q_heads=hq,
-        num_kv_heads=h,
-        head_dim_qk=dk,
-        head_dim_v=dv,
-        cmp_block=args.cmp_block,
-        cmp_stride=args.cmp_stride,
-        sel_block=args.sel_block,
-        num_selected=args.num_selected,
-        window=args.window,
-    )
+    config = blocks_config(args, (hq, h), (dk, dv))
     return Settings(
         seqlens=tuple(parse_length(x) for x in args.seqlens.split(",") if x.strip()),
         batch=args.batch,

@@ -53,6 +53,7 @@ from nsa_bench.cli_args import (
     add_device_arg,
     add_layer_blocks_args,
     add_layer_heads_args,
+    blocks_config,
     parse_length,
     parse_names,
     parse_pairs,
@@ -156,17 +157,8 @@ class Shape:
         return float(self.head_dim_qk**-0.5)
 
     def config(self) -> NSAConfig:
-        return NSAConfig(
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim_qk=self.head_dim_qk,
-            head_dim_v=self.head_dim_v,
-            cmp_block=self.cmp_block,
-            cmp_stride=self.cmp_stride,
-            sel_block=self.sel_block,
-            num_selected=self.num_selected,
-            window=self.window,
-        )
+        heads = (self.num_q_heads, self.num_kv_heads)
+        return blocks_config(self, heads, (self.head_dim_qk, self.head_dim_v))
 
     def row(self, kind: str, method: str, mode: str, step: str = "", **extra: Any) -> Row:
         return Row(

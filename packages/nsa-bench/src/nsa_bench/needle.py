@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nsa_bench.cli_args import parse_floats, parse_ints
+from nsa_bench.cli_args import blocks_config, parse_floats, parse_ints
 from nsa_bench.sel_bench import nsa_block_indices
 from nsa_bench.sel_stats import SelStats, format_stats_table, save_indices, selection_stats
 from nsa_core import NSAAttention, NSAConfig, ops
@@ -326,17 +326,7 @@ class NeedleSettings:
     seed: int = 0
 
     def nsa_config(self) -> NSAConfig:
-        return NSAConfig(
-            num_q_heads=self.heads,
-            num_kv_heads=self.kv_heads,
-            head_dim_qk=self.head_dim,
-            head_dim_v=self.head_dim,
-            cmp_block=self.cmp_block,
-            cmp_stride=self.cmp_stride,
-            sel_block=self.sel_block,
-            num_selected=self.num_selected,
-            window=self.window,
-        )
+        return blocks_config(self, (self.heads, self.kv_heads), (self.head_dim, self.head_dim))
 
     def task(self) -> NeedleTask:
         return NeedleTask(self.filler_vocab, self.value_len, self.value_vocab, self.needle_repeats)
@@ -870,16 +860,12 @@ def _statistics(
 
 def routing(settings: NeedleSettings, device: torch.device) -> str:
     """The backend each op gets for a training call of these shapes, and why (registry)."""
-    ctx = OpContext(
+    ctx = OpContext.for_config(
+        settings.nsa_config(),
         device=device,
         dtype=torch.bfloat16 if _use_autocast(device) else torch.float32,
         seq_len=settings.train_len,
-        num_q_heads=settings.heads,
-        num_kv_heads=settings.kv_heads,
-        head_dim_qk=settings.head_dim,
-        head_dim_v=settings.head_dim,
         requires_grad=True,
-        varlen=False,
     )
     return routing_report(ctx)
 

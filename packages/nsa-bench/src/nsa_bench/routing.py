@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from nsa_core import NSAConfig
 from nsa_core.registry import OpContext, routing_report
 from nsa_core.toggles import get_toggles
 from nsa_kernels.pairing import installed_pairing
@@ -28,20 +29,20 @@ def run(args: argparse.Namespace) -> int:
         devices.insert(0, torch.device("cuda"))
         major, minor = torch.cuda.get_device_capability()
         print(f"device: {torch.cuda.get_device_name()} (sm_{major}{minor})")
+    # Only the heads and head dims reach the routing rules; the block geometry keeps its defaults.
+    config = NSAConfig(
+        num_q_heads=args.heads, num_kv_heads=args.groups, head_dim_qk=args.dk, head_dim_v=args.dv
+    )
     for device in devices:
         dtypes = (torch.bfloat16, torch.float32) if device.type == "cuda" else (torch.float32,)
         for dtype in dtypes:
             for requires_grad in (False, True):
-                ctx = OpContext(
+                ctx = OpContext.for_config(
+                    config,
                     device=device,
                     dtype=dtype,
                     seq_len=args.seq_len,
-                    num_q_heads=args.heads,
-                    num_kv_heads=args.groups,
-                    head_dim_qk=args.dk,
-                    head_dim_v=args.dv,
                     requires_grad=requires_grad,
-                    varlen=False,
                 )
                 mode = "train" if requires_grad else "inference"
                 print(
