@@ -17,9 +17,10 @@ kernels through tile tables built on the device, sized from the shapes alone.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 
@@ -35,6 +36,7 @@ from nsa_kernels.compressed.triton_fwd import LOG2E, cmp_fwd_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+_P = ParamSpec("_P")
 # The dk/dv kernel aims at this many programs per SM, so the unequal key tiles balance out.
 DKV_PROGRAMS_PER_SM = 4
 # Fewest query rows one dk/dv program takes when a key tile is split over several programs.
@@ -169,8 +171,10 @@ def _prepare(
     scale: float | None,
     q_start: int,
     cu_seqlens: torch.Tensor | None,
-) -> _Launch:
-    """Validate like the reference op, then the kernels' own limits; collect the launch facts."""
+    config: CmpConfig | None,
+) -> tuple[_Launch, CmpConfig]:
+    """Validate like the reference op, then the kernels' own limits; collect the launch facts
+    and fill the zeros of ``config`` for them (:func:`resolve_config`)."""
     check_compressed_attention(
         q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )
@@ -183,7 +187,7 @@ def _prepare(
     cmp_cu = None
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride).to(torch.int32)
-    return _Launch(
+    info = _Launch(
         batch=batch,
         tq=tq,
         hq=hq,
@@ -198,6 +202,7 @@ def _prepare(
         cu_seqlens=cu_seqlens,
         cmp_cu=cmp_cu,
     )
+    return info, resolve_config(config, dk, dv, q.dtype)
 
 
 def tile_table(
@@ -429,10 +434,10 @@ def compressed_attention_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward only: o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ] float32 (natural log).
 
-    Arguments as :func:`compressed_attention_triton`; lse is -inf on rows that see no block.
+    Arguments as :func:`compressed_attention_triton_with_lse`; lse is -inf on rows that see no
+    block.
     """
-    info = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens)
-    cfg = resolve_config(config, info.dk, info.dv, q.dtype)
+    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
     return _fwd(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), info, cfg)
 
 
@@ -452,8 +457,7 @@ def compressed_attention_bwd(
     config: CmpConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk_cmp, dv_cmp for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse: forward)."""
-    info = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens)
-    cfg = resolve_config(config, info.dk, info.dv, q.dtype)
+    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
     return _bwd(
         do, q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), o, lse.contiguous(), info, cfg
     )
@@ -475,8 +479,9 @@ class CompressedAttentionFunction(torch.autograd.Function):
         cu_seqlens: torch.Tensor | None,
         config: CmpConfig | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        info = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens)
-        cfg = resolve_config(config, info.dk, info.dv, q.dtype)
+        info, cfg = _prepare(
+            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config
+        )
         q, k_cmp, v_cmp = q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous()
         o, lse = _fwd(q, k_cmp, v_cmp, info, cfg)
         ctx.save_for_backward(q, k_cmp, v_cmp, o, lse)
@@ -506,47 +511,8 @@ def compressed_attention_triton_with_lse(
     cu_seqlens: torch.Tensor | None = None,
     config: CmpConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compressed attention and its log-sum-exp; arguments as :func:`compressed_attention_triton`.
-
-    Returns:
-        o [B, Tq, HQ, dv] in q's dtype (differentiable in q, k_cmp, v_cmp) and lse [B, Tq, HQ]
-        float32: ``log sum_i exp(scale * q . k_cmp[i])`` over the visible blocks, -inf for rows
-        that see none (no gradient flows through lse).
-    """
-    if torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad or v_cmp.requires_grad):
-        out = CompressedAttentionFunction.apply(  # type: ignore[no-untyped-call]
-            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config
-        )
-        o, lse = out
-        assert isinstance(o, torch.Tensor)
-        assert isinstance(lse, torch.Tensor)
-        return o, lse
-    return compressed_attention_fwd(
-        q,
-        k_cmp,
-        v_cmp,
-        cmp_block,
-        cmp_stride,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        config=config,
-    )
-
-
-def compressed_attention_triton(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    config: CmpConfig | None = None,
-) -> torch.Tensor:
-    """Compressed attention (docs/spec.md) on Triton; the reference op's contract.
+    """Compressed attention (docs/spec.md) on Triton and its log-sum-exp; the reference op's
+    contract.
 
     Query row r sits at position ``t = q_start + r`` (varlen: positions restart at 0 in every
     sequence); head h (kv head ``h // G``) attends in one softmax to the compressed blocks i with
@@ -563,19 +529,47 @@ def compressed_attention_triton(
         config: tiles and launch parameters (default: :func:`resolve_config`).
 
     Returns:
-        o [B, Tq, HQ, dv] in q's dtype; differentiable in q, k_cmp and v_cmp.
+        o [B, Tq, HQ, dv] in q's dtype (differentiable in q, k_cmp, v_cmp) and lse [B, Tq, HQ]
+        float32: ``log sum_i exp(scale * q . k_cmp[i])`` over the visible blocks, -inf for rows
+        that see none (no gradient flows through lse).
     """
-    return compressed_attention_triton_with_lse(
-        q,
-        k_cmp,
-        v_cmp,
-        cmp_block,
-        cmp_stride,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        config=config,
-    )[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad or v_cmp.requires_grad):
+        out = CompressedAttentionFunction.apply(  # type: ignore[no-untyped-call]
+            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config
+        )
+        o, lse = out
+        assert isinstance(o, torch.Tensor)
+        assert isinstance(lse, torch.Tensor)
+        return o, lse
+    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
+    return _fwd(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), info, cfg)
+
+
+def _output_only(
+    with_lse: Callable[_P, tuple[torch.Tensor, torch.Tensor]], name: str, doc: str
+) -> Callable[_P, torch.Tensor]:
+    """``with_lse`` without its log-sum-exp: the same arguments, o alone."""
+
+    def attend(*args: _P.args, **kwargs: _P.kwargs) -> torch.Tensor:
+        return with_lse(*args, **kwargs)[0]
+
+    attend.__name__ = attend.__qualname__ = name
+    attend.__doc__ = doc
+    # help() and inspect show the arguments of with_lse, and o alone as the result.
+    signature = inspect.signature(with_lse).replace(return_annotation="torch.Tensor")
+    attend.__signature__ = signature  # type: ignore[attr-defined]
+    return attend
+
+
+compressed_attention_triton = _output_only(
+    compressed_attention_triton_with_lse,
+    "compressed_attention_triton",
+    """Compressed attention (docs/spec.md) on Triton; the reference op's contract.
+
+    Arguments as :func:`compressed_attention_triton_with_lse`, whose o it returns:
+    o [B, Tq, HQ, dv] in q's dtype, differentiable in q, k_cmp and v_cmp.
+    """,
+)
 
 
 def attention_flops(
