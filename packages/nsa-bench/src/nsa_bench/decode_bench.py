@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nsa_bench.env import collect
+from nsa_bench.timing import warm_then_capture
 from nsa_core import NSAAttention, NSAConfig, expected_reads, num_cmp_blocks
 
 if TYPE_CHECKING:
@@ -117,18 +118,7 @@ def graph_ms(replay: Callable[[], object], iters: int, repeats: int) -> float:
 
 def _captured(fn: Callable[[], object], graph: bool) -> Callable[[], object]:
     """``fn`` warmed up, then as a CUDA graph replay (``graph``) or as it is."""
-    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    if not graph:
-        return fn
-    captured = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(captured):
-        fn()
-    return captured.replay
+    return warm_then_capture(lambda: fn, warmup=3, graph=graph)
 
 
 def load_flash_kvcache() -> Callable[..., torch.Tensor] | None:

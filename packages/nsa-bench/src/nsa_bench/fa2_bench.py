@@ -29,7 +29,7 @@ import torch
 from nsa_bench.cli_args import add_device_arg, parse_ints
 from nsa_bench.cli_args import parse_names as _names
 from nsa_bench.env import collect
-from nsa_bench.timing import median_ms
+from nsa_bench.timing import clear_grads, do_bench_median_ms, median_ms
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.reference import compressed_attention, sliding_attention
 
@@ -174,19 +174,8 @@ def time_ms(
 ) -> float:
     """Median milliseconds of ``call``: triton's do_bench on CUDA, the host clock elsewhere."""
     if device.type == "cuda":
-        import triton.testing
-
-        return float(
-            triton.testing.do_bench(
-                call, warmup=warmup, rep=rep, grad_to_none=grads or None, return_mode="median"
-            )
-        )
-
-    def reset() -> None:
-        for x in grads:
-            x.grad = None
-
-    return median_ms(call, iters=3, warmup=1, device=device, setup=reset)
+        return do_bench_median_ms(call, warmup_ms=warmup, rep_ms=rep, grads=grads)
+    return median_ms(call, iters=3, warmup=1, device=device, setup=clear_grads(grads))
 
 
 def _case_columns(case: Case) -> dict[str, Any]:

@@ -60,7 +60,7 @@ from nsa_bench.cli_args import (
 )
 from nsa_bench.env import collect_columns
 from nsa_bench.tables import finite_or_dash, write_env_tables
-from nsa_bench.timing import median_ms
+from nsa_bench.timing import clear_grads, do_bench_median_ms, median_ms
 from nsa_core import NSAConfig
 from nsa_core.registry import OpContext
 
@@ -196,27 +196,15 @@ def make_timer(
     """Median ms of ``fn``: do_bench on CUDA (grads of ``leaves`` reset between runs), else the
     host clock over ``iters`` runs after ``warmup``."""
     if device.type == "cuda":
-        import triton.testing
 
         def bench_cuda(fn: Callable[[], object], leaves: Sequence[torch.Tensor]) -> float:
-            return float(
-                triton.testing.do_bench(
-                    fn,
-                    warmup=warmup_ms,
-                    rep=rep_ms,
-                    grad_to_none=list(leaves) or None,
-                    return_mode="median",
-                )
-            )
+            return do_bench_median_ms(fn, warmup_ms=warmup_ms, rep_ms=rep_ms, grads=leaves)
 
         return bench_cuda
 
     def bench_host(fn: Callable[[], object], leaves: Sequence[torch.Tensor]) -> float:
-        def reset() -> None:
-            for t in leaves:
-                t.grad = None
-
-        return median_ms(fn, iters=iters, warmup=warmup, device=device, setup=reset)
+        setup = clear_grads(leaves)
+        return median_ms(fn, iters=iters, warmup=warmup, device=device, setup=setup)
 
     return bench_host
 

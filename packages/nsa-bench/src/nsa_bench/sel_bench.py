@@ -47,7 +47,7 @@ from torch import Tensor
 
 from nsa_bench.cli_args import parse_ints
 from nsa_bench.sel_stats import indices_for_bench
-from nsa_bench.timing import median_ms
+from nsa_bench.timing import do_bench_median_ms, median_ms
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROWS_METHODS = ("triton", "sdpa", "reference")
@@ -217,14 +217,9 @@ def _timer(
     args: argparse.Namespace, device: torch.device
 ) -> Callable[[Callable[[], object]], float]:
     if args.prefill and device.type == "cuda":
-        import triton.testing
 
         def bench(fn: Callable[[], object]) -> float:
-            return float(
-                triton.testing.do_bench(
-                    fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median"
-                )
-            )
+            return do_bench_median_ms(fn, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
 
         return bench
 

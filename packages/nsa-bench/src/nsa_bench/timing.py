@@ -1,10 +1,11 @@
-"""Median timings of a callable: CUDA events (optionally over a CUDA graph) or the host clock."""
+"""Median timings of a callable: CUDA events (optionally over a CUDA graph), triton's do_bench
+or the host clock."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -47,6 +48,74 @@ def median_ms(
     return float(statistics.median(times))
 
 
+def clear_grads(tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A ``setup`` for :func:`median_ms` that resets ``tensors``' ``.grad`` before every call.
+
+    Backward runs would otherwise accumulate into the previous run's gradients, timing an add
+    the real step does not do.
+    """
+
+    def reset() -> None:
+        for t in tensors:
+            t.grad = None
+
+    return reset
+
+
+def do_bench_median_ms(
+    fn: Callable[[], object],
+    *,
+    warmup_ms: float,
+    rep_ms: float,
+    grads: Sequence[torch.Tensor] = (),
+) -> float:
+    """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (CUDA only).
+
+    do_bench runs ``fn`` for about ``warmup_ms``, then times it for about ``rep_ms``, flushing the
+    L2 cache between runs; the ``.grad`` of ``grads`` is reset before each run.
+    """
+    import triton.testing
+
+    return float(
+        triton.testing.do_bench(
+            fn,
+            warmup=warmup_ms,
+            rep=rep_ms,
+            grad_to_none=list(grads) or None,
+            return_mode="median",
+        )
+    )
+
+
+def warm_then_capture(
+    make_fn: Callable[[], Callable[[], object]],
+    *,
+    warmup: int,
+    device: torch.device | None = None,
+    graph: bool = True,
+) -> Callable[[], object]:
+    """``make_fn()()`` run ``warmup`` times on a side stream, then a fresh ``make_fn()`` captured.
+
+    Returns the CUDA graph's replay, or with ``graph=False`` the fresh callable itself (eager
+    steps after the same warm-up). The warm-up runs on a side stream, as CUDA graph capture
+    needs, so lazy initialisation and autotuning happen before the capture. ``device`` None is
+    the current CUDA device.
+    """
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            make_fn()()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    fn = make_fn()
+    if not graph:
+        return fn
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        fn()
+    return captured.replay
+
+
 def graph_median_ms(
     make_fn: Callable[[], Callable[[], object]],
     *,
@@ -63,14 +132,5 @@ def graph_median_ms(
     """
     if device.type != "cuda":
         raise ValueError("graph_median_ms needs a CUDA device")
-    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(max(warmup, 2)):
-            make_fn()()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    fn = make_fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay, iters=iters, warmup=warmup, device=device)
+    replay = warm_then_capture(make_fn, warmup=max(warmup, 2), device=device)
+    return median_ms(replay, iters=iters, warmup=warmup, device=device)
