@@ -22,7 +22,7 @@ from nsa_core.checks import (
     check_sliding_attention,
 )
 from nsa_core.registry import OpContext, resolve_fn, resolve_fn_with_lse
-from nsa_core.toggles import get_toggles
+from nsa_core.toggles import Toggles, get_toggles
 
 
 def op_context(
@@ -47,6 +47,25 @@ def op_context(
     )
 
 
+def _compressed_route(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None,
+    q_start: int,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[Toggles, OpContext]:
+    """Validate a compressed_attention call (q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp
+    [B, N, H, dv]); the toggles and the routing context its backend is chosen by."""
+    check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    toggles = get_toggles()
+    return toggles, op_context(q, k_cmp, v_cmp, q_start + q.shape[1], varlen=cu_seqlens is not None)
+
+
 def compressed_attention(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -64,23 +83,12 @@ def compressed_attention(
     [B, N, H, dv]; block i covers tokens [i*d, i*d + l). Rows that see no block give 0. See
     :func:`nsa_core.reference.compressed_attention` for every argument.
     """
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    toggles, ctx = _compressed_route(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens
     )
-    toggles = get_toggles()
-    ctx = op_context(q, k_cmp, v_cmp, q_start + q.shape[1], varlen=cu_seqlens is not None)
     fn = resolve_fn("compressed_attention", ctx, toggles)
-    out: torch.Tensor = fn(
-        q,
-        k_cmp,
-        v_cmp,
-        cmp_block,
-        cmp_stride,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        toggles=toggles,
-    )
+    args = (q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
+    out: torch.Tensor = fn(*args, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles)
     return out
 
 
@@ -104,11 +112,9 @@ def compressed_attention_with_lse(
         None when the chosen backend has no ``fn_with_lse`` (or a debug hook is on). Meant for
         :func:`select_blocks`'s ``lse``, with the same q, k_cmp, scale, q_start and cu_seqlens.
     """
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    toggles, ctx = _compressed_route(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens
     )
-    toggles = get_toggles()
-    ctx = op_context(q, k_cmp, v_cmp, q_start + q.shape[1], varlen=cu_seqlens is not None)
     fn_with_lse = resolve_fn_with_lse("compressed_attention", ctx, toggles)
     args = (q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
     if fn_with_lse is None:
@@ -153,17 +159,8 @@ def selected_attention(
     )
     ctx = op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
     fn = resolve_fn("selected_attention", ctx, toggles)
-    out: torch.Tensor = fn(
-        q,
-        k,
-        v,
-        block_indices,
-        sel_block,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        toggles=toggles,
-    )
+    args = (q, k, v, block_indices, sel_block, scale)
+    out: torch.Tensor = fn(*args, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles)
     return out
 
 
