@@ -21,12 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nsa_bench.cli_args import (
-    add_compression_args,
-    add_device_arg,
-    add_kernel_shape_args,
-    add_kernel_timing_args,
-)
+from nsa_bench import cli_args
 from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
@@ -169,9 +164,9 @@ def time_peer(method: str, p: CmpProblem, timer: Timer) -> tuple[float, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_kernel_shape_args(parser)
+    cli_args.add_kernel_shape_args(parser)
     parser.add_argument("--dv", type=int, default=128, help="value head dim")
-    add_compression_args(parser)
+    cli_args.add_compression_args(parser)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument(
         "--methods", default="triton", help=f"comma-separated, of {', '.join(METHODS)}"
@@ -180,8 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-max-t", type=int, default=16384, help="longest T for reference and sdpa"
     )
-    add_kernel_timing_args(parser)
-    add_device_arg(
+    cli_args.add_kernel_timing_args(parser)
+    cli_args.add_device_arg(
         parser, "cpu runs the Triton method under the Triton interpreter (TRITON_INTERPRET=1) only"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -201,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         return median_ms(fn, iters=args.iters, warmup=args.warmup, device=device)
 
     rows: list[CmpRow] = []
-    for seq_len in (int(x) for x in args.T.split(",") if x.strip()):
+    for seq_len in cli_args.parse_ints(args.T):
         p = make_problem(args, seq_len, device)
         flops = attention_flops(args.B, seq_len, args.hq, args.dk, args.dv, args.l, args.d)
         timed: list[tuple[str, str, float, float, float]] = []

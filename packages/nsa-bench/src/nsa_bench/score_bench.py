@@ -15,12 +15,7 @@ from pathlib import Path
 
 import torch
 
-from nsa_bench.cli_args import (
-    add_compression_args,
-    add_device_arg,
-    add_kernel_shape_args,
-    add_kernel_timing_args,
-)
+from nsa_bench import cli_args
 from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
@@ -93,8 +88,8 @@ def bench_one(args: argparse.Namespace, seq_len: int, with_lse: bool) -> ScoreRo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_kernel_shape_args(parser)
-    add_compression_args(parser)
+    cli_args.add_kernel_shape_args(parser)
+    cli_args.add_compression_args(parser)
     parser.add_argument("--l_sel", type=int, default=64, help="selection block length l'")
     parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -105,8 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time with the lse given (one pass), computed by the kernel (two passes), or both",
     )
     parser.add_argument("--config", default="", help='ScoreConfig, e.g. "block_rows=64,warps=4"')
-    add_kernel_timing_args(parser)
-    add_device_arg(
+    cli_args.add_kernel_timing_args(parser)
+    cli_args.add_device_arg(
         parser, "cpu runs the kernel under the Triton interpreter (TRITON_INTERPRET=1) only"
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -115,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     modes = {"both": (True, False), "given": (True,), "computed": (False,)}[args.lse]
     rows = []
-    for seq_len in (int(x) for x in args.T.split(",") if x.strip()):
+    for seq_len in cli_args.parse_ints(args.T):
         for with_lse in modes:
             row = bench_one(args, seq_len, with_lse)
             rows.append(row)
