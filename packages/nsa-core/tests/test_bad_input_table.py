@@ -97,104 +97,92 @@ def gates_() -> torch.Tensor:
 # ------------------------------------------------------------------------------ op calls
 
 
-def select_blocks_with(**over: Any) -> object:
-    a: dict[str, Any] = {
+def call_with(
+    fn: Callable[..., object], args: dict[str, Any], keywords: tuple[str, ...], over: dict[str, Any]
+) -> object:
+    """``fn`` on ``args`` with some replaced or added by ``over``, in order; the names in
+    ``keywords`` go by keyword, the rest by position."""
+    a = args | over
+    kw = {name: a.pop(name) for name in keywords if name in a}
+    return fn(*a.values(), **kw)
+
+
+def scoring_args() -> dict[str, Any]:
+    """The leading arguments select_blocks and block_scores share (q, k_cmp, l, d, l')."""
+    return {
         "q": q_(),
         "k_cmp": k_cmp_(),
         "cmp_block": L_CMP,
         "cmp_stride": D_CMP,
         "sel_block": L_SEL,
-        "num_selected": N_SEL,
-        "scale": None,
-    } | over
-    kw = {name: a.pop(name) for name in ("q_start", "cu_seqlens") if name in a}
-    return select_blocks(*a.values(), **kw)
+    }
+
+
+def select_blocks_with(**over: Any) -> object:
+    args = scoring_args() | {"num_selected": N_SEL, "scale": None}
+    return call_with(select_blocks, args, ("q_start", "cu_seqlens"), over)
 
 
 def block_scores_with(**over: Any) -> object:
-    a: dict[str, Any] = {
-        "q": q_(),
-        "k_cmp": k_cmp_(),
-        "cmp_block": L_CMP,
-        "cmp_stride": D_CMP,
-        "sel_block": L_SEL,
-        "scale": None,
-    } | over
-    kw = {name: a.pop(name) for name in ("q_start",) if name in a}
-    return block_scores(*a.values(), **kw)
+    return call_with(block_scores, scoring_args() | {"scale": None}, ("q_start",), over)
 
 
 def topn_blocks_with(**over: Any) -> object:
-    a: dict[str, Any] = {"scores": scores_(), "num_selected": N_SEL, "sel_block": L_SEL} | over
-    kw = {name: a.pop(name) for name in ("q_start",) if name in a}
-    return topn_blocks(*a.values(), **kw)
+    args = {"scores": scores_(), "num_selected": N_SEL, "sel_block": L_SEL}
+    return call_with(topn_blocks, args, ("q_start",), over)
 
 
 def compressed_with(**over: Any) -> object:
-    a: dict[str, Any] = {
+    args = {
         "q": q_(),
         "k_cmp": k_cmp_(),
         "v_cmp": rand(B, N_CMP, H, DV),
         "cmp_block": L_CMP,
         "cmp_stride": D_CMP,
-    } | over
-    kw = {name: a.pop(name) for name in ("q_start", "scale") if name in a}
-    return compressed_attention(*a.values(), **kw)
+    }
+    return call_with(compressed_attention, args, ("q_start", "scale"), over)
 
 
 def sliding_with(**over: Any) -> object:
-    a: dict[str, Any] = {
-        "q": q_(),
-        "k": rand(B, T, H, DK),
-        "v": rand(B, T, H, DV),
-        "window": W,
-    } | over
-    kw = {name: a.pop(name) for name in ("q_start",) if name in a}
-    return sliding_attention(*a.values(), **kw)
+    args = {"q": q_(), "k": rand(B, T, H, DK), "v": rand(B, T, H, DV), "window": W}
+    return call_with(sliding_attention, args, ("q_start",), over)
 
 
 def selected_with(**over: Any) -> object:
-    a: dict[str, Any] = {
+    args = {
         "q": q_(),
         "k": rand(B, T, H, DK),
         "v": rand(B, T, H, DV),
         "block_indices": valid_indices(),
         "sel_block": L_SEL,
-    } | over
-    return selected_attention(*a.values())
+    }
+    return call_with(selected_attention, args, (), over)
 
 
 def compress_with(**over: Any) -> object:
-    a: dict[str, Any] = {"x": rand(B, T, H, DK), "cmp_block": L_CMP, "cmp_stride": D_CMP} | over
-    kw = {name: a.pop(name) for name in ("phi", "cu_seqlens") if name in a}
-    return compress(*a.values(), **kw)
+    args = {"x": rand(B, T, H, DK), "cmp_block": L_CMP, "cmp_stride": D_CMP}
+    return call_with(compress, args, ("phi", "cu_seqlens"), over)
 
 
 def split_blocks_with(**over: Any) -> object:
-    a: dict[str, Any] = {"x": rand(B, T, H, DK), "cmp_block": L_CMP, "cmp_stride": D_CMP} | over
-    return split_blocks(*a.values())
+    args = {"x": rand(B, T, H, DK), "cmp_block": L_CMP, "cmp_stride": D_CMP}
+    return call_with(split_blocks, args, (), over)
 
 
 def combine_with(**over: Any) -> object:
-    a: dict[str, Any] = {
-        "o_cmp": branch(),
-        "o_slc": branch(),
-        "o_win": branch(),
-        "gates": gates_(),
-    } | over
-    return gated_combine(*a.values())
+    args = {"o_cmp": branch(), "o_slc": branch(), "o_win": branch(), "gates": gates_()}
+    return call_with(gated_combine, args, (), over)
 
 
 def nsa_attention_with(**over: Any) -> object:
-    a: dict[str, Any] = {
+    args = {
         "q": q_(),
         "k": rand(B, T, H, DK),
         "v": rand(B, T, H, DV),
         "gates": gates_(),
         "config": config(),
-    } | over
-    kw = {name: a.pop(name) for name in ("phi_k", "phi_v", "cu_seqlens") if name in a}
-    return nsa_attention(*a.values(), **kw)
+    }
+    return call_with(nsa_attention, args, ("phi_k", "phi_v", "cu_seqlens"), over)
 
 
 def kv_branches(**over: torch.Tensor) -> dict[str, torch.Tensor]:
