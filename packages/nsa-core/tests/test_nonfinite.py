@@ -111,6 +111,28 @@ def random_indices(
     return ref.topn_blocks(scores, n, l_sel)[0]
 
 
+def check_injections(
+    gen: torch.Generator,
+    inputs: dict[str, torch.Tensor],
+    where: str,
+    value: float,
+    run: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    expected_rows: Callable[[int, int, int], torch.Tensor],
+    what: str,
+) -> None:
+    """Four times: ``value`` at a random token s of ``inputs[where]`` ([B, T, heads, D]); the
+    rows of ``run`` ([B, T, HQ, dv]) that turn non-finite must be ``expected_rows(b, s, head)``
+    ([B, T, HQ]): exactly for a NaN or a bad value, at most for an Inf in q or a key."""
+    clean = run(inputs)
+    for _ in range(4):
+        bad_inputs = dict(inputs)
+        s = pick(gen, inputs[where].shape[1])
+        bad_inputs[where], b, head = inject(gen, inputs[where], s, value)
+        exact = value != value or where.startswith("v")
+        label = f"{what} {where}[{b}, {s}, {head}] = {value}"
+        check_rows(run(bad_inputs), clean, expected_rows(b, s, head), exact, label)
+
+
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_sliding(gen: torch.Generator, where: str, value: float) -> None:
@@ -120,19 +142,17 @@ def test_sliding(gen: torch.Generator, where: str, value: float) -> None:
         randn(gen, 2, length, H, DK),
         randn(gen, 2, length, H, DV),
     )
-    clean = ref.sliding_attention(q, k, v, w)
     t = torch.arange(length)
-    for _ in range(4):
-        s = pick(gen, length)
-        inputs = {"q": q, "k": k, "v": v}
-        inputs[where], b, head = inject(gen, inputs[where], s, value)
-        bad = ref.sliding_attention(inputs["q"], inputs["k"], inputs["v"], w)
+
+    def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
-            expected = query_row(b, s, head, True, (2, length, HQ))
-        else:
-            expected = group_rows(b, head, sliding_sees(t, s, w), (2, length, HQ))
-        exact = value != value or where == "v"
-        check_rows(bad, clean, expected, exact, f"sliding {where}[{b}, {s}, {head}] = {value}")
+            return query_row(b, s, head, True, (2, length, HQ))
+        return group_rows(b, head, sliding_sees(t, s, w), (2, length, HQ))
+
+    def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ref.sliding_attention(x["q"], x["k"], x["v"], w)
+
+    check_injections(gen, {"q": q, "k": k, "v": v}, where, value, run, expected_rows, "sliding")
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
@@ -142,19 +162,18 @@ def test_compressed(gen: torch.Generator, where: str, value: float) -> None:
     n = num_cmp_blocks(length, l_cmp, d)
     q = randn(gen, 2, length, HQ, DK)
     k_cmp, v_cmp = randn(gen, 2, n, H, DK), randn(gen, 2, n, H, DV)
-    clean = ref.compressed_attention(q, k_cmp, v_cmp, l_cmp, d)
     t = torch.arange(length)
-    for _ in range(4):
-        inputs = {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp}
-        s = pick(gen, inputs[where].shape[1])
-        inputs[where], b, head = inject(gen, inputs[where], s, value)
-        bad = ref.compressed_attention(inputs["q"], inputs["k_cmp"], inputs["v_cmp"], l_cmp, d)
+
+    def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
-            expected = query_row(b, s, head, s >= l_cmp - 1, (2, length, HQ))
-        else:
-            expected = group_rows(b, head, cmp_sees(t, s, l_cmp, d), (2, length, HQ))
-        exact = value != value or where == "v_cmp"
-        check_rows(bad, clean, expected, exact, f"compressed {where}[{b}, {s}, {head}] = {value}")
+            return query_row(b, s, head, s >= l_cmp - 1, (2, length, HQ))
+        return group_rows(b, head, cmp_sees(t, s, l_cmp, d), (2, length, HQ))
+
+    def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ref.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], l_cmp, d)
+
+    inputs = {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp}
+    check_injections(gen, inputs, where, value, run, expected_rows, "compressed")
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
@@ -167,20 +186,17 @@ def test_selected(gen: torch.Generator, where: str, value: float) -> None:
         randn(gen, 2, length, H, DV),
     )
     indices = random_indices(gen, 2, length, l_sel, n)
-    clean = ref.selected_attention(q, k, v, indices, l_sel)
-    for _ in range(4):
-        s = pick(gen, length)
-        inputs = {"q": q, "k": k, "v": v}
-        inputs[where], b, head = inject(gen, inputs[where], s, value)
-        bad = ref.selected_attention(inputs["q"], inputs["k"], inputs["v"], indices, l_sel)
+
+    def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
-            expected = query_row(b, s, head, True, (2, length, HQ))
-        else:
-            expected = group_rows(
-                b, head, selected_sees(indices, b, head, s, l_sel), (2, length, HQ)
-            )
-        exact = value != value or where == "v"
-        check_rows(bad, clean, expected, exact, f"selected {where}[{b}, {s}, {head}] = {value}")
+            return query_row(b, s, head, True, (2, length, HQ))
+        sees = selected_sees(indices, b, head, s, l_sel)
+        return group_rows(b, head, sees, (2, length, HQ))
+
+    def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return ref.selected_attention(x["q"], x["k"], x["v"], indices, l_sel)
+
+    check_injections(gen, {"q": q, "k": k, "v": v}, where, value, run, expected_rows, "selected")
 
 
 def fallback_choice(t: int, l_sel: int, n: int) -> list[int]:
