@@ -34,6 +34,11 @@ def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=F64)
 
 
+def dense_qkv(gen: torch.Generator, length: int) -> tuple[torch.Tensor, ...]:
+    """q [2, T, HQ, dk], k [2, T, H, dk], v [2, T, H, dv], drawn in that order."""
+    return randn(gen, 2, length, HQ, DK), randn(gen, 2, length, H, DK), randn(gen, 2, length, H, DV)
+
+
 def pick(gen: torch.Generator, high: int) -> int:
     return int(torch.randint(high, (1,), generator=gen))
 
@@ -137,11 +142,7 @@ def check_injections(
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_sliding(gen: torch.Generator, where: str, value: float) -> None:
     _, _, _, _, w, length = GEOMETRY
-    q, k, v = (
-        randn(gen, 2, length, HQ, DK),
-        randn(gen, 2, length, H, DK),
-        randn(gen, 2, length, H, DV),
-    )
+    q, k, v = dense_qkv(gen, length)
     t = torch.arange(length)
 
     def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
@@ -180,11 +181,7 @@ def test_compressed(gen: torch.Generator, where: str, value: float) -> None:
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_selected(gen: torch.Generator, where: str, value: float) -> None:
     _, _, l_sel, n, _, length = GEOMETRY
-    q, k, v = (
-        randn(gen, 2, length, HQ, DK),
-        randn(gen, 2, length, H, DK),
-        randn(gen, 2, length, H, DV),
-    )
+    q, k, v = dense_qkv(gen, length)
     indices = random_indices(gen, 2, length, l_sel, n)
 
     def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
