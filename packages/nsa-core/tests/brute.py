@@ -432,16 +432,11 @@ def selected_attention(
     cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], indices [B, Tq, H, n] -> o."""
-    return per_sequence(
-        q,
-        k,
-        v,
-        scale,
-        cu_seqlens,
-        lambda qs, ks, vs, b, rows, sc: selected_sequence(
-            qs, ks, vs, block_indices[b, rows], l_sel, sc, q_start
-        ),
-    )
+
+    def attend(qs: Tensor, ks: Tensor, vs: Tensor, b: int, rows: slice, sc: float) -> Tensor:
+        return selected_sequence(qs, ks, vs, block_indices[b, rows], l_sel, sc, q_start)
+
+    return per_sequence(q, k, v, scale, cu_seqlens, attend)
 
 
 def sliding_attention(
@@ -455,14 +450,11 @@ def sliding_attention(
     cu_seqlens: Tensor | None = None,
 ) -> Tensor:
     """q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] -> o [B, Tq, HQ, dv]."""
-    return per_sequence(
-        q,
-        k,
-        v,
-        scale,
-        cu_seqlens,
-        lambda qs, ks, vs, b, rows, sc: sliding_sequence(qs, ks, vs, w, sc, q_start),
-    )
+
+    def attend(qs: Tensor, ks: Tensor, vs: Tensor, b: int, rows: slice, sc: float) -> Tensor:
+        return sliding_sequence(qs, ks, vs, w, sc, q_start)
+
+    return per_sequence(q, k, v, scale, cu_seqlens, attend)
 
 
 def gated_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, gates: Tensor) -> Tensor:
