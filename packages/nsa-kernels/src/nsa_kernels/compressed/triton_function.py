@@ -27,6 +27,7 @@ import torch
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
+from nsa_kernels.common.tile_table import tile_table
 from nsa_kernels.compressed.triton_bwd import (
     cmp_bwd_dkv_kernel,
     cmp_bwd_dq_kernel,
@@ -203,42 +204,6 @@ def _prepare(
         cmp_cu=cmp_cu,
     )
     return info, resolve_config(config, dk, dv, q.dtype)
-
-
-def tile_table(
-    lengths: torch.Tensor,
-    per_tile: int,
-    bound: int,
-    work: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """Tiles of ``per_tile`` items over packed sequences, longest work first, on the device.
-
-    Args:
-        lengths: [S] items (tokens or compressed blocks) per sequence.
-        per_tile: items per tile.
-        bound: rows of the table, at least the number of tiles (``ceil(total / per_tile) + S``
-            always is); the extra rows are padding.
-        work: (sequence [bound], first item [bound]) -> work estimate [bound] of each tile.
-
-    Returns:
-        int32 [bound, 2]: (sequence, first item counted from the sequence's start), sorted by
-        decreasing work (stable); padding rows are (-1, 0) and come last.
-    """
-    lengths = lengths.to(torch.int64)
-    count = lengths.numel()
-    tiles = (lengths + per_tile - 1) // per_tile
-    ends = torch.cumsum(tiles, 0)
-    index = torch.arange(bound, device=lengths.device)
-    seq = torch.searchsorted(ends, index, right=True)
-    valid = seq < count
-    seq_c = seq.clamp(max=count - 1)
-    first = (index - (ends - tiles)[seq_c]) * per_tile
-    effort = torch.where(valid, work(seq_c, first), torch.full_like(first, -1))
-    order = torch.argsort(effort, descending=True, stable=True)
-    table = torch.stack(
-        [torch.where(valid, seq, -1), torch.where(valid, first, torch.zeros_like(first))], dim=1
-    )
-    return table[order].to(torch.int32).contiguous()
 
 
 def _query_tiles(info: _Launch, tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:

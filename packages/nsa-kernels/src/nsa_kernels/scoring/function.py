@@ -25,6 +25,7 @@ import triton.language as tl
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_select_blocks
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
+from nsa_kernels.common.tile_table import tile_table
 from nsa_kernels.scoring.kernels import LOG2E, score_topn_kernel
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,15 +55,6 @@ class ScoreConfig(TileConfig):
     warps: int = 0
     stages: int = 0
     shift: int = 0
-
-
-def parse_config(text: str) -> ScoreConfig:
-    """``"block_rows=64,warps=4"`` -> ScoreConfig (unnamed fields keep 0 = choose)."""
-    return ScoreConfig.parse(text)
-
-
-def _log2(x: int) -> int:
-    return x.bit_length() - 1
 
 
 @dataclass(frozen=True)
@@ -150,6 +142,15 @@ def resolve_config(
     )
 
 
+def parse_config(text: str) -> ScoreConfig:
+    """``"block_rows=64,warps=4"`` -> ScoreConfig (unnamed fields keep 0 = choose)."""
+    return ScoreConfig.parse(text)
+
+
+def _log2(x: int) -> int:
+    return x.bit_length() - 1
+
+
 def _head_dim_chunks(dk: int) -> tuple[int, int]:
     """(BK1, BK2): powers of two >= 16 with BK1 + BK2 >= dk; BK2 = 0 when one chunk fits.
 
@@ -169,19 +170,11 @@ def varlen_query_tiles(cu_seqlens: torch.Tensor, total: int, tokens: int) -> tor
     largest first (that tile walks the most blocks); padding rows are (-1, 0), at the end.
     """
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    count = lengths.numel()
-    bound = -(-total // tokens) + count
-    tiles = (lengths + tokens - 1) // tokens
-    ends = torch.cumsum(tiles, 0)
-    index = torch.arange(bound, device=cu_seqlens.device)
-    seq = torch.searchsorted(ends, index, right=True)
-    valid = seq < count
-    seq_c = seq.clamp(max=count - 1)
-    first = (index - (ends - tiles)[seq_c]) * tokens
-    reach = torch.where(valid, torch.minimum(first + tokens, lengths[seq_c]), -1)
-    order = torch.argsort(reach, descending=True, stable=True)
-    table = torch.stack([torch.where(valid, seq, -1), torch.where(valid, first, 0)], dim=1)
-    return table[order].to(torch.int32).contiguous()
+    bound = -(-total // tokens) + lengths.numel()
+    # A tile's last token sees the most blocks: its position + 1 measures the work.
+    return tile_table(
+        lengths, tokens, bound, lambda seq, first: torch.minimum(first + tokens, lengths[seq])
+    )
 
 
 def select_blocks_triton(
