@@ -53,19 +53,10 @@ class NSAConfig:
                 number or (value is None and "None" in f.type)
             ):
                 raise TypeError(f"NSAConfig.{f.name} must be a number, got {value!r}")
-        for name in (
-            "num_q_heads",
-            "num_kv_heads",
-            "head_dim_qk",
-            "head_dim_v",
-            "cmp_block",
-            "cmp_stride",
-            "sel_block",
-            "num_selected",
-            "window",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"NSAConfig.{name} must be >= 1, got {getattr(self, name)}")
+        # Every int field is a head count, a head dim or a length in tokens: all must be >= 1.
+        for f in fields(self):
+            if f.type == "int" and getattr(self, f.name) < 1:
+                raise ValueError(f"NSAConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
         if self.num_q_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"NSAConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "
