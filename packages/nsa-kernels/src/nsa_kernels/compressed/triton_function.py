@@ -26,6 +26,7 @@ import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
+from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
 from nsa_kernels.common.tile_table import tile_table
 from nsa_kernels.compressed.triton_bwd import (
@@ -252,14 +253,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: _Launch, cfg: CmpConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    o = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(info.batch, info.tq, info.hq, dtype=torch.float32, device=q.device)
+    o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if info.tq == 0:
         return o, lse
     if info.num_blocks == 0:
-        o.zero_()
-        lse.fill_(float("-inf"))
-        return o, lse
+        return no_visible_keys(o, lse)
     layout = row_tiles(info.group, cfg.block_m)
     tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
     cu, cmp_cu = _varlen_args(info, q.device)

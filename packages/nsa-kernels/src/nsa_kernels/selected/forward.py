@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected.launch import (
@@ -167,14 +168,11 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
     """o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log, -inf on rows that
     see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32."""
     sel_block, cfg = info.sel_block, info.cfg
-    o = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(info.batch, info.tq, info.hq, dtype=torch.float32, device=q.device)
+    o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if info.rows == 0:
         return o, lse
     if info.n == 0:
-        o.zero_()
-        lse.fill_(float("-inf"))
-        return o, lse
+        return no_visible_keys(o, lse)
     seq_ids, cu = varlen_args(info, q.device)
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
