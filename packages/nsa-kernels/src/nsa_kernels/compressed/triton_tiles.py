@@ -14,7 +14,7 @@ Key tiles (dk/dv): BN consecutive compressed blocks of one kv head; the query ro
 are walked TPQ tokens x HPP heads at a time.
 
 Packed sequences (varlen) index the tiles through tables built on the device
-(``tile_table`` of triton_function.py): int32 rows
+(:func:`nsa_kernels.common.tile_table.tile_table`): int32 rows
 ``(sequence, first token)`` or ``(sequence, first block)``, both counted from the sequence's
 start, sequence -1 for padding entries.
 """
