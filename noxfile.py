@@ -253,26 +253,46 @@ def _pair_text(cell: dict[str, Any]) -> str:
     return f"torch=={release} triton{cell['releases'][release]}"
 
 
-def _interp_session(cell: dict[str, Any]) -> None:
-    interpreter = tiers.tier("interpreter")
+def _paired_session(
+    cell: dict[str, Any], name: str, tag: str, selected: Sequence[tiers.Tier], doc: str
+) -> None:
+    """Register session ``name``: the ``selected`` tiers in an install of ``cell``'s torch and
+    its paired triton, the pairing checked first."""
+    need_gpu = any(t.hardware == "cuda" for t in selected)
+    # CPU tiers share the machine's cores between two pytest-xdist workers; GPU tiers run in one
+    # process each.
+    workers = None if need_gpu else "2"
+    # The pairing is probed under the environment the tiers run in (TRITON_INTERPRET=1 for the
+    # interpreter; the GPU tiers set none).
+    probe_env = {k: v for t in selected for k, v in t.env.items()}
 
     def session_fn(session: nox.Session) -> None:
         constraints = (
             None if SYSTEM else _constraints_file(session, cell["torch"], cells.constraints(cell))
         )
         python, env = _python_and_env(session, constraints)
-        found = _probe(session, python, {**env, **interpreter.env})
-        _check_cell(session, found, cell, need_gpu=False)
-        _run_tiers(session, python, env, [interpreter], "2")
+        found = _probe(session, python, {**env, **probe_env})
+        _check_cell(session, found, cell, need_gpu=need_gpu)
+        _run_tiers(session, python, env, selected, workers)
 
-    session_fn.__doc__ = f"The Triton interpreter tier on CPU with {_pair_text(cell)}."
+    session_fn.__doc__ = doc
     nox.session(
-        name=f"interp-{cell['torch']}",
+        name=name,
         python=None if SYSTEM else cells.default_python(cell),
         venv_backend=_TEST_BACKEND,
-        tags=["interp"],
+        tags=[tag],
         default=False,
     )(session_fn)
+
+
+def _interp_session(cell: dict[str, Any]) -> None:
+    _paired_session(
+        cell,
+        f"interp-{cell['torch']}",
+        "interp",
+        [tiers.tier("interpreter")],
+        f"The Triton interpreter tier on CPU with {_pair_text(cell)}.",
+    )
 
 
 def _interp_triton_session(cell: dict[str, Any]) -> None:
@@ -315,24 +335,14 @@ def _interp_triton_session(cell: dict[str, Any]) -> None:
 
 
 def _gpu_session(cell: dict[str, Any]) -> None:
-    def session_fn(session: nox.Session) -> None:
-        constraints = (
-            None if SYSTEM else _constraints_file(session, cell["torch"], cells.constraints(cell))
-        )
-        python, env = _python_and_env(session, constraints)
-        found = _probe(session, python, env)
-        _check_cell(session, found, cell, need_gpu=True)
-        _run_tiers(session, python, env, tiers.GPU_TIERS, None)
-
     names = ", ".join(t.name for t in tiers.GPU_TIERS)
-    session_fn.__doc__ = f"The GPU tiers ({names}) on a CUDA machine with {_pair_text(cell)}."
-    nox.session(
-        name=f"gpu_parity-{cell['torch']}",
-        python=None if SYSTEM else cells.default_python(cell),
-        venv_backend=_TEST_BACKEND,
-        tags=["gpu"],
-        default=False,
-    )(session_fn)
+    _paired_session(
+        cell,
+        f"gpu_parity-{cell['torch']}",
+        "gpu",
+        tiers.GPU_TIERS,
+        f"The GPU tiers ({names}) on a CUDA machine with {_pair_text(cell)}.",
+    )
 
 
 for _cell in cells.supported():
