@@ -24,7 +24,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from nsa_kernels.compressed.triton_tiles import key_tile, query_tile, visible_blocks
+from nsa_kernels.common.key_rows import load_key_rows, store_key_grads
+from nsa_kernels.compressed.triton_fwd import group_rows, query_tile_rows
+from nsa_kernels.compressed.triton_tiles import key_tile, visible_blocks
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -56,33 +58,11 @@ def _dq_key_tile(
 ):
     """dq [BM, BK] (unscaled) plus the contribution of blocks [n0, n0 + BN)."""
     offs_n = tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
     blocks = n0 + offs_n
     k_rows = key_row + offs_n.to(tl.int64)
-    if MASK:
-        live = blocks < n_hi
-        kt = tl.load(
-            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
-            mask=live[:, None] & (offs_k < DK)[None, :],
-            other=0.0,
-        )
-        vt = tl.load(
-            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
-            mask=live[:, None] & (offs_v < DV)[None, :],
-            other=0.0,
-        )
-    else:
-        kt = tl.load(
-            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
-            mask=(offs_k < DK)[None, :],
-            other=0.0,
-        )
-        vt = tl.load(
-            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
-            mask=(offs_v < DV)[None, :],
-            other=0.0,
-        )
+    live = blocks < n_hi
+    kt = load_key_rows(k_head, k_rows, stride_kt, live, DK, BK, MASK)
+    vt = load_key_rows(v_head, k_rows, stride_vt, live, DV, BV, MASK)
     s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
     p = tl.exp2(s - lse2[:, None])
     if MASK:
@@ -144,26 +124,10 @@ def cmp_bwd_dq_kernel(
 
     ``q``/``dq`` share strides, as do ``o``/``do`` and ``lse``/``delta`` [B, Tq, HQ].
     """
-    pid = tl.program_id(0)
-    units = num_kv_heads * NCH
-    unit = pid % units
-    kvh = unit // NCH
-    chunk = unit - kvh * NCH
-    b, r0, r_end, t0, kbase = query_tile(
-        tiles_ptr, cu_ptr, cmp_cu_ptr, pid // units, batch, tq, q_start, TPP, VARLEN
-    )
-
-    rr = tl.arange(0, BM)
-    tok = rr // HPP
-    g = chunk * HPP + (rr - tok * HPP)
-    rows = r0 + tok
-    row_ok = (tok < TPP) & (g < G) & (rows < r_end)
-    heads = kvh * G + g
-    nvis = visible_blocks(t0 + tok, LBLK, DSTR)
-    tokens = tl.minimum(r_end - r0, TPP)
-    n_lo = tl.where(tokens > 0, visible_blocks(t0, LBLK, DSTR), 0)
-    n_hi = tl.where(tokens > 0, visible_blocks(t0 + tokens - 1, LBLK, DSTR), 0)
-    n_full = (n_lo // BN) * BN
+    b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full = query_tile_rows(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads,
+        G, HPP, TPP, NCH, BM, LBLK, DSTR, BN, VARLEN,
+    )  # fmt: skip
 
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)
@@ -244,12 +208,7 @@ def _dkv_query_tile(
     Computed transposed (blocks on the rows): st = k q^T [BN, BMQ]. MASK: some query row does
     not see every block of the tile.
     """
-    rr = tl.arange(0, BMQ)
-    tok = rr // HPP
-    g = chunk * HPP + (rr - tok * HPP)
-    rows = start + tok
-    row_ok = (tok < TPQ) & (g < G) & (rows < seg_hi)
-    heads = kvh * G + g
+    _, rows, row_ok, heads = group_rows(start, seg_hi, chunk, kvh, G, HPP, TPQ, BMQ)
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)
     qt = tl.load(
@@ -486,13 +445,8 @@ def cmp_dkv_reduce_kernel(
     # split folded into a block mask: triton 3.9's interpreter turns scalar & block into int32.
     live = (blocks < n_end) & ((split.to(tl.int32) + tl.zeros_like(offs_n)) > 0)
     k_rows = (kbase + blocks).to(tl.int64)
-    tl.store(
-        dk_ptr + b * stride_kb + k_rows[:, None] * stride_kt + kvh * stride_kh + offs_k[None, :],
-        dk.to(dk_ptr.dtype.element_ty),
-        mask=live[:, None] & (offs_k < DK)[None, :],
-    )
-    tl.store(
-        dv_ptr + b * stride_vb + k_rows[:, None] * stride_vt + kvh * stride_vh + offs_v[None, :],
-        dv.to(dv_ptr.dtype.element_ty),
-        mask=live[:, None] & (offs_v < DV)[None, :],
-    )
+    store_key_grads(
+        dk_ptr, dv_ptr, dk, dv, b, kvh, k_rows, live,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        DK=DK, BK=BK, DV=DV, BV=BV,
+    )  # fmt: skip

@@ -17,12 +17,85 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nsa_kernels.common.key_rows import load_key_rows
+from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.compressed.triton_tiles import query_tile, visible_blocks
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # Plain module floats are not visible inside @jit; constexpr globals are.
 _LN2 = tl.constexpr(LN2)
+
+
+@triton.jit
+def group_rows(
+    r0,
+    r_end,
+    chunk,
+    kvh,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    TPP: tl.constexpr,
+    BM: tl.constexpr,
+):
+    """(tok, rows, row_ok, heads) [BM] of a tile of TPP query tokens from row r0 x HPP heads.
+
+    Row ``tok * HPP + i`` is token ``rows = r0 + tok`` (a row of q's T axis) and query head
+    ``heads``, head ``chunk * HPP + i`` of kv head kvh's group of G; row_ok: a token before
+    r_end and a head of the group.
+    """
+    rr = tl.arange(0, BM)
+    tok = rr // HPP
+    g = chunk * HPP + (rr - tok * HPP)
+    rows = r0 + tok
+    row_ok = (tok < TPP) & (g < G) & (rows < r_end)
+    heads = kvh * G + g
+    return tok, rows, row_ok, heads
+
+
+@triton.jit
+def query_tile_rows(
+    tiles_ptr,
+    cu_ptr,
+    cmp_cu_ptr,
+    batch,
+    tq,
+    q_start,
+    num_kv_heads,
+    G: tl.constexpr,
+    HPP: tl.constexpr,
+    TPP: tl.constexpr,
+    NCH: tl.constexpr,
+    BM: tl.constexpr,
+    LBLK: tl.constexpr,
+    DSTR: tl.constexpr,
+    BN: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """This program's query tile of one kv head (head chunk) and the blocks its rows see.
+
+    Grid: (num_tiles * H * NCH,), program p -> head unit ``p % (H * NCH)``, tile
+    ``p // (H * NCH)``. Returns (b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full): the
+    batch row, kv head and first compressed key of the tile's sequence; the rows of
+    :func:`group_rows`; nvis [BM] the blocks each row sees; n_hi the blocks some row sees, the
+    key tiles of BN blocks below n_full are seen by every row.
+    """
+    pid = tl.program_id(0)
+    units = num_kv_heads * NCH
+    unit = pid % units
+    kvh = unit // NCH
+    chunk = unit - kvh * NCH
+    b, r0, r_end, t0, kbase = query_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, pid // units, batch, tq, q_start, TPP, VARLEN
+    )
+    tok, rows, row_ok, heads = group_rows(r0, r_end, chunk, kvh, G, HPP, TPP, BM)
+    nvis = visible_blocks(t0 + tok, LBLK, DSTR)
+    # The tile's first token sees the fewest blocks, its last the most.
+    tokens = tl.minimum(r_end - r0, TPP)
+    n_lo = tl.where(tokens > 0, visible_blocks(t0, LBLK, DSTR), 0)
+    n_hi = tl.where(tokens > 0, visible_blocks(t0 + tokens - 1, LBLK, DSTR), 0)
+    n_full = (n_lo // BN) * BN
+    return b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full
 
 
 @triton.jit
@@ -54,37 +127,17 @@ def _fwd_key_tile(
     or past ``n_hi`` do not exist for any row); without it every block is visible to every row.
     """
     offs_n = tl.arange(0, BN)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
     blocks = n0 + offs_n
     k_rows = key_row + offs_n.to(tl.int64)
-    if MASK:
-        live = blocks < n_hi
-        kt = tl.load(
-            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
-            mask=live[:, None] & (offs_k < DK)[None, :],
-            other=0.0,
-        )
-    else:
-        kt = tl.load(
-            k_head + k_rows[:, None] * stride_kt + offs_k[None, :],
-            mask=(offs_k < DK)[None, :],
-            other=0.0,
-        )
+    live = blocks < n_hi
+    kt = load_key_rows(k_head, k_rows, stride_kt, live, DK, BK, MASK)
     s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
     if MASK:
         s = tl.where(blocks[None, :] < nvis[:, None], s, float("-inf"))
     # m_i starts finite (-1e30), so a row that sees nothing keeps p = exp2(-inf) = 0, alpha = 1.
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
+    vt = load_key_rows(v_head, k_rows, stride_vt, live, DV, BV, MASK)
     if MASK:
-        vt = tl.load(
-            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
-            mask=live[:, None] & (offs_v < DV)[None, :],
-            other=0.0,
-        )
         # A row meets the values of blocks it does not see with p = 0, and 0 x NaN = NaN: the
         # dot takes finite values only, and a channel whose visible values hold a non-finite
         # one becomes NaN (docs/spec.md, "Non-finite values").
@@ -92,12 +145,6 @@ def _fwd_key_tile(
         sees = (blocks[None, :] < nvis[:, None]).to(vt.dtype)
         hits = tl.dot(sees, (~finite).to(vt.dtype), input_precision=DOT_PREC)
         vt = tl.where(finite, vt, 0.0)
-    else:
-        vt = tl.load(
-            v_head + k_rows[:, None] * stride_vt + offs_v[None, :],
-            mask=(offs_v < DV)[None, :],
-            other=0.0,
-        )
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PREC)
     if MASK:
@@ -152,29 +199,12 @@ def cmp_fwd_kernel(
     """o [BM, DV] and lse [BM] of one query tile of one kv head (head chunk).
 
     q [B, Tq, HQ, DK], k [B, N, H, DK], v [B, N, H, DV], o [B, Tq, HQ, DV], lse [B, Tq, HQ].
-    Grid: (num_tiles * H * NCH,), program p -> head unit ``p % (H * NCH)``, tile ``p // (H*NCH)``.
+    Grid: that of :func:`query_tile_rows`.
     """
-    pid = tl.program_id(0)
-    units = num_kv_heads * NCH
-    unit = pid % units
-    kvh = unit // NCH
-    chunk = unit - kvh * NCH
-    b, r0, r_end, t0, kbase = query_tile(
-        tiles_ptr, cu_ptr, cmp_cu_ptr, pid // units, batch, tq, q_start, TPP, VARLEN
-    )
-
-    rr = tl.arange(0, BM)
-    tok = rr // HPP
-    g = chunk * HPP + (rr - tok * HPP)
-    rows = r0 + tok
-    row_ok = (tok < TPP) & (g < G) & (rows < r_end)
-    heads = kvh * G + g
-    nvis = visible_blocks(t0 + tok, LBLK, DSTR)
-    # The tile's first token sees the fewest blocks, its last the most.
-    tokens = tl.minimum(r_end - r0, TPP)
-    n_lo = tl.where(tokens > 0, visible_blocks(t0, LBLK, DSTR), 0)
-    n_hi = tl.where(tokens > 0, visible_blocks(t0 + tokens - 1, LBLK, DSTR), 0)
-    n_full = (n_lo // BN) * BN
+    b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full = query_tile_rows(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads,
+        G, HPP, TPP, NCH, BM, LBLK, DSTR, BN, VARLEN,
+    )  # fmt: skip
 
     offs_k = tl.arange(0, BK)
     offs_v = tl.arange(0, BV)

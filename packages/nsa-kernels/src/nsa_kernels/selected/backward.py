@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_kernels.common.key_rows import store_key_grads
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected import csr as block_csr
 from nsa_kernels.selected.launch import (
@@ -131,29 +132,6 @@ def block_entry(table_ptr, FIELDS: tl.constexpr, SEL: tl.constexpr, BL: tl.const
     krow = krow0 + in_blk
     kvalid = (in_blk < SEL) & (krow < kend)
     return entry, b, h, in_blk, krow, kvalid
-
-
-@triton.jit
-def store_key_grads(
-    dk_ptr, dv_ptr, dk, dv, b, h, krow, kvalid,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    """Store dk [BL, BK], dv [BL, BV] (float32) to the rows ``krow`` of dk [B, Tk, H, dk] and
-    dv [B, Tk, H, dv] of kv head h, in their dtypes, where ``kvalid``."""
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
-    tl.store(
-        dk_ptr + b * stride_kb + krow[:, None] * stride_kt + h * stride_kh + offs_k[None, :],
-        dk.to(dk_ptr.dtype.element_ty),
-        mask=kvalid[:, None] & (offs_k < DK)[None, :],
-    )
-    tl.store(
-        dv_ptr + b * stride_vb + krow[:, None] * stride_vt + h * stride_vh + offs_v[None, :],
-        dv.to(dv_ptr.dtype.element_ty),
-        mask=kvalid[:, None] & (offs_v < DV)[None, :],
-    )
 
 
 @triton.jit
