@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from nsa_core import NSAConfig
     from nsa_core.registry import OpContext
     from nsa_core.toggles import Toggles
 
@@ -185,19 +186,10 @@ def geometry_problems(geometry: Geometry) -> list[str]:
     """The NSAConfig rules (nsa_core/config.py, docs/spec.md "Symbols") a geometry breaks."""
     g = geometry
     problems = []
-    for name in (
-        "num_kv_heads",
-        "group",
-        "head_dim_qk",
-        "head_dim_v",
-        "cmp_block",
-        "cmp_stride",
-        "sel_block",
-        "num_selected",
-        "window",
-    ):
-        if getattr(g, name) < 1:
-            problems.append(f"{name} must be >= 1")
+    # Every int field is a head count, a head dim or a length in tokens: all must be >= 1.
+    for f in dataclasses.fields(g):
+        if f.type == "int" and getattr(g, f.name) < 1:
+            problems.append(f"{f.name} must be >= 1")
     if g.cmp_stride >= 1 and g.cmp_block % g.cmp_stride:
         problems.append("d must divide l")
     if g.cmp_stride >= 1 and g.sel_block % g.cmp_stride:
@@ -713,7 +705,6 @@ def op_context_for(op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> OpCo
     import torch
 
     from nsa_core.ops import op_context
-    from nsa_core.registry import OpContext
 
     q_start = int(kwargs.get("q_start", 0))
     varlen = kwargs.get("cu_seqlens") is not None
@@ -727,19 +718,12 @@ def op_context_for(op: str, args: Sequence[Any], kwargs: dict[str, Any]) -> OpCo
         q, k, v = args[:3]
         return op_context(q, k, v, k.shape[1], varlen=varlen)
     if op == "gated_combine":
-        # As nsa_core.ops.gated_combine: no kv heads and one head dim, so H = HQ and dk = dv.
+        # As nsa_core.ops.gated_combine: no kv heads and one head dim, so H = HQ and dk = dv
+        # (o_cmp stands for q, k and v); gradients reach all four inputs, the gates included.
         o = args[0]
-        return OpContext(
-            device=o.device,
-            dtype=o.dtype,
-            seq_len=o.shape[1],
-            num_q_heads=o.shape[2],
-            num_kv_heads=o.shape[2],
-            head_dim_qk=o.shape[3],
-            head_dim_v=o.shape[3],
-            requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in args[:4]),
-            varlen=False,
-        )
+        ctx = op_context(o, o, o, o.shape[1], varlen=False)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in args[:4])
+        return dataclasses.replace(ctx, requires_grad=grad)
     raise ValueError(f"no context rule for op {op!r}")
 
 
@@ -936,6 +920,22 @@ class SweepShapes:
     window: int
     kv_heads: int
     groups: tuple[int, ...]
+
+    def config(self, group: int) -> NSAConfig:
+        """The layer of the core and decode sweeps: G = ``group``, dk = dv = ``head_dim``."""
+        from nsa_core import NSAConfig
+
+        return NSAConfig(
+            num_q_heads=self.kv_heads * group,
+            num_kv_heads=self.kv_heads,
+            head_dim_qk=self.head_dim,
+            head_dim_v=self.head_dim,
+            cmp_block=self.cmp_block,
+            cmp_stride=self.cmp_stride,
+            sel_block=self.sel_block,
+            num_selected=self.num_selected,
+            window=self.window,
+        )
 
 
 def sweep_shapes(rt: Runtime) -> SweepShapes:
@@ -1138,20 +1138,10 @@ def _sweep_core(rt: Runtime, s: SweepShapes, group: int, varlen: bool) -> None:
     uses now, a Triton combine included)."""
     import torch
 
-    from nsa_core import NSAConfig, nsa_attention
+    from nsa_core import nsa_attention
 
     gen = torch.Generator(device=rt.device).manual_seed(17 + group)
-    cfg = NSAConfig(
-        num_q_heads=s.kv_heads * group,
-        num_kv_heads=s.kv_heads,
-        head_dim_qk=s.head_dim,
-        head_dim_v=s.head_dim,
-        cmp_block=s.cmp_block,
-        cmp_stride=s.cmp_stride,
-        sel_block=s.sel_block,
-        num_selected=s.num_selected,
-        window=s.window,
-    )
+    cfg = s.config(group)
     batch = 1 if varlen else 2
     cu = make_cu_seqlens(s.seqlens, rt.device) if varlen else None
     shape_k = (batch, s.tokens, s.kv_heads, s.head_dim)
@@ -1176,7 +1166,6 @@ def _sweep_decode(rt: Runtime, s: SweepShapes, group: int, thin: bool) -> None:
     """The fused decode step: ragged lengths (0, 1, partial blocks), a few tokens each."""
     import torch
 
-    from nsa_core import NSAConfig
     from nsa_kernels.decode import (
         DecodeKernelConfig,
         DecodePlan,
@@ -1186,17 +1175,7 @@ def _sweep_decode(rt: Runtime, s: SweepShapes, group: int, thin: bool) -> None:
     )
 
     gen = torch.Generator(device=rt.device).manual_seed(23 + group)
-    cfg = NSAConfig(
-        num_q_heads=s.kv_heads * group,
-        num_kv_heads=s.kv_heads,
-        head_dim_qk=s.head_dim,
-        head_dim_v=s.head_dim,
-        cmp_block=s.cmp_block,
-        cmp_stride=s.cmp_stride,
-        sel_block=s.sel_block,
-        num_selected=s.num_selected,
-        window=s.window,
-    )
+    cfg = s.config(group)
     lengths = [0, 1, s.tokens // 3, s.tokens - 5]
     steps = 4
     total = max(lengths) + steps
