@@ -47,6 +47,14 @@ class CmpRow:
     fwd_tflops: float
     fwd_bwd_tflops: float
 
+    def line(self) -> str:
+        """The row as printed while the bench runs."""
+        return (
+            f"T={self.T:6d} N={self.blocks:5d} {self.method:9s} fwd {self.fwd_ms:8.3f} ms "
+            f"({self.fwd_tflops:5.0f} TFLOP/s)  bwd {self.bwd_ms:8.3f} ms  "
+            f"fwd+bwd {self.fwd_bwd_ms:8.3f} ms ({self.fwd_bwd_tflops:5.0f} TFLOP/s)  {self.config}"
+        )
+
 
 @dataclass(frozen=True)
 class CmpProblem:
@@ -220,12 +228,7 @@ def run(args: argparse.Namespace) -> int:
                 fwd_bwd_tflops=FWD_BWD_FLOP_FACTOR * flops / both_ms * 1e-9,
             )
             rows.append(row)
-            print(
-                f"T={seq_len:6d} N={row.blocks:5d} {method:9s} fwd {fwd_ms:8.3f} ms "
-                f"({row.fwd_tflops:5.0f} TFLOP/s)  bwd {bwd_ms:8.3f} ms  "
-                f"fwd+bwd {both_ms:8.3f} ms ({row.fwd_bwd_tflops:5.0f} TFLOP/s)  {shown}",
-                flush=True,
-            )
+            print(row.line(), flush=True)
     if args.csv:
         write_dataclass_csv(Path(args.csv), rows)
     return 0

@@ -34,6 +34,14 @@ class ScoreRow:
     qk_tflop: float
     tflops: float
 
+    def line(self) -> str:
+        """The row as printed while the bench runs."""
+        passes = "1 pass (lse given)" if self.with_lse else "2 passes"
+        return (
+            f"T={self.T:6d} {passes:18s} {self.ms:9.3f} ms  "
+            f"{self.qk_tflop:8.4f} TFLOP/pass  {self.tflops:6.1f} TFLOP/s"
+        )
+
 
 def visible_pairs(seq_len: int, cmp_block: int, cmp_stride: int) -> int:
     """sum over t < seq_len of N_cmp(t + 1): the (row, block) pairs one head scores."""
@@ -114,12 +122,7 @@ def run(args: argparse.Namespace) -> int:
         for with_lse in modes:
             row = bench_one(args, seq_len, with_lse)
             rows.append(row)
-            passes = "1 pass (lse given)" if with_lse else "2 passes"
-            print(
-                f"T={seq_len:6d} {passes:18s} {row.ms:9.3f} ms  "
-                f"{row.qk_tflop:8.4f} TFLOP/pass  {row.tflops:6.1f} TFLOP/s",
-                flush=True,
-            )
+            print(row.line(), flush=True)
     if args.csv:
         write_dataclass_csv(Path(args.csv), rows)
     return 0
