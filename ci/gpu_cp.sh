@@ -11,14 +11,10 @@
 # artifacts/gpu_cp); the last lines printed are the test count and the bench's table.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT="${OUT:-artifacts/gpu_cp}"
-mkdir -p "$OUT"
 WORLD_SIZES="${1:-1,2,4,8}"
 SEQLENS="${2:-128k,256k}"
-export PYTHONPATH="$PWD/packages/nsa-core/src:$PWD/packages/nsa-kernels/src:$PWD/packages/nsa-bench/src"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
+source ci/gpu_host.sh
+gpu_run_start artifacts/gpu_cp
 
 source ci/tiers.sh
 echo "== tests: context parallel on GPUs" >&2

@@ -10,12 +10,8 @@
 # lines printed are the test counts, the table and the targets.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT="${OUT:-artifacts/gpu_decode}"
-mkdir -p "$OUT"
-export PYTHONPATH="$PWD/packages/nsa-core/src:$PWD/packages/nsa-kernels/src:$PWD/packages/nsa-bench/src"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+source ci/gpu_host.sh
+gpu_run_start artifacts/gpu_decode
 
 source ci/tiers.sh
 

@@ -10,18 +10,14 @@
 # layer table.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-OUT="${OUT:-artifacts/gpu_layer}"
-mkdir -p "$OUT"
 SEQLENS="${1:-8k,16k,32k,64k}"
 HEAD_DIMS="${2:-128/128}"
 SITE=/tmp/nsa_site
 if compgen -G ".carry/wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .carry/wheels/*.whl
 fi
-export PYTHONPATH="$PWD/packages/nsa-core/src:$PWD/packages/nsa-kernels/src:$PWD/packages/nsa-bench/src:$SITE"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+source ci/gpu_host.sh
+gpu_run_start artifacts/gpu_layer "$SITE"
 
 source ci/tiers.sh
 
