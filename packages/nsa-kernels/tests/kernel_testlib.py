@@ -2,7 +2,7 @@
 
 Shared by the per-step testlibs and tests below this folder (``conftest.py`` here puts the folder
 on ``sys.path``): the device a ``triton``-marked test uses, the docs/spec.md tolerances and the
-relative error they bound.
+relative error they bound, and the OpContext that the routing tests hand a backend.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from nsa_core.registry import OpContext
 
 # The interpreter tier sets TRITON_INTERPRET=1 and runs the kernels on the CPU; elsewhere they need
 # a CUDA GPU. Tests skip with SKIP_REASON where DEVICE is None.
@@ -36,3 +38,29 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out64).all(), "non-finite values in the kernel output"
     denom = ref64.norm()
     return float((out64 - ref64).norm() / (denom if denom > 0 else 1.0))
+
+
+def op_context(
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    seq_len: int = 4096,
+    hq: int = 16,
+    h: int = 4,
+    dk: int = 128,
+    dv: int = 128,
+    grad: bool = False,
+) -> OpContext:
+    """What a backend's ``supports`` sees of one padded (not varlen) call: HQ=hq query heads over
+    H=h kv heads, head dims dk/dv, ``seq_len`` keys; ``grad`` when the call needs a backward."""
+    return OpContext(
+        device=torch.device(device),
+        dtype=dtype,
+        seq_len=seq_len,
+        num_q_heads=hq,
+        num_kv_heads=h,
+        head_dim_qk=dk,
+        head_dim_v=dv,
+        requires_grad=grad,
+        varlen=False,
+    )

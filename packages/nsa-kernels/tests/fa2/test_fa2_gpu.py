@@ -8,16 +8,17 @@ are named ``test_fa2_gpu_varlen_*`` so that ``-k fa2_gpu_varlen`` selects them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
 
 import pytest
 import torch
 from fa2_testing import GRAD_FACTOR, KERNEL_BOUND, cu_seqlens_of, rel_err, toggles
+from kernel_testlib import op_context
 
 from nsa_core import registry
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.reference import compressed_attention, sliding_attention
-from nsa_core.registry import OpContext, resolve
+from nsa_core.registry import resolve
 from nsa_core.toggles import Toggles
 
 pytestmark = [
@@ -189,21 +190,11 @@ def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("isolated_registry")
 def test_fa2_gpu_routing_picks_fa2() -> None:
     assert _flash.missing_reason() is None
-    ctx = OpContext(
-        device=torch.device("cuda"),
-        dtype=torch.bfloat16,
-        seq_len=4096,
-        num_q_heads=64,
-        num_kv_heads=4,
-        head_dim_qk=192,
-        head_dim_v=128,
-        requires_grad=True,
-        varlen=False,
-    )
+    ctx = op_context("cuda", torch.bfloat16, seq_len=4096, hq=64, h=4, dk=192, dv=128, grad=True)
     on = Toggles(win_fa2=True, cmp_fa2=True)
     for op in ("sliding_attention", "compressed_attention"):
         assert resolve(op, ctx, on).backend.name == "fa2"
-        short: Any = OpContext(**{**ctx.__dict__, "seq_len": 8})
+        short = replace(ctx, seq_len=8)
         assert resolve(op, short, on).backend.name == "sdpa"
-        fp32: Any = OpContext(**{**ctx.__dict__, "dtype": torch.float32})
+        fp32 = replace(ctx, dtype=torch.float32)
         assert resolve(op, fp32, on).backend.name == "flex"

@@ -6,10 +6,11 @@ import logging
 
 import pytest
 import torch
+from kernel_testlib import op_context as ctx
 
 from nsa_core import registry
 from nsa_core.debug_log import reset_log_state
-from nsa_core.registry import Backend, OpContext, resolve
+from nsa_core.registry import Backend, resolve
 from nsa_core.toggles import Toggles
 from nsa_kernels.common import flash as _flash
 from nsa_kernels.common.fa2_routing import (
@@ -26,28 +27,6 @@ from nsa_kernels.sliding.backends import backends as sliding_backends
 def backends() -> list[Backend]:
     """The FA-2 family's rows of both branches' tables."""
     return [*compressed_backends(), *sliding_backends()]
-
-
-def ctx(
-    device: str = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-    seq_len: int = 4096,
-    dk: int = 128,
-    dv: int = 128,
-    hq: int = 16,
-    h: int = 4,
-) -> OpContext:
-    return OpContext(
-        device=torch.device(device),
-        dtype=dtype,
-        seq_len=seq_len,
-        num_q_heads=hq,
-        num_kv_heads=h,
-        head_dim_qk=dk,
-        head_dim_v=dv,
-        requires_grad=False,
-        varlen=False,
-    )
 
 
 @pytest.fixture

@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_testlib import DEVICE, SKIP_REASON
+from kernel_testlib import DEVICE, SKIP_REASON, op_context
 from sel_testlib import Case, make_inputs
 
 from nsa_core import registry
 from nsa_core.debug_log import reset_log_state
-from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles, reload_toggles
 from nsa_kernels.selected.backend import (
     DEVICE_POLICY,
@@ -95,17 +94,7 @@ def test_registered_backend_falls_back_on_cpu_with_its_reason(
     assert backend.requested_by(Toggles(sel_triton=False, sel_triton_force=True))
     assert not backend.requested_by(Toggles(sel_triton=False))
     registry.register_backend(backend)
-    ctx = OpContext(
-        device=torch.device("cpu"),
-        dtype=torch.float32,
-        seq_len=128,
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim_qk=64,
-        head_dim_v=64,
-        requires_grad=False,
-        varlen=False,
-    )
+    ctx = op_context("cpu", torch.float32, seq_len=128, hq=4, h=2, dk=64, dv=64)
     assert supports(ctx, Toggles()) == "needs a CUDA device, got cpu"
     with caplog.at_level(logging.WARNING, logger="nsa"):
         res = registry.resolve("selected_attention", ctx, Toggles())

@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from cuda_sel_testing import nsa_like_indices
+from kernel_testlib import op_context
 
-from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
 from nsa_kernels.selected import cuda as cuda_sel
 from nsa_kernels.selected.cuda import backends, cuda_sel_supports, selected_attention_cuda
 from nsa_kernels.selected.cuda.build import CSRC, SOURCES
 from nsa_kernels.selected.cuda.selected import sequence_starts
 
-
-def ctx(
-    device: str = "cuda",
-    dtype: torch.dtype = torch.float16,
-    grad: bool = False,
-    dk: int = 128,
-    dv: int = 128,
-) -> OpContext:
-    return OpContext(
-        device=torch.device(device),
-        dtype=dtype,
-        seq_len=1024,
-        num_q_heads=16,
-        num_kv_heads=4,
-        head_dim_qk=dk,
-        head_dim_v=dv,
-        requires_grad=grad,
-        varlen=False,
-    )
+# The calls this backend is built for: fp16 on a GPU, 1024 keys, forward only.
+ctx = partial(op_context, device="cuda", dtype=torch.float16, seq_len=1024)
 
 
 def test_backend_entry() -> None:
