@@ -30,6 +30,11 @@ import torch
 from nsa_core.config import NSAConfig
 from nsa_core.debug_hooks import with_debug_hooks
 from nsa_core.debug_log import debug_log, log_once, reset_log_state
+from nsa_core.reference.combine import gated_combine_impl
+from nsa_core.reference.compressed_attention import compressed_attention_impl
+from nsa_core.reference.selected_attention import selected_attention_impl
+from nsa_core.reference.selection import select_blocks_impl
+from nsa_core.reference.sliding_attention import sliding_attention_impl
 from nsa_core.toggles import BACKEND_TOGGLE, Toggles, get_toggles, pinned_backend
 
 OPS = (
@@ -253,43 +258,13 @@ def _without_toggles(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def select_blocks_reference(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    sel_block: int,
-    num_selected: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference select_blocks as a backend: it computes its own softmax, so ``lse`` is
-    not read (the spec defines the scores from the reference's compressed softmax)."""
-    from nsa_core.reference.selection import select_blocks_impl
-
-    return select_blocks_impl(
-        q,
-        k_cmp,
-        cmp_block,
-        cmp_stride,
-        sel_block,
-        num_selected,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-    )
+# The reference select_blocks backend's body: it takes the keyword lse and does not read it (the
+# spec defines the scores from the reference's own compressed softmax).
+select_blocks_reference = select_blocks_impl
 
 
 def register_reference_backends() -> None:
     """Register nsa-core's reference bodies (priority 0, accept every call)."""
-    from nsa_core.reference.combine import gated_combine_impl
-    from nsa_core.reference.compressed_attention import compressed_attention_impl
-    from nsa_core.reference.selected_attention import selected_attention_impl
-    from nsa_core.reference.sliding_attention import sliding_attention_impl
-
     for op, fn in (
         ("select_blocks", select_blocks_reference),
         ("compressed_attention", compressed_attention_impl),

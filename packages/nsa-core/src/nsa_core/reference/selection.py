@@ -127,6 +127,7 @@ def select_blocks(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score the selection blocks and pick n per query and group (chunked over queries).
 
@@ -135,6 +136,9 @@ def select_blocks(
         k_cmp: [B, N, H, dk] compressed keys (packed per sequence when varlen).
         cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0); indices are local
             to each sequence.
+        lse: the compressed branch's normaliser that faster backends may take (see
+            :func:`nsa_core.ops.select_blocks`); checked, and not read: the spec defines the
+            scores from the reference's own compressed softmax, which this computes.
 
     Returns:
         indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H] int32.

@@ -30,13 +30,10 @@ def _compressed(
     h, dv = k_cmp.shape[2], v_cmp.shape[3]
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
-    d, scale = call.cmp_stride, call.scale
     if call.cu_seqlens is not None:
-        return _varlen(
-            q, k_cmp, v_cmp, call.cu_seqlens, call.cmp_block, d, scale,
-            call.toggles.debug_fa2_dense,
-        )  # fmt: skip
+        return _varlen(q, k_cmp, v_cmp, call.cu_seqlens, call)
 
+    d = call.cmp_stride
     fold = dense_fold(tq, call.q_start, call.cmp_block, d)
     if fold.num_keys <= 0:
         return q.new_zeros(batch, tq, hq, dv)
@@ -45,7 +42,7 @@ def _compressed(
     qf = fold_heads(F.pad(q, (0, 0, 0, 0, fold.front, fold.back)), h, d)  # [B, R, H*d*G, dk]
     k_use, v_use = k_cmp[:, : fold.num_keys], v_cmp[:, : fold.num_keys]
     attend = fa2_dense_as_varlen if call.toggles.debug_fa2_varlen else fa2_dense
-    o = attend(qf, k_use, v_use, scale)
+    o = attend(qf, k_use, v_use, call.scale)
     return unfold_heads(o, h, d)[:, fold.front : fold.front + tq]
 
 
@@ -60,14 +57,14 @@ def _varlen(
     k_cmp: torch.Tensor,
     v_cmp: torch.Tensor,
     cu_seqlens: torch.Tensor,
-    cmp_block: int,
-    d: int,
-    scale: float,
-    as_dense: bool,
+    call: CompressedCall,
 ) -> torch.Tensor:
+    """:func:`_compressed` on packed sequences (``cu_seqlens`` is ``call.cu_seqlens``);
+    NSA_DEBUG_FA2_DENSE runs them as a zero-padded [S, rows] batch."""
     _, tq, hq, dk = q.shape
     h, dv = k_cmp.shape[2], v_cmp.shape[3]
-    fold = varlen_fold(cu_seqlens, cmp_block, d, dense=as_dense)
+    d, scale, as_dense = call.cmp_stride, call.scale, call.toggles.debug_fa2_dense
+    fold = varlen_fold(cu_seqlens, call.cmp_block, d, dense=as_dense)
     if int(fold.cu_keys[-1]) != k_cmp.shape[1]:
         raise ValueError(
             f"k_cmp holds {k_cmp.shape[1]} blocks, cu_seqlens implies {int(fold.cu_keys[-1])}"
