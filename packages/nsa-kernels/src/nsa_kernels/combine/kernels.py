@@ -32,6 +32,22 @@ def _row_offsets(rows, T, HQ, stride_b, stride_t, stride_h):
 
 
 @triton.jit
+def _load_gates(g_ptr, rows, row_ok, T, HQ, s_g_b, s_g_t, s_g_h, s_g_c):
+    """g0, g1, g2 [BR, 1] float32: the three gates of each row (0 on rows past the end)."""
+    g_rows = g_ptr + _row_offsets(rows, T, HQ, s_g_b, s_g_t, s_g_h)
+    g0 = tl.load(g_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g1 = tl.load(g_rows + s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g2 = tl.load(g_rows + 2 * s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    return g0, g1, g2
+
+
+@triton.jit
+def _load_chunk(row_ptrs, cols, ok):
+    """[BR, BD] float32: channels ``cols`` of the rows at ``row_ptrs`` [BR], 0 where not ok."""
+    return tl.load(row_ptrs[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def combine_fwd_kernel(
     cmp_ptr,
     slc_ptr,
@@ -64,10 +80,7 @@ def combine_fwd_kernel(
     """o [B, T, HQ, DV] for BR rows: the gated sum of the three branch outputs."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
-    g_rows = g_ptr + _row_offsets(rows, T, HQ, s_g_b, s_g_t, s_g_h)
-    g0 = tl.load(g_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g1 = tl.load(g_rows + s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g2 = tl.load(g_rows + 2 * s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g0, g1, g2 = _load_gates(g_ptr, rows, row_ok, T, HQ, s_g_b, s_g_t, s_g_h, s_g_c)
     cmp_rows = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
     slc_rows = slc_ptr + _row_offsets(rows, T, HQ, s_slc_b, s_slc_t, s_slc_h)
     win_rows = win_ptr + _row_offsets(rows, T, HQ, s_win_b, s_win_t, s_win_h)
@@ -75,9 +88,9 @@ def combine_fwd_kernel(
     for d0 in range(0, DV, BD):
         cols = d0 + tl.arange(0, BD)
         ok = row_ok[:, None] & (cols < DV)[None, :]
-        a = tl.load(cmp_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        b = tl.load(slc_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        c = tl.load(win_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        a = _load_chunk(cmp_rows, cols, ok)
+        b = _load_chunk(slc_rows, cols, ok)
+        c = _load_chunk(win_rows, cols, ok)
         o = g0 * a + g1 * b + g2 * c
         tl.store(o_rows[:, None] + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=ok)
 
@@ -124,10 +137,7 @@ def combine_bwd_kernel(
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
     do_rows = do_ptr + _row_offsets(rows, T, HQ, s_do_b, s_do_t, s_do_h)
-    g_rows = g_ptr + _row_offsets(rows, T, HQ, s_g_b, s_g_t, s_g_h)
-    g0 = tl.load(g_rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g1 = tl.load(g_rows + s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    g2 = tl.load(g_rows + 2 * s_g_c, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    g0, g1, g2 = _load_gates(g_ptr, rows, row_ok, T, HQ, s_g_b, s_g_t, s_g_h, s_g_c)
     cmp_rows = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
     slc_rows = slc_ptr + _row_offsets(rows, T, HQ, s_slc_b, s_slc_t, s_slc_h)
     win_rows = win_ptr + _row_offsets(rows, T, HQ, s_win_b, s_win_t, s_win_h)
@@ -138,16 +148,16 @@ def combine_bwd_kernel(
     for d0 in range(0, DV, BD):
         cols = d0 + tl.arange(0, BD)
         ok = row_ok[:, None] & (cols < DV)[None, :]
-        do = tl.load(do_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        do = _load_chunk(do_rows, cols, ok)
         if WRITE_DO:
             dst = out_rows[:, None] + cols[None, :]
             tl.store(dcmp_ptr + dst, (g0 * do).to(dcmp_ptr.dtype.element_ty), mask=ok)
             tl.store(dslc_ptr + dst, (g1 * do).to(dslc_ptr.dtype.element_ty), mask=ok)
             tl.store(dwin_ptr + dst, (g2 * do).to(dwin_ptr.dtype.element_ty), mask=ok)
         if WRITE_DG:
-            a = tl.load(cmp_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            b = tl.load(slc_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-            c = tl.load(win_rows[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+            a = _load_chunk(cmp_rows, cols, ok)
+            b = _load_chunk(slc_rows, cols, ok)
+            c = _load_chunk(win_rows, cols, ok)
             dg0 += tl.sum(do * a, axis=1)
             dg1 += tl.sum(do * b, axis=1)
             dg2 += tl.sum(do * c, axis=1)
