@@ -25,11 +25,19 @@ import triton
 import triton.language as tl
 
 from nsa_kernels.common.key_rows import load_key_rows, store_key_grads
-from nsa_kernels.compressed.triton_fwd import group_rows, query_tile_rows
+from nsa_kernels.compressed.triton_fwd import group_rows, load_group_rows, query_tile_rows
 from nsa_kernels.compressed.triton_tiles import key_tile, visible_blocks
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def _load_lse2(lse_rows, row_ok):
+    """The forward's lse [BM] of the rows at ``lse_rows`` in base 2, +inf where it is -inf (the
+    row sees nothing) or the row is not ``row_ok``: there p = exp2(s - lse2) is exactly 0."""
+    lse = tl.load(lse_rows, mask=row_ok, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
 
 
 @triton.jit
@@ -141,8 +149,7 @@ def cmp_bwd_dq_kernel(
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     stat = b * stride_lb + rows * stride_lt + heads
     tl.store(delta_ptr + stat, delta, mask=row_ok)
-    lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    lse2 = _load_lse2(lse_ptr + stat, row_ok)
 
     k_head = k_ptr + b * stride_kb + kvh * stride_kh
     v_head = v_ptr + b * stride_vb + kvh * stride_vh
@@ -209,23 +216,10 @@ def _dkv_query_tile(
     not see every block of the tile.
     """
     _, rows, row_ok, heads = group_rows(start, seg_hi, chunk, kvh, G, HPP, TPQ, BMQ)
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
-    qt = tl.load(
-        q_ptr + b * stride_qb + rows[:, None] * stride_qt + heads[:, None] * stride_qh
-        + offs_k[None, :],
-        mask=row_ok[:, None] & (offs_k < DK)[None, :],
-        other=0.0,
-    )  # fmt: skip
-    dot_ = tl.load(
-        do_ptr + b * stride_ob + rows[:, None] * stride_ot + heads[:, None] * stride_oh
-        + offs_v[None, :],
-        mask=row_ok[:, None] & (offs_v < DV)[None, :],
-        other=0.0,
-    )  # fmt: skip
+    qt = load_group_rows(q_ptr, b, rows, heads, row_ok, stride_qb, stride_qt, stride_qh, DK, BK)
+    dot_ = load_group_rows(do_ptr, b, rows, heads, row_ok, stride_ob, stride_ot, stride_oh, DV, BV)
     stat = b * stride_lb + rows * stride_lt + heads
-    lse = tl.load(lse_ptr + stat, mask=row_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    lse2 = _load_lse2(lse_ptr + stat, row_ok)
     delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
 
     st = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC) * qk_scale

@@ -10,6 +10,9 @@ are visible to every row and run without a mask; key tiles no row sees are never
 
 Softmax in base 2: ``qk_scale = scale * log2(e)``; lse is stored in natural log, -inf for rows
 that see no block (their output is 0).
+
+The backward (triton_bwd.py) walks the same query tiles: :func:`query_tile_rows`,
+:func:`group_rows` and :func:`load_group_rows` serve both.
 """
 
 from __future__ import annotations
@@ -54,24 +57,25 @@ def group_rows(
 
 
 @triton.jit
-def query_tile_rows(
-    tiles_ptr,
-    cu_ptr,
-    cmp_cu_ptr,
-    batch,
-    tq,
-    q_start,
-    num_kv_heads,
-    G: tl.constexpr,
-    HPP: tl.constexpr,
-    TPP: tl.constexpr,
-    NCH: tl.constexpr,
-    BM: tl.constexpr,
-    LBLK: tl.constexpr,
-    DSTR: tl.constexpr,
-    BN: tl.constexpr,
-    VARLEN: tl.constexpr,
+def load_group_rows(
+    ptr, b, rows, heads, row_ok, stride_b, stride_t, stride_h, D: tl.constexpr, BD: tl.constexpr
 ):
+    """[BM, BD] of a [B, Tq, HQ, D] tensor (q, do) at the rows of :func:`group_rows`; rows
+    that are not ``row_ok`` and columns past D read 0."""
+    offs = tl.arange(0, BD)
+    return tl.load(
+        ptr + b * stride_b + rows[:, None] * stride_t + heads[:, None] * stride_h + offs[None, :],
+        mask=row_ok[:, None] & (offs < D)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def query_tile_rows(
+    tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads,
+    G: tl.constexpr, HPP: tl.constexpr, TPP: tl.constexpr, NCH: tl.constexpr, BM: tl.constexpr,
+    LBLK: tl.constexpr, DSTR: tl.constexpr, BN: tl.constexpr, VARLEN: tl.constexpr,
+):  # fmt: skip
     """This program's query tile of one kv head (head chunk) and the blocks its rows see.
 
     Grid: (num_tiles * H * NCH,), program p -> head unit ``p % (H * NCH)``, tile
@@ -206,14 +210,7 @@ def cmp_fwd_kernel(
         G, HPP, TPP, NCH, BM, LBLK, DSTR, BN, VARLEN,
     )  # fmt: skip
 
-    offs_k = tl.arange(0, BK)
-    offs_v = tl.arange(0, BV)
-    q = tl.load(
-        q_ptr + b * stride_qb + rows[:, None] * stride_qt + heads[:, None] * stride_qh
-        + offs_k[None, :],
-        mask=row_ok[:, None] & (offs_k < DK)[None, :],
-        other=0.0,
-    )  # fmt: skip
+    q = load_group_rows(q_ptr, b, rows, heads, row_ok, stride_qb, stride_qt, stride_qh, DK, BK)
     k_head = k_ptr + b * stride_kb + kvh * stride_kh
     v_head = v_ptr + b * stride_vb + kvh * stride_vh
 
@@ -237,6 +234,7 @@ def cmp_fwd_kernel(
     denom = tl.where(seen, l_i, 1.0)
     o = acc / denom[:, None]
     lse = tl.where(seen, (m_i + tl.log2(denom)) * _LN2, float("-inf"))
+    offs_v = tl.arange(0, BV)
     tl.store(
         o_ptr + b * stride_ob + rows[:, None] * stride_ot + heads[:, None] * stride_oh
         + offs_v[None, :],
