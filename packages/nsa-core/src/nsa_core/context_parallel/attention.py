@@ -116,19 +116,13 @@ def _split_rows(x: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
 
 def check_context_parallel(
     q: torch.Tensor,
-    k: torch.Tensor | Mapping[str, torch.Tensor],
-    v: torch.Tensor | Mapping[str, torch.Tensor],
-    gates: torch.Tensor,
-    config: NSAConfig,
     plan: object,
     group: dist.ProcessGroup | None,
-    phi_k: nn.Module | None,
-    phi_v: nn.Module | None,
     cu_seqlens: torch.Tensor | None,
     slc_exchange: object,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
-    """Every rule of :func:`context_parallel_nsa_attention` -> per-branch k, v and the rank."""
-    ks, vs = check_nsa_attention(q, k, v, gates, config, phi_k, phi_v, None)
+) -> int:
+    """The rules :func:`context_parallel_nsa_attention` adds to those of
+    :func:`~nsa_core.attention.check_nsa_attention` (checked first) -> this rank."""
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -146,7 +140,7 @@ def check_context_parallel(
         )
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, plan.total_tokens, q.shape[0], q.device)
-    return ks, vs, rank
+    return rank
 
 
 def context_parallel_nsa_attention(
@@ -190,9 +184,9 @@ def context_parallel_nsa_attention(
     Returns:
         o [B, T_local, HQ, dv]: the rank's rows of the single-process output.
     """
-    ks, vs, rank = check_context_parallel(
-        q, k, v, gates, config, plan, group, phi_k, phi_v, cu_seqlens, slc_exchange
-    )
+    # cu_seqlens is over the global tokens, not q's: check_context_parallel checks it.
+    ks, vs = check_nsa_attention(q, k, v, gates, config, phi_k, phi_v, None)
+    rank = check_context_parallel(q, plan, group, cu_seqlens, slc_exchange)
     bounds = [0, plan.total_tokens] if cu_seqlens is None else cu_seqlens.tolist()
     seqs = Sequences.build([int(b) for b in bounds], config, varlen=cu_seqlens is not None)
     works = plan_work(plan, seqs, config)

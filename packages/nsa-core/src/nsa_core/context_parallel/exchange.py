@@ -222,6 +222,20 @@ def _wanted(t: FetchRanges, rank: int) -> list[tuple[Piece, int, int]]:
     return [hit for start, end in t.requests[rank] for hit in t.layout.overlap(start, end)]
 
 
+def _served(t: FetchRanges, rank: int) -> dict[int, list[tuple[Piece, int, int]]]:
+    """Per peer that reads any, in rank order: (piece, lo, hi) of ``rank``'s rows it requested.
+
+    What ``rank`` sends forward and receives back in the backward.
+    """
+    served: dict[int, list[tuple[Piece, int, int]]] = {}
+    for peer in range(t.layout.world_size):
+        if peer != rank:
+            hits = [hit for hit in _wanted(t, peer) if hit[0].rank == rank]
+            if hits:
+                served[peer] = hits
+    return served
+
+
 def _local_rows(piece: Piece, lo: int) -> int:
     return piece.local_start + lo - piece.global_start
 
@@ -259,17 +273,12 @@ def _fetch_forward(
 ) -> torch.Tensor:
     """x [B, L_rank, ...] -> [B, received(rank), ...]."""
     world = t.layout.world_size
-    sends: dict[int, torch.Tensor] = {}
-    for peer in range(world):
-        if peer == rank:
-            continue
-        parts = [
-            _rows(x, _local_rows(piece, lo), hi - lo)
-            for piece, lo, hi in _wanted(t, peer)
-            if piece.rank == rank
-        ]
-        if parts:
-            sends[peer] = _cat_rows(parts, x).contiguous()
+    sends = {
+        peer: _cat_rows(
+            [_rows(x, _local_rows(piece, lo), hi - lo) for piece, lo, hi in hits], x
+        ).contiguous()
+        for peer, hits in _served(t, rank).items()
+    }
     wanted = _wanted(t, rank)
     counts = [0] * world
     for piece, lo, hi in wanted:
@@ -300,7 +309,6 @@ def _fetch_backward(
     tag: int,
 ) -> torch.Tensor:
     """grad [B, received(rank), ...] -> [B, L_rank, ...], summed over every rank's requests."""
-    world = t.layout.world_size
     grad_local = grad.new_zeros(local_shape)
     # Slices of my output that peers own go back to them, one message per peer.
     back: dict[int, list[torch.Tensor]] = {}
@@ -313,12 +321,7 @@ def _fetch_backward(
             back.setdefault(piece.rank, []).append(_rows(grad, offset, hi - lo))
         offset += hi - lo
     sends = {peer: _cat_rows(parts, grad).contiguous() for peer, parts in back.items()}
-    peer_hits: dict[int, list[tuple[Piece, int, int]]] = {}
-    for peer in range(world):
-        if peer != rank:
-            hits = [h for h in _wanted(t, peer) if h[0].rank == rank]
-            if hits:
-                peer_hits[peer] = hits
+    peer_hits = _served(t, rank)
     recvs = {
         peer: grad.new_empty(grad.shape[0], sum(hi - lo for _, lo, hi in hits), *grad.shape[2:])
         for peer, hits in peer_hits.items()
