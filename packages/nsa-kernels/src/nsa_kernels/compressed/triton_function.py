@@ -29,6 +29,9 @@ from nsa_core.checks import check_compressed_attention
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
 from nsa_kernels.common.tile_table import tile_table
+from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
+from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, dot_precision, num_sms
 from nsa_kernels.compressed.triton_bwd import (
     cmp_bwd_dkv_kernel,
     cmp_bwd_dq_kernel,
@@ -36,8 +39,6 @@ from nsa_kernels.compressed.triton_bwd import (
 )
 from nsa_kernels.compressed.triton_fwd import LOG2E, cmp_fwd_kernel
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 _P = ParamSpec("_P")
 # The dk/dv kernel aims at this many programs per SM, so the unequal key tiles balance out.
 DKV_PROGRAMS_PER_SM = 4
@@ -182,10 +183,8 @@ def _prepare(
     )
     batch, tq, hq, dk = q.shape
     h, dv = k_cmp.shape[2], v_cmp.shape[3]
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"Triton compressed attention supports {SUPPORTED_DTYPES}, got {q.dtype}")
-    if max(dk, dv) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims dk={dk}, dv={dv} exceed {MAX_HEAD_DIM}")
+    check_dtype(q.dtype, "compressed attention")
+    check_head_dims(dk, dv)
     cmp_cu = None
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride).to(torch.int32)
@@ -246,10 +245,6 @@ def _varlen_args(info: _Launch, device: torch.device) -> tuple[torch.Tensor, tor
     return info.cu_seqlens, info.cmp_cu
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: _Launch, cfg: CmpConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,16 +268,10 @@ def _fwd(
         G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
         DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
         LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
-        VARLEN=info.cu_seqlens is not None, DOT_PREC=_dot_precision(q.dtype),
+        VARLEN=info.cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return o, lse
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
 
 
 def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, num_sms: int) -> int:
@@ -328,7 +317,7 @@ def _bwd(
     delta = torch.empty_like(lse)
     cu, cmp_cu = _varlen_args(info, q.device)
     varlen = info.cu_seqlens is not None
-    prec = _dot_precision(q.dtype)
+    prec = dot_precision(q.dtype)
 
     layout = row_tiles(info.group, cfg.dq_block_m)
     tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
@@ -350,7 +339,7 @@ def _bwd(
     bn = cfg.dkv_block_n
     layout = row_tiles(info.group, cfg.dkv_block_m)
     tiles, num_tiles = _key_tiles(info, bn, q.device)
-    seg = segment_rows(info, cfg, layout.tokens, _num_sms(q.device))
+    seg = segment_rows(info, cfg, layout.tokens, num_sms(q.device))
     num_segs = max(1, -(-info.tq // seg))
     parts = num_tiles * info.h * num_segs if num_segs > 1 else 1
     dk_part = torch.empty(parts, bn, info.bk, dtype=torch.float32, device=q.device)

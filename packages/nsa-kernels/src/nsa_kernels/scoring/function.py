@@ -26,10 +26,10 @@ from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_select_blocks
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
 from nsa_kernels.common.tile_table import tile_table
+from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM, check_dtype, dot_precision
+from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from nsa_kernels.scoring.kernels import LOG2E, score_topn_kernel
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
 # Shifts of block scores by tl.gather need Triton >= 3.2; older ones take a one-hot contraction.
 HAS_GATHER = hasattr(tl, "gather")
 
@@ -224,8 +224,7 @@ def select_blocks_triton(
     )
     batch, tq, hq, dk = q.shape
     h = k_cmp.shape[2]
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"Triton block scoring supports {SUPPORTED_DTYPES}, got {q.dtype}")
+    check_dtype(q.dtype, "block scoring")
     if dk > MAX_HEAD_DIM:
         raise ValueError(f"head dim dk={dk} exceeds {MAX_HEAD_DIM}")
     indices = torch.empty(batch, tq, h, num_selected, dtype=torch.int32, device=q.device)
@@ -279,11 +278,7 @@ def select_blocks_triton(
         NUM_SEL=num_selected, NP=top_width,
         LOG_BT=_log2(tokens), LOG_BS=_log2(cfg.block_sel), LOG_NP=_log2(top_width),
         HAS_LSE=lse is not None, VARLEN=cu_seqlens is not None,
-        USE_GATHER=cfg.shift == 1, DOT_PREC=_dot_precision(q.dtype),
+        USE_GATHER=cfg.shift == 1, DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return indices, counts
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"

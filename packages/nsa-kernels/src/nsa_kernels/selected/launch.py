@@ -21,9 +21,11 @@ from nsa_core.checks import (
 )
 from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
+from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
+from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims
+from nsa_kernels.common.triton_inputs import dot_precision as dot_precision
+from nsa_kernels.common.triton_inputs import num_sms as num_sms
 
 
 @dataclass(frozen=True)
@@ -122,12 +124,6 @@ def kv_hint(cfg: SelConfig) -> str:
     return "evict_last" if cfg.kv_hint == 1 else ""
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input precision: exact float32 ("ieee") for float32 inputs, else "tf32"
-    (ignored for 16-bit operands)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 @dataclass(frozen=True)
 class Launch:
     """The facts every launch of one call shares, its resolved tiles included."""
@@ -173,10 +169,8 @@ def prepare(
     batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
     if sel_block < 1:
         raise ValueError(f"sel_block must be >= 1, got {sel_block}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"Triton selected attention supports {SUPPORTED_DTYPES}, got {q.dtype}")
-    if max(dk, dv) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims dk={dk}, dv={dv} exceed {MAX_HEAD_DIM}")
+    check_dtype(q.dtype, "selected attention")
+    check_head_dims(dk, dv)
     seq_ids = None
     # The range check costs a device sync; without it, out-of-range entries become -1 on the
     # device (unique_block_rows), so the kernels never address keys outside the sequence.
@@ -252,10 +246,3 @@ def tma_misfit(cfg: SelConfig, info: Launch) -> str | None:
         if d != tile or d & (d - 1):
             return f"tma=1 needs {name} a power of two in one tile, got {name}={d}"
     return None
-
-
-def num_sms(device: torch.device) -> int:
-    """The device's SM count (4 on CPU, where the interpreter runs), for the dk/dv work split."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 4
