@@ -43,6 +43,31 @@ def _online_max_sum(M, L, m, denom, mine):
 
 
 @triton.jit
+def _slot_tile(
+    part_m_ptr,
+    k0,
+    bh,
+    heads,
+    head_ok,
+    n_cmp_used,
+    cmp_chunks,
+    win_chunks,
+    slots,
+    G: tl.constexpr,
+    KT: tl.constexpr,
+):
+    """Slots k0 .. k0 + KT - 1 of kv head bh for the query heads ``heads`` [HB]: (k [KT], branch
+    [KT], row [KT, HB] into the partial-state tables, have [KT, HB]: written and a real head,
+    m [KT, HB]: the partial maxima, -1e30 where not ``have``). Both passes start so."""
+    k = k0 + tl.arange(0, KT)
+    branch = _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots)
+    row = (bh * slots + k[:, None]) * G + heads[None, :]
+    have = (branch >= 0)[:, None] & head_ok[None, :]
+    m = tl.load(part_m_ptr + row, mask=have, other=-1.0e30)
+    return k, branch, row, have, m
+
+
+@triton.jit
 def combine_kernel(
     part_m_ptr,
     part_l_ptr,
@@ -103,11 +128,9 @@ def combine_kernel(
     reads_cmp = tl.zeros([KT], dtype=tl.int32)
     reads_win = tl.zeros([KT], dtype=tl.int32)
     for k0 in range(0, slots, KT):
-        k = k0 + tl.arange(0, KT)
-        branch = _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots)
-        row = (bh * slots + k[:, None]) * G + heads[None, :]
-        have = (branch >= 0)[:, None] & head_ok[None, :]
-        m = tl.load(part_m_ptr + row, mask=have, other=-1.0e30)
+        k, branch, row, have, m = _slot_tile(
+            part_m_ptr, k0, bh, heads, head_ok, n_cmp_used, cmp_chunks, win_chunks, slots, G, KT
+        )
         denom = tl.load(part_l_ptr + row, mask=have, other=0.0)
         n = tl.load(part_n_ptr + bh * slots + k, mask=branch >= 0, other=0)
         m_cmp, l_cmp = _online_max_sum(m_cmp, l_cmp, m, denom, branch == 0)
@@ -124,11 +147,9 @@ def combine_kernel(
     vcol = tl.arange(0, BV)
     o = tl.zeros([HB, BV], dtype=tl.float32)
     for k0 in range(0, slots, KT):
-        k = k0 + tl.arange(0, KT)
-        branch = _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots)
-        row = (bh * slots + k[:, None]) * G + heads[None, :]
-        have = (branch >= 0)[:, None] & head_ok[None, :]
-        m = tl.load(part_m_ptr + row, mask=have, other=-1.0e30)
+        _, branch, row, have, m = _slot_tile(
+            part_m_ptr, k0, bh, heads, head_ok, n_cmp_used, cmp_chunks, win_chunks, slots, G, KT
+        )
         part = tl.load(
             part_acc_ptr + row[:, :, None] * DV + vcol[None, None, :],
             mask=have[:, :, None] & (vcol < DV)[None, None, :],

@@ -44,6 +44,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from nsa_kernels.common.online_softmax import online_softmax_step
+
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 # The low half of a key holds j ^ _LOW = 2^31 - 1 - j (j < 2^31): larger for lower j.
@@ -185,8 +187,7 @@ def _lse_tile(
     if MASKED:
         last = blk * CMP_STRIDE + CMP_BLOCK - 1
         s = tl.where(blk_ok[None, :] & (last[None, :] <= t_row[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), axis=1)
+    m_new, _, _, l_i = online_softmax_step(m_i, l_i, s)
     return m_new, l_i
 
 
@@ -195,6 +196,7 @@ def _score_tile(
     j0,
     run,
     p_prev,
+    nan_rows,
     q1,
     q2,
     k_head,
@@ -230,8 +232,9 @@ def _score_tile(
     previous tile carries into this one (its blocks spill into this tile's first ones): for
     Q <= 1 its spill sums [BT, BS] (the weights w[1] applied), else its group-summed
     probabilities [BT, RP, BS]. lse2 [BM]: base-2 normalisers, +inf on rows that must give
-    p = 0. MASKED: some row does not see some block of the tile. Returns (run, the carry, and
-    [BM] int32: 1 on rows with a NaN logit among the blocks they see).
+    p = 0. nan_rows [BM] int32: 1 on rows with a NaN logit among the blocks they saw so far.
+    MASKED: some row does not see some block of the tile. Returns (run, the carry, nan_rows),
+    each updated with this tile.
     """
     cols = tl.arange(0, RP * BS)
     col_m = cols // BS
@@ -250,7 +253,7 @@ def _score_tile(
     # A NaN logit among the blocks a row sees makes its softmax's denominator NaN: every
     # probability of the row, hence every score of its group, is NaN (docs/spec.md,
     # "Non-finite values"). Flagged here, applied to the top-n at the end.
-    nan_rows = tl.max(((s != s) & seen).to(tl.int32), axis=1)
+    nan_rows = tl.maximum(nan_rows, tl.max(((s != s) & seen).to(tl.int32), axis=1))
     p4 = tl.reshape(p, (BT, GP, RP, BS))
     L: tl.constexpr = CMP_BLOCK // CMP_STRIDE
     w_own = _phase_weights(0, R, RP, L)[None, None, :, None]
@@ -453,19 +456,17 @@ def score_topn_kernel(
     sel_end = tl.where(n_rows > 0, t_last // SEL + 1, 0)
     nan_rows = tl.zeros([BM], dtype=tl.int32)
     for j0 in range(0, seen_by_all, BS):
-        run, p_prev, tile_nan = _score_tile(
-            j0, run, p_prev, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt, n_vis,
-            qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
+        run, p_prev, nan_rows = _score_tile(
+            j0, run, p_prev, nan_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt,
+            n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
             LOG_BT, LOG_BS, LOG_NP, False, USE_GATHER, DOT_PREC,
         )  # fmt: skip
-        nan_rows = tl.maximum(nan_rows, tile_nan)
     for j0 in range(seen_by_all, sel_end, BS):
-        run, p_prev, tile_nan = _score_tile(
-            j0, run, p_prev, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt, n_vis,
-            qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
+        run, p_prev, nan_rows = _score_tile(
+            j0, run, p_prev, nan_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt,
+            n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
             LOG_BT, LOG_BS, LOG_NP, True, USE_GATHER, DOT_PREC,
         )  # fmt: skip
-        nan_rows = tl.maximum(nan_rows, tile_nan)
 
     # Forced blocks {0, jt - 1, jt} as a set (jt = 0: {0}; jt = 1: {0, 1}); the first
     # min(n, |F|) of them, then the n - |F| best candidates.
