@@ -1,5 +1,5 @@
 """Pieces the reference ops share: validation before the body, varlen spans, the compute dtype,
-the masked softmax, chunking."""
+the masked softmax, attention over the visible keys, chunking over queries."""
 
 from __future__ import annotations
 
@@ -99,6 +99,54 @@ def attend_visible(
     return torch.where(hits > 0, torch.full_like(o, float("nan")), o)
 
 
+def visible_probs(
+    q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """p [B, H, C, G, K] in the compute dtype: softmax of ``scale * q . k`` over the visible keys.
+
+    q [B, C, HQ, dk] (head i in group i // G), k [B, K, H, dk]; visible bool, broadcastable to
+    [B, H, C, G, K]. Rows that see no key are all zero.
+    """
+    batch, c, hq, dk = q.shape
+    h = k.shape[2]
+    dtype = compute_dtype(q.dtype)
+    qg = q.to(dtype).view(batch, c, h, hq // h, dk).permute(0, 2, 1, 3, 4)
+    kc = k.to(dtype).permute(0, 2, 1, 3)  # [B, H, K, dk]
+    scores = torch.einsum("bhtgd,bhkd->bhtgk", qg, kc) * scale
+    return masked_softmax(scores, visible)
+
+
+def attend_keys(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """o [B, H, C, G, dv] in the compute dtype: each query over its visible keys, in one softmax.
+
+    q [B, C, HQ, dk], k [B, K, H, dk], v [B, K, H, dv]; visible as :func:`visible_probs` takes it.
+    """
+    probs = visible_probs(q, k, visible, scale)
+    values = v.to(compute_dtype(q.dtype)).permute(0, 2, 1, 3)  # [B, H, K, dv]
+    return attend_visible(probs, visible, values)
+
+
 def query_chunk(per_query_elements: int) -> int:
     """How many queries one chunk may hold so that its largest intermediate stays bounded."""
     return max(1, CHUNK_ELEMENTS // max(1, per_query_elements))
+
+
+def attend_in_query_chunks(
+    q: torch.Tensor, dv: int, chunk: int, attend_chunk: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """o [B, Tq, HQ, dv] in q's dtype, ``chunk`` queries at a time.
+
+    ``attend_chunk(c0, c1)`` gives the output of query rows [c0, c1) as [B, H, c1 - c0, G, dv]
+    (head h * G + g of HQ); no query rows give an empty output.
+    """
+    batch, tq, hq, _ = q.shape
+    if tq == 0:
+        return q.new_zeros(batch, 0, hq, dv)
+    outs = []
+    for c0 in range(0, tq, chunk):
+        c1 = min(tq, c0 + chunk)
+        o = attend_chunk(c0, c1)
+        outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
+    return torch.cat(outs, dim=1).to(q.dtype)

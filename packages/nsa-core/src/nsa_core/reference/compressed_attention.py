@@ -7,12 +7,13 @@ import torch
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_compressed_attention
 from nsa_core.reference.common import (
+    attend_in_query_chunks,
     attend_visible,
     compute_dtype,
-    masked_softmax,
     query_chunk,
     spans,
     validated_by,
+    visible_probs,
 )
 
 
@@ -36,15 +37,9 @@ def cmp_probs(
 
     Rows that see no block are all zero. Callers chunk over queries to bound memory.
     """
-    batch, tq, hq, dk = q.shape
-    n, h = k_cmp.shape[1], k_cmp.shape[2]
-    dtype = compute_dtype(q.dtype)
-    qg = q.to(dtype).view(batch, tq, h, hq // h, dk).permute(0, 2, 1, 3, 4)
-    kc = k_cmp.to(dtype).permute(0, 2, 1, 3)  # [B, H, N, dk]
-    scores = torch.einsum("bhtgd,bhnd->bhtgn", qg, kc) * scale
-    positions = torch.arange(q_start, q_start + tq, device=q.device)
-    visible = cmp_visible(positions, n, cmp_block, cmp_stride)  # [Tq, N]
-    return masked_softmax(scores, visible[None, None, :, None, :])
+    positions = torch.arange(q_start, q_start + q.shape[1], device=q.device)
+    visible = cmp_visible(positions, k_cmp.shape[1], cmp_block, cmp_stride)  # [Tq, N]
+    return visible_probs(q, k_cmp, visible[None, None, :, None, :], scale)
 
 
 @validated_by(check_compressed_attention)
@@ -101,21 +96,15 @@ def _compressed_dense(
     scale: float,
     q_start: int,
 ) -> torch.Tensor:
-    batch, tq, hq, _ = q.shape
-    n, dv = k_cmp.shape[1], v_cmp.shape[3]
-    if tq == 0:
-        return q.new_zeros(batch, tq, hq, dv)
+    n = k_cmp.shape[1]
     # n == 0 runs the general path: the einsums over an empty block axis give zeros that stay in
     # the autograd graph, so a loss on them back-propagates zero gradients instead of raising.
-    dtype = compute_dtype(q.dtype)
-    vc = v_cmp.to(dtype).permute(0, 2, 1, 3)  # [B, H, N, dv]
-    chunk = query_chunk(hq * n)
-    outs = []
-    for c0 in range(0, tq, chunk):
-        c1 = min(tq, c0 + chunk)
+    vc = v_cmp.to(compute_dtype(q.dtype)).permute(0, 2, 1, 3)  # [B, H, N, dv]
+
+    def attend_chunk(c0: int, c1: int) -> torch.Tensor:
         p = cmp_probs(q[:, c0:c1], k_cmp, cmp_block, cmp_stride, scale, q_start + c0)
         positions = torch.arange(q_start + c0, q_start + c1, device=q.device)
         visible = cmp_visible(positions, n, cmp_block, cmp_stride)[None, None, :, None, :]
-        o = attend_visible(p, visible, vc)
-        outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
-    return torch.cat(outs, dim=1).to(q.dtype)
+        return attend_visible(p, visible, vc)
+
+    return attend_in_query_chunks(q, v_cmp.shape[3], query_chunk(q.shape[2] * n), attend_chunk)

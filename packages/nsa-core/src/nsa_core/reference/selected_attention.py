@@ -7,9 +7,8 @@ import torch
 from nsa_core.blocks import num_sel_blocks
 from nsa_core.checks import check_selected_attention
 from nsa_core.reference.common import (
-    attend_visible,
-    compute_dtype,
-    masked_softmax,
+    attend_in_query_chunks,
+    attend_keys,
     query_chunk,
     spans,
     validated_by,
@@ -94,26 +93,13 @@ def _selected_dense(
     scale: float,
     q_start: int,
 ) -> torch.Tensor:
-    batch, tq, hq, dk = q.shape
-    h, dv = k.shape[2], v.shape[3]
-    g = hq // h
-    if tq == 0:
-        return q.new_zeros(batch, tq, hq, dv)
-    dtype = compute_dtype(q.dtype)
     # Dense scores against the causal prefix, masked to the selected blocks: no gather copies,
     # memory O(chunk * T) per chunk, and the union of blocks falls out of the mask.
-    chunk = query_chunk(hq * (q_start + tq))
-    outs = []
-    for c0 in range(0, tq, chunk):
-        c1 = min(tq, c0 + chunk)
+    def attend_chunk(c0: int, c1: int) -> torch.Tensor:
         keys = q_start + c1  # the chunk's queries see no token past its last position
-        kc = k[:, :keys].to(dtype).permute(0, 2, 1, 3)  # [B, H, K, dk]
-        vc = v[:, :keys].to(dtype).permute(0, 2, 1, 3)
-        qc = q[:, c0:c1].to(dtype).view(batch, c1 - c0, h, g, dk).permute(0, 2, 1, 3, 4)
         visible = selected_visibility(block_indices[:, c0:c1], sel_block, q_start + c0, keys)
-        scores = torch.einsum("bhtgd,bhkd->bhtgk", qc, kc) * scale
         visible_heads = visible.permute(0, 2, 1, 3).unsqueeze(3)  # [B, H, C, 1, K]
-        probs = masked_softmax(scores, visible_heads)
-        o = attend_visible(probs, visible_heads, vc)
-        outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
-    return torch.cat(outs, dim=1).to(q.dtype)
+        return attend_keys(q[:, c0:c1], k[:, :keys], v[:, :keys], visible_heads, scale)
+
+    chunk = query_chunk(q.shape[2] * (q_start + q.shape[1]))
+    return attend_in_query_chunks(q, v.shape[3], chunk, attend_chunk)

@@ -9,9 +9,8 @@ import torch
 from nsa_core.checks import check_sliding_attention
 from nsa_core.reference.common import (
     CHUNK_ELEMENTS,
-    attend_visible,
-    compute_dtype,
-    masked_softmax,
+    attend_in_query_chunks,
+    attend_keys,
     spans,
     validated_by,
 )
@@ -59,27 +58,15 @@ sliding_attention_impl = sliding_attention.body
 def _sliding_dense(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, q_start: int
 ) -> torch.Tensor:
-    batch, tq, hq, dk = q.shape
-    h, dv = k.shape[2], v.shape[3]
-    g = hq // h
-    if tq == 0:
-        return q.new_zeros(batch, 0, hq, dv)
-    dtype = compute_dtype(q.dtype)
-    # A chunk of C queries reads C + w - 1 keys: pick the largest C with hq*C*(C+w) bounded.
-    chunk = max(1, int((-window + math.sqrt(window * window + 4 * CHUNK_ELEMENTS / hq)) / 2))
-    outs = []
-    for c0 in range(0, tq, chunk):
-        c1 = min(tq, c0 + chunk)
+    def attend_chunk(c0: int, c1: int) -> torch.Tensor:
         t0, t1 = q_start + c0, q_start + c1  # query positions [t0, t1)
         k0 = max(0, t0 - window + 1)  # keys [k0, t1) cover every window in the chunk
-        kc = k[:, k0:t1].to(dtype).permute(0, 2, 1, 3)  # [B, H, K, dk]
-        vc = v[:, k0:t1].to(dtype).permute(0, 2, 1, 3)
-        qc = q[:, c0:c1].to(dtype).view(batch, c1 - c0, h, g, dk).permute(0, 2, 1, 3, 4)
-        scores = torch.einsum("bhtgd,bhkd->bhtgk", qc, kc) * scale
         t = torch.arange(t0, t1, device=q.device).unsqueeze(1)
         p = torch.arange(k0, t1, device=q.device).unsqueeze(0)
-        visible = (p <= t) & (p > t - window)  # [C, K]
-        probs = masked_softmax(scores, visible[None, None, :, None, :])
-        o = attend_visible(probs, visible[None, None, :, None, :], vc)
-        outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
-    return torch.cat(outs, dim=1).to(q.dtype)
+        visible = ((p <= t) & (p > t - window))[None, None, :, None, :]  # [1, 1, C, 1, K]
+        return attend_keys(q[:, c0:c1], k[:, k0:t1], v[:, k0:t1], visible, scale)
+
+    # A chunk of C queries reads C + w - 1 keys: pick the largest C with hq*C*(C+w) bounded.
+    hq = q.shape[2]
+    chunk = max(1, int((-window + math.sqrt(window * window + 4 * CHUNK_ELEMENTS / hq)) / 2))
+    return attend_in_query_chunks(q, v.shape[3], chunk, attend_chunk)
