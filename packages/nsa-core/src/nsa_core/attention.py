@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from nsa_core.reference.selected_attention import selected_visibility
 from nsa_core.rope import apply_rope
 
 BRANCHES = ("cmp", "slc", "win")
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 @dataclass
@@ -137,6 +141,19 @@ def branch_outputs(
         cu_seqlens=cu_seqlens,
     )
     return o_cmp, o_slc, o_win, indices
+
+
+def _with_layer_config(
+    fn: Callable[Concatenate[NSAConfig, _P], _R],
+) -> Callable[Concatenate[NSAAttention, _P], _R]:
+    """``fn`` as a method of the layer: the layer's config is its first argument."""
+
+    def method(layer: NSAAttention, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        return fn(layer.config, *args, **kwargs)
+
+    method.__name__ = fn.__name__
+    method.__doc__ = f":func:`{fn.__name__}` with this layer's config."
+    return method
 
 
 def check_nsa_attention(
@@ -300,34 +317,7 @@ class NSAAttention(nn.Module):
         v_cmp = compress(v_raw, cfg.cmp_block, cfg.cmp_stride, self.phi_v, cu_seqlens=cu_seqlens)
         return k_cmp, v_cmp
 
-    def branch_outputs(
-        self,
-        q: torch.Tensor,
-        k_cmp: torch.Tensor,
-        v_cmp: torch.Tensor,
-        k_slc: torch.Tensor,
-        v_slc: torch.Tensor,
-        k_win: torch.Tensor,
-        v_win: torch.Tensor,
-        *,
-        q_start: int = 0,
-        win_start: int | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:func:`branch_outputs` with this layer's config."""
-        return branch_outputs(
-            self.config,
-            q,
-            k_cmp,
-            v_cmp,
-            k_slc,
-            v_slc,
-            k_win,
-            v_win,
-            q_start=q_start,
-            win_start=win_start,
-            cu_seqlens=cu_seqlens,
-        )
+    branch_outputs = _with_layer_config(branch_outputs)
 
     # ----------------------------------------------------------------------------- entry points
 
