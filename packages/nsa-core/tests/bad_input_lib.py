@@ -1,12 +1,16 @@
 """The small, valid geometry the bad-input tests start from, and its inputs.
 
 B=1, T=8, HQ=4, H=2, dk=8, dv=6, l=4, d=2, l'=4, n=3, w=3: each test replaces one argument of a
-call on these inputs with a bad value.
+call on these inputs (or one field of this geometry's config) with a bad value.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from nsa_core import NSAConfig
 
 B, T, HQ, H, DK, DV = 1, 8, 4, 2, 8, 6
 L_CMP, D_CMP, L_SEL, N_SEL, W = 4, 2, 4, 3, 3
@@ -26,3 +30,19 @@ def valid_indices(batch: int = B, t: int = T) -> torch.Tensor:
     idx[..., 0] = 0
     idx[..., 1] = (torch.arange(t) // L_SEL).view(1, t, 1).to(torch.int32)
     return idx
+
+
+def config(**over: Any) -> NSAConfig:
+    """The NSAConfig of this geometry (HQ, H, dk, dv, l, d, l', n, w) with ``over`` changed."""
+    base: dict[str, Any] = {
+        "num_q_heads": HQ,
+        "num_kv_heads": H,
+        "head_dim_qk": DK,
+        "head_dim_v": DV,
+        "cmp_block": L_CMP,
+        "cmp_stride": D_CMP,
+        "sel_block": L_SEL,
+        "num_selected": N_SEL,
+        "window": W,
+    }
+    return NSAConfig(**(base | over))

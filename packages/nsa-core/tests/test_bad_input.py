@@ -23,6 +23,7 @@ from bad_input_lib import (
     H,
     T,
     W,
+    config,
     rand,
     valid_indices,
 )
@@ -280,7 +281,7 @@ def call_with_cu(op: str, cu: Any, batch: int = B, n_cmp: int = N_CMP) -> Any:
     if op == "compress":
         return compress(rand(batch, T, H, DK), L_CMP, D_CMP, cu_seqlens=cu)
     if op == "module":
-        layer = NSAAttention(small_config(), HIDDEN)
+        layer = NSAAttention(config(), HIDDEN)
         return layer(rand(batch, T, HIDDEN), cu_seqlens=cu)
     over: dict[str, Any] = {"q": rand(batch, T, HQ, DK), "cu_seqlens": cu}
     if op in ("compressed_attention", "select_blocks"):
@@ -372,24 +373,8 @@ def test_gated_combine_shapes() -> None:
 # ------------------------------------------------------------------------------ the module
 
 
-def small_config(**over: Any) -> NSAConfig:
-    base: dict[str, Any] = {
-        "num_q_heads": HQ,
-        "num_kv_heads": H,
-        "head_dim_qk": DK,
-        "head_dim_v": DV,
-        "cmp_block": L_CMP,
-        "cmp_stride": D_CMP,
-        "sel_block": L_SEL,
-        "num_selected": N_SEL,
-        "window": W,
-    }
-    base.update(over)
-    return NSAConfig(**base)
-
-
 def test_module_bad_x() -> None:
-    layer = NSAAttention(small_config(), HIDDEN)
+    layer = NSAAttention(config(), HIDDEN)
     with pytest.raises(
         ValueError, match=r"x must have rank 3 \[B, T, hidden\], got shape \[8, 16\]"
     ):
@@ -408,17 +393,17 @@ def test_module_bad_x() -> None:
 
 def test_module_hidden_size() -> None:
     with pytest.raises(ValueError, match=r"hidden_size must be >= 1, got 0"):
-        NSAAttention(small_config(), 0)
+        NSAAttention(config(), 0)
 
 
 def test_decode_bad_input() -> None:
-    layer = NSAAttention(small_config(), HIDDEN)
+    layer = NSAAttention(config(), HIDDEN)
     _, cache = layer.prefill(rand(2, 5, HIDDEN))
     with pytest.raises(ValueError, match=r"decode takes one token per sequence, x \[2, 2, 16\]"):
         layer.decode(rand(2, 2, HIDDEN), cache)
     with pytest.raises(ValueError, match=r"cache was built for another layer config or batch size"):
         layer.decode(rand(1, 1, HIDDEN), cache)
-    other = NSACache.empty(small_config(window=5), 2)
+    other = NSACache.empty(config(window=5), 2)
     with pytest.raises(ValueError, match=r"cache was built for another layer config or batch size"):
         layer.decode(rand(2, 1, HIDDEN), other)
     with pytest.raises(TypeError, match=r"x dtype torch.float64"):
@@ -443,7 +428,7 @@ def grads_of(layer: NSAAttention) -> list[torch.Tensor | None]:
 def test_short_sequence_is_finite(phi: str, dtype: torch.dtype, t: int) -> None:
     """T < l: no compressed block exists for any query; outputs and gradients stay finite."""
     torch.manual_seed(t)
-    layer = NSAAttention(small_config(phi=phi), HIDDEN).to(dtype)
+    layer = NSAAttention(config(phi=phi), HIDDEN).to(dtype)
     x = rand(2, t, HIDDEN, dtype=dtype).requires_grad_()
     y = layer(x)
     assert y.shape == (2, t, HIDDEN)
@@ -459,7 +444,7 @@ def test_short_sequence_is_finite(phi: str, dtype: torch.dtype, t: int) -> None:
 def test_varlen_with_tiny_sequences_is_finite(phi: str) -> None:
     """Packed sequences of lengths 1, 0, 3 and 12: the short ones see no compressed block."""
     torch.manual_seed(0)
-    layer = NSAAttention(small_config(phi=phi), HIDDEN).double()
+    layer = NSAAttention(config(phi=phi), HIDDEN).double()
     cu = torch.tensor([0, 1, 1, 4, 16], dtype=torch.int32)
     x = rand(1, 16, HIDDEN, dtype=torch.float64).requires_grad_()
     y = layer(x, cu_seqlens=cu)

@@ -30,6 +30,7 @@ from bad_input_lib import (
     H,
     T,
     W,
+    config,
     rand,
     valid_indices,
 )
@@ -52,21 +53,6 @@ from nsa_core import (
 
 PREFILL = 5  # tokens in the decode cache of the stateful rows
 HUGE = 10**9  # would ask the allocator for gigabytes if it were not refused
-
-
-def config(**over: Any) -> NSAConfig:
-    base: dict[str, Any] = {
-        "num_q_heads": HQ,
-        "num_kv_heads": H,
-        "head_dim_qk": DK,
-        "head_dim_v": DV,
-        "cmp_block": L_CMP,
-        "cmp_stride": D_CMP,
-        "sel_block": L_SEL,
-        "num_selected": N_SEL,
-        "window": W,
-    }
-    return NSAConfig(**(base | over))
 
 
 def paper_config(**over: Any) -> NSAConfig:
