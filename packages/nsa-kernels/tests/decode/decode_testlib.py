@@ -14,16 +14,8 @@ from dataclasses import dataclass
 import torch
 from kernel_testlib import rel_err
 
-from nsa_core import NSACache, NSAConfig, expected_reads, num_cmp_blocks, selected_reads
-from nsa_core.reference import (
-    block_scores,
-    compress,
-    compressed_attention,
-    gated_combine,
-    select_blocks,
-    selected_attention,
-    sliding_attention,
-)
+from nsa_core import NSACache, NSAConfig, expected_reads, num_cmp_blocks, reference, selected_reads
+from nsa_core.attention import BranchInputs
 from nsa_kernels.decode.state import BRANCHES, DecodeState
 from nsa_kernels.decode.step import TOPN_REL_GAP, StepInputs, StepOutputs
 
@@ -54,13 +46,8 @@ def small_config(
 
 
 @dataclass
-class Stream:
+class Stream(BranchInputs):
     """Per-token inputs of B sequences: q [B, T, HQ, dk], k/v per branch [B, T, H, *], gates."""
-
-    q: torch.Tensor
-    k: dict[str, torch.Tensor]
-    v: dict[str, torch.Tensor]
-    gates: torch.Tensor
 
     @classmethod
     def random(
@@ -134,33 +121,27 @@ def reference_at(
     v = {name: x[b : b + 1, : t + 1].to(f64) for name, x in stream.v.items()}
     with torch.no_grad():
         if blocks is None:
-            k_cmp = compress(k["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_k, f64))
-            v_cmp = compress(v["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_v, f64))
+            k_cmp = reference.compress(k["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_k, f64))
+            v_cmp = reference.compress(v["cmp"], cfg.cmp_block, cfg.cmp_stride, _as(phi_v, f64))
         else:
             k_cmp = blocks[0].unsqueeze(0).to(f64)
             v_cmp = blocks[1].unsqueeze(0).to(f64)
         scale = cfg.softmax_scale
-        ref_idx, _ = select_blocks(
-            q,
-            k_cmp,
-            cfg.cmp_block,
-            cfg.cmp_stride,
-            cfg.sel_block,
-            cfg.num_selected,
-            scale,
-            q_start=t,
+        geometry = (cfg.cmp_block, cfg.cmp_stride, cfg.sel_block)
+        ref_idx, _ = reference.select_blocks(
+            q, k_cmp, *geometry, cfg.num_selected, scale, q_start=t
         )
-        scores = block_scores(
-            q, k_cmp, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, scale, q_start=t
-        )
+        scores = reference.block_scores(q, k_cmp, *geometry, scale, q_start=t)
         idx = kernel_indices.to(q.device, torch.int64).view(1, 1, *kernel_indices.shape)
-        o_cmp = compressed_attention(
+        o_cmp = reference.compressed_attention(
             q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale, q_start=t
         )
-        o_slc = selected_attention(q, k["slc"], v["slc"], idx, cfg.sel_block, scale, q_start=t)
-        o_win = sliding_attention(q, k["win"], v["win"], cfg.window, scale, q_start=t)
+        o_slc = reference.selected_attention(
+            q, k["slc"], v["slc"], idx, cfg.sel_block, scale, q_start=t
+        )
+        o_win = reference.sliding_attention(q, k["win"], v["win"], cfg.window, scale, q_start=t)
         g = stream.gates[b : b + 1, t : t + 1].to(f64)
-        o = gated_combine(o_cmp, o_slc, o_win, g)
+        o = reference.gated_combine(o_cmp, o_slc, o_win, g)
     return RefStep(o=o[0, 0], indices=ref_idx[0, 0], scores=scores[0, 0])
 
 
@@ -301,10 +282,10 @@ class ReferenceDecoder:
         cache.append_tokens(x["k_slc"], x["v_slc"], x["k_win"], x["v_win"], x["k_cmp"], x["v_cmp"])
         if num_cmp_blocks(t + 1, cfg.cmp_block, cfg.cmp_stride) > cache.num_cmp:
             with torch.no_grad():
-                k_blk = compress(
+                k_blk = reference.compress(
                     cache.k_raw[:, : cfg.cmp_block], cfg.cmp_block, cfg.cmp_stride, self.phi_k
                 )
-                v_blk = compress(
+                v_blk = reference.compress(
                     cache.v_raw[:, : cfg.cmp_block], cfg.cmp_block, cfg.cmp_stride, self.phi_v
                 )
             cache.append_blocks(k_blk, v_blk, consumed=cfg.cmp_stride)
@@ -321,17 +302,17 @@ class ReferenceDecoder:
         idx = kernel_indices.cpu().to(torch.int64).view(1, 1, *kernel_indices.shape)
         scale = cfg.softmax_scale
         with torch.no_grad():
-            o_cmp = compressed_attention(
+            o_cmp = reference.compressed_attention(
                 q, cache.k_cmp, cache.v_cmp, cfg.cmp_block, cfg.cmp_stride, scale, q_start=t
             )
-            o_slc = selected_attention(
+            o_slc = reference.selected_attention(
                 q, cache.k_slc, cache.v_slc, idx, cfg.sel_block, scale, q_start=t
             )
-            o_win = sliding_attention(
+            o_win = reference.sliding_attention(
                 q, cache.k_win, cache.v_win, cfg.window, scale, q_start=cache.k_win.shape[1] - 1
             )
             g = s.gates[b : b + 1, t : t + 1].cpu().to(f64)
-            return gated_combine(o_cmp, o_slc, o_win, g)[0, 0]
+            return reference.gated_combine(o_cmp, o_slc, o_win, g)[0, 0]
 
 
 def assert_same_cache(got: NSACache, want: NSACache, bound: float, where: str) -> None:

@@ -18,16 +18,7 @@ from kernel_testlib import BOUND, rel_err
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")
 
-from nsa_core import NSAAttention, NSAConfig, num_cmp_blocks  # noqa: E402
-from nsa_core.reference import (  # noqa: E402
-    CompressMLP,
-    compress,
-    compressed_attention,
-    gated_combine,
-    select_blocks,
-    selected_attention,
-    sliding_attention,
-)
+from nsa_core import NSAAttention, NSAConfig, num_cmp_blocks, reference  # noqa: E402
 from nsa_kernels.decode import (  # noqa: E402
     BlockPhi,
     DecodeGraph,
@@ -65,15 +56,17 @@ def prefill_reference(cfg: NSAConfig, stream: Stream, b: int) -> tuple[torch.Ten
     v = {name: x[b : b + 1] for name, x in stream.v.items()}
     scale = cfg.softmax_scale
     with torch.no_grad():
-        k_cmp = compress(k["cmp"], cfg.cmp_block, cfg.cmp_stride)
-        v_cmp = compress(v["cmp"], cfg.cmp_block, cfg.cmp_stride)
-        idx, _ = select_blocks(
+        k_cmp = reference.compress(k["cmp"], cfg.cmp_block, cfg.cmp_stride)
+        v_cmp = reference.compress(v["cmp"], cfg.cmp_block, cfg.cmp_stride)
+        idx, _ = reference.select_blocks(
             q, k_cmp, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected, scale
         )
-        o_cmp = compressed_attention(q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale)
-        o_slc = selected_attention(q, k["slc"], v["slc"], idx, cfg.sel_block, scale)
-        o_win = sliding_attention(q, k["win"], v["win"], cfg.window, scale)
-        o = gated_combine(o_cmp, o_slc, o_win, stream.gates[b : b + 1])
+        o_cmp = reference.compressed_attention(
+            q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale
+        )
+        o_slc = reference.selected_attention(q, k["slc"], v["slc"], idx, cfg.sel_block, scale)
+        o_win = reference.sliding_attention(q, k["win"], v["win"], cfg.window, scale)
+        o = reference.gated_combine(o_cmp, o_slc, o_win, stream.gates[b : b + 1])
     return o[0], idx[0]
 
 
@@ -134,7 +127,9 @@ def test_ragged_lengths(group: int, dk: int, dv: int, request: pytest.FixtureReq
     for b, n in enumerate(lengths):
         end = n + steps
         blocks = num_cmp_blocks(end, cfg.cmp_block, cfg.cmp_stride)
-        want = compress(stream.k["cmp"][b : b + 1, :end].float(), cfg.cmp_block, cfg.cmp_stride)
+        want = reference.compress(
+            stream.k["cmp"][b : b + 1, :end].float(), cfg.cmp_block, cfg.cmp_stride
+        )
         assert rel_err(state.k_cmp[b, :blocks], want[0]) <= BOUND[BF16]
 
 
@@ -197,8 +192,8 @@ def test_graph_with_learned_phi(request: pytest.FixtureRequest) -> None:
     gen = _gen(request)
     cfg = paper_config(phi="mlp")
     torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    phi_k = block_phi(CompressMLP(cfg.head_dim_qk, cfg.cmp_block).to("cuda", BF16))
-    phi_v = block_phi(CompressMLP(cfg.head_dim_v, cfg.cmp_block).to("cuda", BF16))
+    phi_k = block_phi(reference.CompressMLP(cfg.head_dim_qk, cfg.cmp_block).to("cuda", BF16))
+    phi_v = block_phi(reference.CompressMLP(cfg.head_dim_v, cfg.cmp_block).to("cuda", BF16))
     lengths = [5, 700]
     steps = 100
     stream = Stream.random(cfg, 2, max(lengths) + steps, gen, dtype=BF16, device="cuda")
