@@ -12,6 +12,7 @@ from collections.abc import Callable
 import brute
 import pytest
 import torch
+from geometry_lib import geometry
 
 import nsa_core as nc
 
@@ -154,28 +155,8 @@ def test_a_sequence_of_a_packed_batch_is_untouched_by_the_other_sequences(
 
 
 LAYERS = {
-    "l8d4s8": dict(
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim_qk=8,
-        head_dim_v=6,
-        cmp_block=8,
-        cmp_stride=4,
-        sel_block=8,
-        num_selected=3,
-        window=5,
-    ),
-    "l32d16s64": dict(
-        num_q_heads=2,
-        num_kv_heads=1,
-        head_dim_qk=8,
-        head_dim_v=8,
-        cmp_block=32,
-        cmp_stride=16,
-        sel_block=64,
-        num_selected=4,
-        window=40,
-    ),
+    "l8d4s8": geometry(4, 2, 8, 6, 8, 4, 8, n=3, w=5),
+    "l32d16s64": geometry(2, 1, 8, 8, 32, 16, 64, n=4, w=40),
 }
 
 

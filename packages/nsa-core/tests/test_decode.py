@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from geometry_lib import geometry
 
 from nsa_core import NSAAttention, NSACache, NSAConfig, compress
 from nsa_core.blocks import num_cmp_blocks
@@ -37,24 +38,21 @@ CASES: list[Case] = [
     # n = 3: the forced blocks fill every slot; w = 5 is shorter than l.
     (
         "l8-d4-ls8-n3-w5",
-        config(num_q_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=6,
-               cmp_block=8, cmp_stride=4, sel_block=8, num_selected=3, window=5),
+        config(**geometry(4, 2, 8, 6, 8, 4, 8, n=3, w=5)),
         45,
         16,
     ),
     # n = 4 with up to 8 valid blocks: one slot chosen by score; G = 3, dk != dv.
     (
         "l8-d4-ls8-n4-w5-g3",
-        config(num_q_heads=6, num_kv_heads=2, head_dim_qk=8, head_dim_v=4,
-               cmp_block=8, cmp_stride=4, sel_block=8, num_selected=4, window=5),
+        config(**geometry(6, 2, 8, 4, 8, 4, 8, n=4, w=5)),
         64,
         12,
     ),
     # l' != l, G = 1, d = l / 4.
     (
         "l8-d2-ls16-n3-w7-g1",
-        config(num_q_heads=2, num_kv_heads=2, head_dim_qk=4, head_dim_v=8,
-               cmp_block=8, cmp_stride=2, sel_block=16, num_selected=3, window=7),
+        config(**geometry(2, 2, 4, 8, 8, 2, 16, n=3, w=7)),
         70,
         8,
     ),
@@ -62,8 +60,7 @@ CASES: list[Case] = [
     # score among 2 or 3 candidates; w = 40 < T.
     (
         "l32-d16-ls64-n4-w40",
-        config(num_q_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=8,
-               cmp_block=32, cmp_stride=16, sel_block=64, num_selected=4, window=40),
+        config(**geometry(4, 2, 8, 8, 32, 16, 64, n=4, w=40)),
         330,
         16,
     ),
@@ -222,8 +219,7 @@ def test_cache_appends_are_bitwise_independent_of_chunking(
 ) -> None:
     """Feeding the same K/V to NSACache all at once, or in chunks (1 token = decode), with phi avg
     gives bitwise the same state: the cache only stores and drops, it never recomputes."""
-    cfg = config(num_q_heads=4, num_kv_heads=2, head_dim_qk=8, head_dim_v=6,
-                 cmp_block=32, cmp_stride=16, sel_block=64, num_selected=3, window=50)  # fmt: skip
+    cfg = config(**geometry(4, 2, 8, 6, 32, 16, 64, n=3, w=50))
     batch, t, h = 2, 203, cfg.num_kv_heads
     lc, d = cfg.cmp_block, cfg.cmp_stride
     kv = {
@@ -265,8 +261,7 @@ def test_cache_appends_are_bitwise_independent_of_chunking(
 
 def test_cache_state_while_filling(gen: torch.Generator) -> None:
     """Before the window is full it holds every token; raw K/V keep tokens [num_cmp*d, length)."""
-    cfg = config(num_q_heads=2, num_kv_heads=1, head_dim_qk=4, head_dim_v=4,
-                 cmp_block=8, cmp_stride=4, sel_block=8, num_selected=3, window=6)  # fmt: skip
+    cfg = config(**geometry(2, 1, 4, 4, 8, 4, 8, n=3, w=6))
     cache = NSACache.empty(cfg, 1, dtype=torch.float64)
     k = torch.randn(1, 20, 1, 4, generator=gen, dtype=torch.float64)
     for t in range(20):

@@ -16,6 +16,8 @@ from torch.func import functional_call
 
 import nsa_core as nc
 
+LayerFactory = Callable[..., nc.NSAAttention]
+
 F64 = torch.float64
 
 
@@ -133,7 +135,7 @@ TINY = dict(
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 @pytest.mark.parametrize("varlen", [False, True])
 def test_layer_gradients_reach_x_and_every_parameter(
-    gen: torch.Generator, make_layer: Callable[..., nc.NSAAttention], phi: str, varlen: bool
+    gen: torch.Generator, make_layer: LayerFactory, phi: str, varlen: bool
 ) -> None:
     layer = make_layer(nc.NSAConfig(**TINY, phi=phi), 4)  # type: ignore[arg-type]
     cu = torch.tensor([0, 6, 6, 17], dtype=torch.int32) if varlen else None
@@ -210,11 +212,7 @@ def test_selected_branch_with_only_padding_gives_zero_and_zero_gradient(
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 @pytest.mark.parametrize("length", [1, 3])
 def test_layer_shorter_than_a_compression_block_has_finite_values_and_gradients(
-    gen: torch.Generator,
-    make_layer: Callable[..., nc.NSAAttention],
-    dtype: torch.dtype,
-    phi: str,
-    length: int,
+    gen: torch.Generator, make_layer: LayerFactory, dtype: torch.dtype, phi: str, length: int
 ) -> None:
     layer = make_layer(nc.NSAConfig(**TINY, phi=phi), 4, dtype)  # type: ignore[arg-type]
     x = randn(gen, 2, length, 4, dtype=dtype)

@@ -14,26 +14,13 @@ from collections.abc import Callable
 import brute
 import pytest
 import torch
+from geometry_lib import geometry
 
 import nsa_core as nc
 
+LayerFactory = Callable[..., nc.NSAAttention]
+
 F64 = torch.float64
-
-
-def geometry(
-    hq: int, heads: int, dk: int, dv: int, l_cmp: int, d: int, l_sel: int, n: int, w: int
-) -> dict[str, int]:
-    return dict(
-        num_q_heads=hq,
-        num_kv_heads=heads,
-        head_dim_qk=dk,
-        head_dim_v=dv,
-        cmp_block=l_cmp,
-        cmp_stride=d,
-        sel_block=l_sel,
-        num_selected=n,
-        window=w,
-    )
 
 
 # name -> (config fields, hidden size)
@@ -66,50 +53,55 @@ def assert_no_near_tie(layer: nc.NSAAttention, x: torch.Tensor, dtype: torch.dty
         assert margin > 1e-5, f"inputs have a near-tie (margin {margin:.2e}); pick other inputs"
 
 
+def check_layer_forward(
+    gen: torch.Generator,
+    make_layer: LayerFactory,
+    case: tuple[dict[str, int], int],
+    phi: str,
+    dtype: torch.dtype,
+    *,
+    batch: int,
+    length: int,
+) -> None:
+    """The layer of ``case`` (config fields, hidden size) on x [batch, length, hidden] equals the
+    brute force built from its parameters."""
+    fields, hidden = case
+    layer = make_layer(make_config(fields, phi), hidden, dtype)
+    x = randn(gen, batch, length, hidden, dtype=dtype)
+    assert_no_near_tie(layer, x, dtype)
+    with torch.no_grad():
+        got = layer(x)
+    brute.assert_matches(got, brute.nsa_forward(layer, x), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 @pytest.mark.parametrize("length", [1, 5, 37])
 def test_layer_forward_equals_brute_force_from_its_parameters(
     gen: torch.Generator,
-    make_layer: Callable[..., nc.NSAAttention],
+    make_layer: LayerFactory,
     dtype: torch.dtype,
     name: str,
     phi: str,
     length: int,
 ) -> None:
-    fields, hidden = CONFIGS[name]
-    layer = make_layer(make_config(fields, phi), hidden, dtype)
-    x = randn(gen, 2, length, hidden, dtype=dtype)
-    assert_no_near_tie(layer, x, dtype)
-    with torch.no_grad():
-        got = layer(x)
-    brute.assert_matches(got, brute.nsa_forward(layer, x), dtype)
+    check_layer_forward(gen, make_layer, CONFIGS[name], phi, dtype, batch=2, length=length)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 @pytest.mark.parametrize("length", [31, 150, 300])
 def test_layer_forward_in_the_paper_block_geometry(
-    gen: torch.Generator,
-    make_layer: Callable[..., nc.NSAAttention],
-    dtype: torch.dtype,
-    phi: str,
-    length: int,
+    gen: torch.Generator, make_layer: LayerFactory, dtype: torch.dtype, phi: str, length: int
 ) -> None:
-    fields, hidden = PAPER
-    layer = make_layer(make_config(fields, phi), hidden, dtype)
-    x = randn(gen, 1, length, hidden, dtype=dtype)
-    assert_no_near_tie(layer, x, dtype)
-    with torch.no_grad():
-        got = layer(x)
-    brute.assert_matches(got, brute.nsa_forward(layer, x), dtype)
+    check_layer_forward(gen, make_layer, PAPER, phi, dtype, batch=1, length=length)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS)[:3])
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 def test_branch_inputs_are_projected_rotated_keys_plain_values_and_sigmoid_gates(
-    gen: torch.Generator, make_layer: Callable[..., nc.NSAAttention], name: str, phi: str
+    gen: torch.Generator, make_layer: LayerFactory, name: str, phi: str
 ) -> None:
     fields, hidden = CONFIGS[name]
     layer = make_layer(make_config(fields, phi), hidden)
@@ -127,7 +119,7 @@ def test_branch_inputs_are_projected_rotated_keys_plain_values_and_sigmoid_gates
 
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 def test_compress_kv_applies_separate_phi_to_keys_and_values(
-    gen: torch.Generator, make_layer: Callable[..., nc.NSAAttention], phi: str
+    gen: torch.Generator, make_layer: LayerFactory, phi: str
 ) -> None:
     fields, hidden = CONFIGS["G2-dk!=dv-l8d4s8"]
     layer = make_layer(make_config(fields, phi), hidden)
@@ -145,7 +137,7 @@ def test_compress_kv_applies_separate_phi_to_keys_and_values(
 @pytest.mark.parametrize("cuts", VARLEN_CUTS)
 def test_layer_varlen_runs_each_sequence_from_position_zero(
     gen: torch.Generator,
-    make_layer: Callable[..., nc.NSAAttention],
+    make_layer: LayerFactory,
     dtype: torch.dtype,
     name: str,
     phi: str,
@@ -165,7 +157,7 @@ def test_layer_varlen_runs_each_sequence_from_position_zero(
 @pytest.mark.parametrize("phi", ["avg", "mlp"])
 @pytest.mark.parametrize("cuts", [*VARLEN_CUTS, [0, 1, 150, 151, 233]])
 def test_layer_varlen_equals_running_each_sequence_separately(
-    gen: torch.Generator, make_layer: Callable[..., nc.NSAAttention], phi: str, cuts: list[int]
+    gen: torch.Generator, make_layer: LayerFactory, phi: str, cuts: list[int]
 ) -> None:
     fields, hidden = PAPER if cuts[-1] > 100 else CONFIGS["G2-dk!=dv-l8d4s8"]
     layer = make_layer(make_config(fields, phi), hidden)
