@@ -296,6 +296,11 @@ def arg_case(entry: str, arg: str, bad: object, error: type[Exception], fragment
     return case(entry, arg, bad, error, fragment, lambda: CALL_WITH[entry](**{arg: bad}))
 
 
+def arg_cases(entry: str, rows: list[tuple[str, object, type[Exception], str]]) -> list[Case]:
+    """:func:`arg_case` of each (argument, bad value, error, fragment) row of ``entry``."""
+    return [arg_case(entry, *row) for row in rows]
+
+
 def state_case(
     entry: str,
     arg: str,
@@ -313,17 +318,18 @@ META = "meta"
 # fmt: off
 CASES = [
     # select_blocks (nsa_core.ops)
-    arg_case("select_blocks", "cmp_stride", 3, VE,
-             "cmp_stride (3) must be >= 1 and divide cmp_block"),
-    arg_case("select_blocks", "sel_block", 5, VE, "cmp_stride (2) must divide sel_block (5)"),
-    arg_case("select_blocks", "sel_block", 4.0, TE, "sel_block must be an int, got float 4.0"),
-    arg_case("select_blocks", "num_selected", -1, VE, "num_selected must be >= 1, got -1"),
-    arg_case("select_blocks", "num_selected", HUGE, VE, "num_selected must be <= 536870911"),
-    arg_case("select_blocks", "num_selected", 3.0, TE, "num_selected must be an int"),
-    arg_case("select_blocks", "q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
-    arg_case("select_blocks", "q_start", True, TE, "q_start must be an int, got bool"),
-    arg_case("select_blocks", "scale", 0.0, VE, "scale must be finite and > 0, got 0.0"),
-    arg_case("select_blocks", "scale", "x", TE, "scale must be a float or None, got str"),
+    *arg_cases("select_blocks", [
+        ("cmp_stride", 3, VE, "cmp_stride (3) must be >= 1 and divide cmp_block"),
+        ("sel_block", 5, VE, "cmp_stride (2) must divide sel_block (5)"),
+        ("sel_block", 4.0, TE, "sel_block must be an int, got float 4.0"),
+        ("num_selected", -1, VE, "num_selected must be >= 1, got -1"),
+        ("num_selected", HUGE, VE, "num_selected must be <= 536870911"),
+        ("num_selected", 3.0, TE, "num_selected must be an int"),
+        ("q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
+        ("q_start", True, TE, "q_start must be an int, got bool"),
+        ("scale", 0.0, VE, "scale must be finite and > 0, got 0.0"),
+        ("scale", "x", TE, "scale must be a float or None, got str"),
+    ]),
     case("select_blocks", "k_cmp", "H=0", VE, "kv heads H must be >= 1, got 0",
          lambda: select_blocks_with(k_cmp=rand(B, N_CMP, 0, DK))),
     case("select_blocks", "q", "dk=0", VE, "head dim dk must be >= 1, got 0",
@@ -337,14 +343,15 @@ CASES = [
     case("select_blocks", "cu_seqlens", "int64", TE, "cu_seqlens must be int32, got torch.int64",
          lambda: select_blocks_with(cu_seqlens=torch.tensor([0, T]))),
     # block_scores (nsa_core.reference)
-    arg_case("block_scores", "cmp_stride", 3, VE,
-             "cmp_stride (3) must be >= 1 and divide cmp_block"),
-    arg_case("block_scores", "cmp_block", 0, VE, "cmp_block must be >= 1, got 0"),
-    arg_case("block_scores", "sel_block", 4.0, TE, "sel_block must be an int, got float"),
-    arg_case("block_scores", "sel_block", 5, VE, "cmp_stride (2) must divide sel_block (5)"),
-    arg_case("block_scores", "q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
-    arg_case("block_scores", "q_start", -1, VE, "q_start must be >= 0, got -1"),
-    arg_case("block_scores", "scale", -1.0, VE, "scale must be finite and > 0, got -1.0"),
+    *arg_cases("block_scores", [
+        ("cmp_stride", 3, VE, "cmp_stride (3) must be >= 1 and divide cmp_block"),
+        ("cmp_block", 0, VE, "cmp_block must be >= 1, got 0"),
+        ("sel_block", 4.0, TE, "sel_block must be an int, got float"),
+        ("sel_block", 5, VE, "cmp_stride (2) must divide sel_block (5)"),
+        ("q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
+        ("q_start", -1, VE, "q_start must be >= 0, got -1"),
+        ("scale", -1.0, VE, "scale must be finite and > 0, got -1.0"),
+    ]),
     case("block_scores", "k_cmp", "H=0", VE, "kv heads H must be >= 1, got 0",
          lambda: block_scores_with(k_cmp=rand(B, N_CMP, 0, DK))),
     case("block_scores", "q", "dk=0", VE, "head dim dk must be >= 1, got 0",
@@ -352,13 +359,15 @@ CASES = [
     case("block_scores", "k_cmp", "too few blocks", VE, "but k_cmp holds 1",
          lambda: block_scores_with(k_cmp=rand(B, 1, H, DK))),
     # topn_blocks (nsa_core.reference)
-    arg_case("topn_blocks", "num_selected", -1, VE, "num_selected must be >= 1, got -1"),
-    arg_case("topn_blocks", "num_selected", HUGE, VE, "num_selected must be <= 536870911"),
-    arg_case("topn_blocks", "num_selected", 2.0, TE, "num_selected must be an int, got float"),
-    arg_case("topn_blocks", "sel_block", 4.0, TE, "sel_block must be an int, got float 4.0"),
-    arg_case("topn_blocks", "sel_block", 0, VE, "sel_block must be >= 1, got 0"),
-    arg_case("topn_blocks", "q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
-    arg_case("topn_blocks", "q_start", -2, VE, "q_start must be >= 0, got -2"),
+    *arg_cases("topn_blocks", [
+        ("num_selected", -1, VE, "num_selected must be >= 1, got -1"),
+        ("num_selected", HUGE, VE, "num_selected must be <= 536870911"),
+        ("num_selected", 2.0, TE, "num_selected must be an int, got float"),
+        ("sel_block", 4.0, TE, "sel_block must be an int, got float 4.0"),
+        ("sel_block", 0, VE, "sel_block must be >= 1, got 0"),
+        ("q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
+        ("q_start", -2, VE, "q_start must be >= 0, got -2"),
+    ]),
     case("topn_blocks", "scores", "rank 3", VE, "scores must have rank 4",
          lambda: topn_blocks_with(scores=rand(B, T, N_BLOCKS))),
     case("topn_blocks", "scores", "too few blocks", VE, "hold 1 blocks; queries up to",
@@ -366,22 +375,30 @@ CASES = [
     case("topn_blocks", "scores", "int64", TE, "scores must be a floating-point tensor",
          lambda: topn_blocks_with(scores=torch.zeros(B, T, H, N_BLOCKS, dtype=torch.int64))),
     # compressed / sliding / selected attention (nsa_core.ops)
-    arg_case("compressed_attention", "cmp_stride", 3, VE, "cmp_stride (3) must be >= 1 and divide"),
-    arg_case("compressed_attention", "cmp_block", 4.0, TE, "cmp_block must be an int, got float"),
+    *arg_cases("compressed_attention", [
+        ("cmp_stride", 3, VE, "cmp_stride (3) must be >= 1 and divide"),
+        ("cmp_block", 4.0, TE, "cmp_block must be an int, got float"),
+    ]),
     case("compressed_attention", "v_cmp", "float64", TE, "v_cmp dtype torch.float64 differs",
          lambda: compressed_with(v_cmp=rand(B, N_CMP, H, DV, dtype=torch.float64))),
-    arg_case("compressed_attention", "q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
+    *arg_cases("compressed_attention", [
+        ("q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
+    ]),
     case("compressed_attention", "v_cmp", "dv=0", VE, "head dim dv must be >= 1, got 0",
          lambda: compressed_with(v_cmp=rand(B, N_CMP, H, 0))),
-    arg_case("sliding_attention", "window", 2.5, TE, "window must be an int, got float 2.5"),
-    arg_case("sliding_attention", "window", 0, VE, "window must be >= 1, got 0"),
-    arg_case("sliding_attention", "q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
-    arg_case("sliding_attention", "q_start", 1, VE, "need keys up to 8, but k holds 8 tokens"),
+    *arg_cases("sliding_attention", [
+        ("window", 2.5, TE, "window must be an int, got float 2.5"),
+        ("window", 0, VE, "window must be >= 1, got 0"),
+        ("q_start", 1.5, TE, "q_start must be an int, got float 1.5"),
+        ("q_start", 1, VE, "need keys up to 8, but k holds 8 tokens"),
+    ]),
     case("sliding_attention", "v", META, VE, "v is on meta but q is on cpu",
          lambda: sliding_with(v=rand(B, T, H, DV, device=META))),
     case("sliding_attention", "q", "HQ=0", VE, "query heads HQ must be >= 1, got 0",
          lambda: sliding_with(q=rand(B, T, 0, DK))),
-    arg_case("selected_attention", "sel_block", 4.0, TE, "sel_block must be an int, got float 4.0"),
+    *arg_cases("selected_attention", [
+        ("sel_block", 4.0, TE, "sel_block must be an int, got float 4.0"),
+    ]),
     case("selected_attention", "block_indices", 2, VE, "block_indices must lie in [-1, 2)",
          lambda: selected_with(block_indices=valid_indices().clamp_min(2))),
     case("selected_attention", "block_indices", "float32", TE, "must be int32 or int64",
@@ -389,16 +406,19 @@ CASES = [
     case("selected_attention", "k", "H=0", VE, "kv heads H must be >= 1, got 0",
          lambda: selected_with(k=rand(B, T, 0, DK), v=rand(B, T, 0, DV))),
     # compress, split_blocks, gated_combine (nsa_core.reference)
-    arg_case("compress", "cmp_stride", 3, VE,
-             "cmp_stride (3) must be >= 1 and divide cmp_block (4)"),
-    arg_case("compress", "cmp_block", 4.0, TE, "cmp_block must be an int, got float 4.0"),
-    arg_case("compress", "phi", "mean", TE, "phi must be a torch.nn.Module or None, got str"),
+    *arg_cases("compress", [
+        ("cmp_stride", 3, VE, "cmp_stride (3) must be >= 1 and divide cmp_block (4)"),
+        ("cmp_block", 4.0, TE, "cmp_block must be an int, got float 4.0"),
+        ("phi", "mean", TE, "phi must be a torch.nn.Module or None, got str"),
+    ]),
     case("compress", "x", "rank 3", VE, "x must have rank 4",
          lambda: compress_with(x=rand(B, T, H * DK))),
     case("compress", "cu_seqlens", [0, 3], VE, "cu_seqlens must end at T=8, got 3",
          lambda: compress_with(cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))),
-    arg_case("split_blocks", "cmp_stride", 0, VE, "cmp_stride (0) must be >= 1"),
-    arg_case("split_blocks", "cmp_block", 2.5, TE, "cmp_block must be an int, got float 2.5"),
+    *arg_cases("split_blocks", [
+        ("cmp_stride", 0, VE, "cmp_stride (0) must be >= 1"),
+        ("cmp_block", 2.5, TE, "cmp_block must be an int, got float 2.5"),
+    ]),
     case("gated_combine", "gates", "[B, T, HQ, 2]", VE, "gates [1, 8, 4, 2] must be [B, T, HQ, 3]",
          lambda: combine_with(gates=torch.rand(B, T, HQ, 2))),
     case("gated_combine", "gates", "float64", TE, "gates dtype torch.float64 differs from o_cmp",
@@ -408,23 +428,24 @@ CASES = [
     case("gated_combine", "o_win", "[B, T-1, HQ, dv]", VE, "o_win [1, 7, 4, 6] differs from o_cmp",
          lambda: combine_with(o_win=rand(B, T - 1, HQ, DV))),
     # NSAConfig
-    arg_case("NSAConfig", "num_selected", HUGE, VE, "num_selected (1000000000) times"),
-    arg_case("NSAConfig", "num_selected", 2, VE, "NSAConfig.num_selected must be >= 3"),
-    arg_case("NSAConfig", "window", 2.5, TE, "NSAConfig.window must be an int, got 2.5"),
-    arg_case("NSAConfig", "sel_block", 64.0, TE, "NSAConfig.sel_block must be an int"),
-    arg_case("NSAConfig", "cmp_stride", 3, VE,
-             "NSAConfig.cmp_stride (3) must divide cmp_block (32)"),
-    arg_case("NSAConfig", "sel_block", 40, VE,
-             "NSAConfig.cmp_stride (16) must divide sel_block (40)"),
-    arg_case("NSAConfig", "num_kv_heads", 0, VE, "NSAConfig.num_kv_heads must be >= 1, got 0"),
-    arg_case("NSAConfig", "head_dim_qk", 0, VE, "NSAConfig.head_dim_qk must be >= 1, got 0"),
-    arg_case("NSAConfig", "head_dim_qk", 7, VE, "NSAConfig.head_dim_qk must be even"),
-    arg_case("NSAConfig", "num_q_heads", 6, VE, "NSAConfig.num_q_heads (6) must be a multiple of"),
-    arg_case("NSAConfig", "phi", "max", VE, "NSAConfig.phi must be 'avg' or 'mlp', got 'max'"),
+    *arg_cases("NSAConfig", [
+        ("num_selected", HUGE, VE, "num_selected (1000000000) times"),
+        ("num_selected", 2, VE, "NSAConfig.num_selected must be >= 3"),
+        ("window", 2.5, TE, "NSAConfig.window must be an int, got 2.5"),
+        ("sel_block", 64.0, TE, "NSAConfig.sel_block must be an int"),
+        ("cmp_stride", 3, VE, "NSAConfig.cmp_stride (3) must divide cmp_block (32)"),
+        ("sel_block", 40, VE, "NSAConfig.cmp_stride (16) must divide sel_block (40)"),
+        ("num_kv_heads", 0, VE, "NSAConfig.num_kv_heads must be >= 1, got 0"),
+        ("head_dim_qk", 0, VE, "NSAConfig.head_dim_qk must be >= 1, got 0"),
+        ("head_dim_qk", 7, VE, "NSAConfig.head_dim_qk must be even"),
+        ("num_q_heads", 6, VE, "NSAConfig.num_q_heads (6) must be a multiple of"),
+        ("phi", "max", VE, "NSAConfig.phi must be 'avg' or 'mlp', got 'max'"),
+    ]),
     case("NSAConfig", "scale", "nan", VE, "NSAConfig.scale must be positive and finite, got nan",
          lambda: paper_config(scale=float("nan"))),
-    arg_case("NSAConfig", "rope_theta", 0.0, VE,
-             "NSAConfig.rope_theta must be positive and finite"),
+    *arg_cases("NSAConfig", [
+        ("rope_theta", 0.0, VE, "NSAConfig.rope_theta must be positive and finite"),
+    ]),
     # NSAAttention construction and forward / prefill
     case("NSAAttention", "config", "dict", TE, "config must be an NSAConfig, got dict",
          lambda: NSAAttention({"num_q_heads": HQ}, HIDDEN)),  # type: ignore[arg-type]
@@ -449,8 +470,10 @@ CASES = [
     case("NSAAttention.prefill", "capacity", 2**40, VE, "capacity must be <= 2147483647",
          lambda: layer_().prefill(rand(B, T, HIDDEN), 2**40)),
     # nsa_attention
-    arg_case("nsa_attention", "config", None, TE, "config must be an NSAConfig, got NoneType"),
-    arg_case("nsa_attention", "k", None, TE, "k must be a tensor or a mapping with keys"),
+    *arg_cases("nsa_attention", [
+        ("config", None, TE, "config must be an NSAConfig, got NoneType"),
+        ("k", None, TE, "k must be a tensor or a mapping with keys"),
+    ]),
     case("nsa_attention", "k", "no 'win'", TE, "k must be a tensor or a mapping with keys",
          lambda: nsa_attention_with(k={"cmp": rand(B, T, H, DK), "slc": rand(B, T, H, DK)})),
     case("nsa_attention", "k", "k['win'] T-1 tokens", VE, "k['win'] [1, 7, 2, 8] must hold q's 8",
@@ -466,8 +489,9 @@ CASES = [
          lambda: nsa_attention_with(config=config(num_q_heads=8))),
     case("nsa_attention", "config", "head_dim_v=4", VE, "differ from the config's (4, 2, 8, 4)",
          lambda: nsa_attention_with(config=config(head_dim_v=4))),
-    arg_case("nsa_attention", "phi_k", "avg", TE,
-             "phi_k must be a torch.nn.Module or None, got str"),
+    *arg_cases("nsa_attention", [
+        ("phi_k", "avg", TE, "phi_k must be a torch.nn.Module or None, got str"),
+    ]),
     case("nsa_attention", "k", "H=0", VE, "kv heads H must be >= 1, got 0",
          lambda: nsa_attention_with(k=rand(B, T, 0, DK), v=rand(B, T, 0, DV))),
     # NSACache.empty
