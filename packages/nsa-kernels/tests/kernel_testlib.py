@@ -2,12 +2,14 @@
 
 Shared by the per-step testlibs and tests below this folder (``conftest.py`` here puts the folder
 on ``sys.path``): the device a ``triton``-marked test uses, the docs/spec.md tolerances and the
-relative error they bound, and the OpContext that the routing tests hand a backend.
+relative error they bound, the fields every step's test Case shares, and the OpContext that the
+routing tests hand a backend.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +40,45 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     assert torch.isfinite(out64).all(), "non-finite values in the kernel output"
     denom = ref64.norm()
     return float((out64 - ref64).norm() / (denom if denom > 0 else 1.0))
+
+
+@dataclass
+class KernelCase:
+    """One kernel call's batch and heads, the base of each step's test Case.
+
+    B = ``batch`` rows of ``tq`` queries at positions ``q_start`` .. ``q_start + tq - 1``, or
+    (``seqlens``, B == 1, q_start == 0) packed sequences, each from position 0; HQ = h * group
+    query heads over h kv heads of head dim dk. ``config``: the step's kernel config fields.
+    """
+
+    name: str
+    batch: int = 1
+    tq: int = 32
+    h: int = 1
+    group: int = 1
+    dk: int = 16
+    q_start: int = 0
+    seqlens: list[int] | None = None
+    config: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hq(self) -> int:
+        return self.h * self.group
+
+
+@dataclass
+class CompressedCase(KernelCase):
+    """A call that reads compressed blocks: l = ``cmp_block`` tokens every d = ``cmp_stride``."""
+
+    cmp_block: int = 8
+    cmp_stride: int = 4
+
+
+def positions(case: KernelCase) -> torch.Tensor:
+    """int64 [Tq]: each query row's position (restarting at 0 in every packed sequence)."""
+    if case.seqlens is None:
+        return torch.arange(case.q_start, case.q_start + case.tq)
+    return torch.cat([torch.arange(n) for n in case.seqlens])
 
 
 def op_context(

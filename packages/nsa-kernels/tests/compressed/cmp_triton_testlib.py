@@ -2,40 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from kernel_testlib import CompressedCase, positions
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.reference.compressed_attention import compressed_attention
 
 
 @dataclass
-class Case:
-    """One compressed-attention call.
+class Case(CompressedCase):
+    """One compressed-attention call (``config``: CmpConfig fields).
 
     ``extra_blocks``: compressed blocks in k_cmp beyond the last one any query sees (dense only;
-    they must get zero gradient). ``seqlens``: packed sequences (B == 1, q_start == 0).
-    ``config``: CmpConfig fields.
+    they must get zero gradient).
     """
 
-    name: str
-    batch: int = 1
     tq: int = 40
-    h: int = 1
-    group: int = 1
-    dk: int = 16
     dv: int = 16
-    cmp_block: int = 8
-    cmp_stride: int = 4
-    q_start: int = 0
     extra_blocks: int = 0
-    seqlens: list[int] | None = None
-    config: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def hq(self) -> int:
-        return self.h * self.group
 
     @property
     def num_blocks(self) -> int:
@@ -107,13 +93,6 @@ def reference(
         q_start=case.q_start,
         cu_seqlens=cu,
     )
-
-
-def positions(case: Case) -> torch.Tensor:
-    """int64 [Tq]: each query row's position (restarting at 0 in every packed sequence)."""
-    if case.seqlens is None:
-        return torch.arange(case.q_start, case.q_start + case.tq)
-    return torch.cat([torch.arange(n) for n in case.seqlens])
 
 
 def sequence_of_rows(case: Case) -> list[tuple[int, int, int, int]]:

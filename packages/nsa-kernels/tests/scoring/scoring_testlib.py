@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from kernel_testlib import CompressedCase
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.reference.common import spans
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Case:
+class Case(CompressedCase):
     """One select_blocks call: shapes, block geometry, where the queries sit, how keys are drawn.
 
     ``keys``: "randn" (independent N(0, 1) compressed keys), "palette" (N(0, 1) keys that
@@ -34,29 +35,18 @@ class Case:
     ``extra_cmp``: compressed blocks k_cmp holds beyond what the queries see (dense only).
     """
 
-    name: str
-    batch: int = 1
     tq: int = 64
-    h: int = 1
-    group: int = 1
-    dk: int = 16
-    cmp_block: int = 8
-    cmp_stride: int = 4
     sel_block: int = 16
     n: int = 4
-    q_start: int = 0
-    seqlens: list[int] | None = None
     extra_cmp: int = 0
     keys: str = "randn"
-    config: dict[str, int] = field(default_factory=dict)
 
 
 def make_inputs(
     case: Case, gen: torch.Generator, dtype: torch.dtype, device: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q [B, Tq, HQ, dk], k_cmp [B, N, H, dk] (drawn in float32, cast to dtype), cu_seqlens."""
-    hq = case.h * case.group
-    q = torch.randn(case.batch, case.tq, hq, case.dk, generator=gen)
+    q = torch.randn(case.batch, case.tq, case.hq, case.dk, generator=gen)
     if case.keys == "palette_grid":
         q = _grid(q.shape, gen)
     cu = None

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from kernel_testlib import KernelCase, positions
 
 from nsa_core.reference.selected_attention import selected_attention
 
 
 @dataclass
-class Case:
+class Case(KernelCase):
     """One selected-attention call: shapes, where the queries sit, and how indices are drawn.
 
     ``indices``: "random" (uniform in [-1, NB): padding, future blocks and repeats appear),
@@ -19,31 +20,16 @@ class Case:
     mixed with nsa rows), "repeat" (nsa rows with some entries duplicated).
     """
 
-    name: str
-    batch: int = 1
-    tq: int = 32
     h: int = 2
-    group: int = 1
-    dk: int = 16
     dv: int = 16
     sel_block: int = 16
     n: int = 3
-    q_start: int = 0
     tk: int | None = None
-    seqlens: list[int] | None = None
     indices: str = "nsa"
-    config: dict[str, int] = field(default_factory=dict)
 
     @property
     def keys(self) -> int:
         return self.tk if self.tk is not None else self.q_start + self.tq
-
-
-def positions(case: Case) -> torch.Tensor:
-    """int64 [Tq]: position of each query row."""
-    if case.seqlens is None:
-        return torch.arange(case.q_start, case.q_start + case.tq)
-    return torch.cat([torch.arange(length) for length in case.seqlens])
 
 
 def make_indices(case: Case, gen: torch.Generator) -> torch.Tensor:
@@ -88,8 +74,7 @@ def make_inputs(
     case: Case, gen: torch.Generator, dtype: torch.dtype, device: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q, k, v (drawn in float32, cast to dtype), block_indices, cu_seqlens."""
-    hq = case.h * case.group
-    q = torch.randn(case.batch, case.tq, hq, case.dk, generator=gen)
+    q = torch.randn(case.batch, case.tq, case.hq, case.dk, generator=gen)
     k = torch.randn(case.batch, case.keys, case.h, case.dk, generator=gen)
     v = torch.randn(case.batch, case.keys, case.h, case.dv, generator=gen)
     idx = make_indices(case, gen)
