@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+# --record-triton-launches DIR: the interpreter tier writes its launches for ci/compile_triton.py.
+pytest_plugins = ("ci.triton_launches",)
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")

@@ -176,17 +176,25 @@ def _run_tiers(
     base_env: dict[str, str],
     selected: Sequence[tiers.Tier],
     workers: str | None,
+    compile_for: Sequence[int] = (),
 ) -> None:
     """Each tier as its own pytest run with its environment; fail after all ran if any failed.
 
     pytest's exit code 5 (no test collected) fails a tier like any other: a tier that selects
-    nothing is a broken tier, never a pass.
+    nothing is a broken tier, never a pass. ``compile_for``: CUDA architectures (x10) for which
+    every Triton launch of the interpreter tier is then compiled (ci/compile_triton.py).
     """
     failed: list[str] = []
+    launches = Path(session.create_tmp()) / "triton-launches"
+    recorded = False
     for i, tier in enumerate(selected):
         args = tier.pytest_args()
         if workers and tier.parallel:
             args += ["-n", workers]
+        if compile_for and tier.records_launches:
+            shutil.rmtree(launches, ignore_errors=True)
+            args += ["--record-triton-launches", str(launches)]
+            recorded = True
         session.log(f"[tier {i + 1}/{len(selected)}] {tier.name}: {tier.title}")
         try:
             session.run(
@@ -200,6 +208,13 @@ def _run_tiers(
             )
         except CommandFailed:
             failed.append(tier.name)
+    if recorded and not failed:
+        archs = [a for arch in compile_for for a in ("--arch", str(arch))]
+        session.log("[compile] the interpreter tier's Triton launches, compiled for the GPU")
+        try:
+            session.run(python, "ci/compile_triton.py", str(launches), *archs, external=SYSTEM)
+        except CommandFailed:
+            failed.append("triton-compile")
     if failed:
         session.error(f"tiers failed: {', '.join(failed)}")
 
@@ -245,7 +260,7 @@ def tests(session: nox.Session) -> None:
     )
     found = _probe(session, python, {**env, "TRITON_INTERPRET": "1"})
     _check_cell(session, found, None if SYSTEM else cell, need_gpu=False)
-    _run_tiers(session, python, env, tiers.CPU_TIERS, "2")
+    _run_tiers(session, python, env, tiers.CPU_TIERS, "2", compile_for=(90,))
 
 
 def _pair_text(cell: dict[str, Any]) -> str:

@@ -44,6 +44,8 @@ class Tier:
     ``hardware``: ``cpu`` runs on any machine; ``cuda`` needs a CUDA GPU visible to torch (the
     tier fails, rather than skips, where there is none and it was asked for by name).
     ``parallel``: the tier may use pytest-xdist workers.
+    ``records_launches``: the tier runs Triton kernels in the interpreter; a CPU session records
+    its launches (``--record-triton-launches``) for ci/compile_triton.py.
     """
 
     name: str
@@ -54,6 +56,7 @@ class Tier:
     env: Mapping[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     parallel: bool = True
+    records_launches: bool = False
 
     def pytest_args(self, under: str | None = None) -> list[str]:
         """Paths, ``-m`` expression and extra arguments; ``under`` narrows to one folder."""
@@ -88,6 +91,7 @@ TIERS: tuple[Tier, ...] = (
         "triton and not (gpu or fa2 or cuda or slow)",
         "cpu",
         env={"TRITON_INTERPRET": "1"},
+        records_launches=True,
     ),
     Tier(
         "kernels-cpu",

@@ -1,0 +1,232 @@
+"""Compile every Triton launch the interpreter tests made, for a real GPU target, with no GPU.
+
+The interpreter tier (TRITON_INTERPRET=1) proves the kernels' logic on the CPU, but never runs
+Triton's compiler. Run with ``--record-triton-launches DIR`` (ci/triton_launches.py), it writes
+each distinct launch down; this script then compiles each one to a cubin for the given CUDA
+architectures through Triton's own JIT (its ``warmup`` entry: specialization, compile, no
+launch) behind a driver that only names the target. A launch fails when Triton cannot compile it
+or when it asks for more shared memory than one SM of that architecture has.
+
+    python ci/compile_triton.py DIR [--arch 90 --arch 80]
+
+Prints one line per kernel (variants compiled, the most shared memory any asks for) and every
+failure with its message; exits 1 on any failure not in KNOWN_FAILURES, and on a known failure
+that now compiles (so the list cannot go stale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Shared memory one thread block may use (bytes): sm_80 A100, sm_89 RTX 4090, sm_90 H100/H200.
+MAX_SHARED_BYTES = {80: 166_912, 89: 101_376, 90: 232_448}
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    """A launch Triton itself cannot compile: the kernel, the constexprs that pick it, why."""
+
+    kernel: str
+    constexprs: Mapping[str, object]
+    reason: str
+
+    def matches(self, kernel: str, constexprs: Mapping[str, object]) -> bool:
+        return kernel == self.kernel and all(
+            constexprs.get(k) == v for k, v in self.constexprs.items()
+        )
+
+
+KNOWN_FAILURES: tuple[KnownFailure, ...] = (
+    KnownFailure(
+        "score_topn_kernel",
+        {"G": 1, "GP": 1, "REACH": 0, "BT": 32, "NP": 8, "BS": 16, "num_warps": 4},
+        "triton 3.6 and 3.7 abort in TritonGPURemoveLayoutConversions on the final bitonic "
+        "sort of the top-n (one head per group, blocks that spill into no neighbour, 32-token "
+        "tiles, 4 warps); 8 warps or 16-token tiles compile",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    module: str
+    kernel: str
+    args: tuple[Any, ...]
+    options: tuple[tuple[str, Any], ...]
+
+
+def load_launches(folder: Path) -> list[Launch]:
+    """The distinct launches of every launches-*.json under ``folder``, in a stable order."""
+    files = sorted(folder.glob("launches-*.json"))
+    if not files:
+        raise SystemExit(f"compile_triton: no launches-*.json in {folder}")
+    seen: dict[str, Launch] = {}
+    for path in files:
+        for row in json.loads(path.read_text()):
+            launch = Launch(
+                row["module"],
+                row["kernel"],
+                tuple(tuple(a) for a in row["args"]),
+                tuple((name, tuple(value)) for name, value in row["options"]),
+            )
+            seen.setdefault(json.dumps(row, sort_keys=True), launch)
+    return [seen[key] for key in sorted(seen)]
+
+
+def decode(encoded: Sequence[Any]) -> Any:
+    """A stand-in argument the compiler specializes exactly as the recorded one."""
+    import torch
+    import triton.language as tl
+
+    kind = encoded[0]
+    if kind == "tensor":
+        return torch.empty(64, dtype=getattr(torch, encoded[1]))
+    if kind == "int":
+        return {"one": 1, "i32_div16": 64, "i32": 7, "i64": 2**40 + 7}[encoded[1]]
+    if kind == "float":
+        return 0.5
+    if kind == "value":
+        return encoded[1]
+    if kind == "tl_dtype":
+        return getattr(tl, encoded[1])
+    if kind == "tensor_descriptor":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _, dtype, ndim, block = encoded
+        base = torch.empty(*([64] * ndim), dtype=getattr(torch, dtype))
+        return TensorDescriptor(base, list(base.shape), list(base.stride()), list(block))
+    raise ValueError(f"unknown recorded argument {encoded!r}")
+
+
+@contextlib.contextmanager
+def compile_only_target(arch: int) -> Iterator[None]:
+    """Within: Triton's JIT compiles for CUDA ``sm_<arch>`` (nothing is launched), GPU or not."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+    from triton.runtime import driver
+
+    class CompileOnlyDriver(DriverBase):  # type: ignore[misc]
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            raise NotImplementedError("compile only: nothing is launched")
+
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", arch, 32)
+
+        def get_active_torch_device(self) -> torch.device:
+            return torch.device("cpu")
+
+        def get_benchmarker(self) -> Any:
+            raise NotImplementedError("compile only: nothing is timed")
+
+        def get_current_device(self) -> int:
+            # The JIT caches its target per device: one made-up device per architecture.
+            return -arch
+
+        def get_current_stream(self, device: int | None = None) -> int:
+            return 0
+
+    # The driver in force before (None until first used; reading `active` would create one, and
+    # on a machine with no GPU that raises), put back as it was.
+    previous = driver._active
+    driver.set_active(CompileOnlyDriver())
+    try:
+        yield
+    finally:
+        driver._active = previous
+
+
+@dataclass
+class Outcome:
+    launch: Launch
+    shared: int | None
+    error: str | None
+    known: KnownFailure | None
+
+
+def compile_launch(launch: Launch, arch: int) -> Outcome:
+    kernel = getattr(importlib.import_module(launch.module), launch.kernel)
+    options = {name: decode(value) for name, value in launch.options}
+    constexprs = {name: value[1] for name, value in launch.options if value[0] == "value"}
+    known = next((k for k in KNOWN_FAILURES if k.matches(launch.kernel, constexprs)), None)
+    try:
+        compiled = kernel.warmup(*[decode(a) for a in launch.args], grid=(1,), **options)
+    except Exception as err:  # every compiler error is a finding, reported below
+        message = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        return Outcome(launch, None, f"{type(err).__name__}: {message[:300]}", known)
+    shared = int(compiled.metadata.shared)
+    limit = MAX_SHARED_BYTES[arch]
+    if shared > limit:
+        too_much = f"needs {shared} B of shared memory, sm_{arch} has {limit} B"
+        return Outcome(launch, shared, too_much, known)
+    return Outcome(launch, shared, None, known)
+
+
+def run(folder: Path, archs: Sequence[int]) -> int:
+    launches = load_launches(folder)
+    kernels = sorted({launch.kernel for launch in launches})
+    print(f"[compile] {len(launches)} distinct launches of {len(kernels)} kernels from {folder}")
+    status = 0
+    known = 0
+    for arch in archs:
+        t0 = time.perf_counter()
+        outcomes: list[Outcome] = []
+        with compile_only_target(arch):
+            for i, launch in enumerate(launches, 1):
+                outcomes.append(compile_launch(launch, arch))
+                if i % 25 == 0 or i == len(launches):
+                    print(f"[compile] sm_{arch}: {i}/{len(launches)}", flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"\nsm_{arch} ({seconds:.0f} s)\n{'kernel':<24} {'variants':>8} {'max shared B':>13}")
+        for name in kernels:
+            mine = [o for o in outcomes if o.launch.kernel == name]
+            shared = max((o.shared or 0 for o in mine), default=0)
+            print(f"{name:<24} {len(mine):>8} {shared:>13}")
+        for o in outcomes:
+            opts = ", ".join(f"{k}={v[1]}" for k, v in o.launch.options if v[0] == "value")
+            where = f"{o.launch.module}.{o.launch.kernel} ({opts})"
+            if o.error is not None and o.known is not None:
+                print(f"KNOWN  sm_{arch} {where}: {o.known.reason}")
+                known += 1
+            elif o.error is not None:
+                print(f"FAIL   sm_{arch} {where}: {o.error}")
+                status = 1
+            elif o.known is not None:
+                print(f"FIXED  sm_{arch} {where} compiles now: remove it from KNOWN_FAILURES")
+                status = 1
+    if status:
+        print("\ncompile_triton: FAILED")
+    else:
+        print(f"\ncompile_triton: every launch compiled but {known} known Triton failure(s)")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="the --record-triton-launches folder")
+    parser.add_argument(
+        "--arch",
+        type=int,
+        action="append",
+        choices=sorted(MAX_SHARED_BYTES),
+        help="CUDA compute capability x10 to compile for (repeatable; default 90)",
+    )
+    args = parser.parse_args(argv)
+    return run(args.folder, args.arch or [90])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
