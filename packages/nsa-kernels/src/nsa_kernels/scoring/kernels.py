@@ -73,14 +73,15 @@ def _bitonic(
         for i in tl.static_range(stage):
             # Compare-and-swap along axis N_DIMS - stage + i (the (stage-1-i)-th innermost).
             partner = tl.sum(h, axis=N_DIMS - stage + i, keep_dims=True) - h
-            right = tl.reshape(
-                tl.arange(0, 2), [1] * (N_DIMS - stage + i) + [2] + [1] * (stage - 1 - i)
-            )
-            if stage < LOG_N:
-                # Runs of 2^stage alternate ascending / descending, making bitonic runs of 2x.
-                flip = tl.reshape(tl.arange(0, 2), [1] * (N_DIMS - 1 - stage) + [2] + [1] * stage)
-            else:
-                flip = DESCENDING
+            # Which side of the pair an element is on: bit (stage - 1 - i) of its flat index.
+            # Read off a full-shape index rather than a [1, .., 2, .., 1] reshape of
+            # arange(0, 2): Triton 3.6/3.7 fail to compile the latter in some tile shapes
+            # (TritonGPURemoveLayoutConversions; found by ci/compile_triton.py).
+            pos = tl.reshape(tl.arange(0, 1 << N_DIMS), [2] * N_DIMS)
+            right = (pos >> (stage - 1 - i)) & 1
+            # Runs of 2^stage alternate ascending / descending, making bitonic runs of 2x; the
+            # last stage sorts the whole row one way.
+            flip = (pos >> stage) & 1 if stage < LOG_N else DESCENDING
             h = tl.where((right ^ flip) != 0, tl.maximum(h, partner), tl.minimum(h, partner))
     return tl.reshape(h, x.shape)
 
