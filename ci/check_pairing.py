@@ -278,9 +278,19 @@ def compare(recorded: Sequence[dict[str, Any]], derived: Sequence[dict[str, Any]
 
 
 def render_cell(cell: dict[str, Any]) -> str:
-    """A derived cell as it would be written in the table (editorial fields left to a person)."""
-    plain = {k: list(v) if isinstance(v, tuple) else v for k, v in cell.items()}
-    return json.dumps(plain, indent=4)
+    """A derived cell as it is written in version_table.py: its line of ``_RELEASES`` and its
+    ``_cell(...)`` row (``supported`` and ``why`` left to a person)."""
+
+    def span(pythons: Sequence[str]) -> str:
+        return f"{pythons[0]}-{pythons[-1]}" if pythons else ""
+
+    torch = cell["torch"]
+    releases = ", ".join(f'"{r}": "{spec}"' for r, spec in cell["releases"].items())
+    row = (
+        f'"{torch}", "{cell["triton"]}", "{span(cell["pythons"])}", '
+        f'"{span(cell["triton_pythons"])}", SUPPORTED, WHY'
+    )
+    return f'_RELEASES:    "{torch}": {{{releases}}},\nCELLS:    _cell({row}),'
 
 
 def main(argv: Sequence[str] | None = None) -> int:
