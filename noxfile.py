@@ -235,13 +235,14 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy over the three packages' sources, noxfile.py and ci/ (strict for nsa-core)."""
     constraints = cells.constraints(cells.cell(cells.CPU_CELL), cells.CPU_TORCH)
-    session.log("installing mypy, nox and torch (a minute or more)")
+    session.log("installing mypy, nox, pytest and torch (a minute or more)")
     session.install(
         "--progress-bar",
         "off",
         MYPY,
         "nox",
         "packaging",
+        "pytest",  # ci/triton_launches.py is a pytest plugin
         "-c",
         _constraints_file(session, "typecheck", constraints),
         "torch",
