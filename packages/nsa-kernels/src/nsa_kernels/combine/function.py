@@ -22,8 +22,8 @@ import torch
 
 from nsa_core.checks import check_gated_combine
 from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel
+from nsa_kernels.common.triton_inputs import check_dtype
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Channels per chunk of a row and elements per program: a program holds BR x BD values of each
 # tensor it reads (four in the backward) in registers, and the pass is bound by memory traffic.
 MAX_CHUNK = 128
@@ -49,8 +49,7 @@ def _check(
     o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
 ) -> None:
     check_gated_combine(o_cmp, o_slc, o_win, gates)
-    if o_cmp.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"Triton gated combine supports {SUPPORTED_DTYPES}, got {o_cmp.dtype}")
+    check_dtype(o_cmp.dtype, "gated combine")
 
 
 def _cdiv(a: int, b: int) -> int:

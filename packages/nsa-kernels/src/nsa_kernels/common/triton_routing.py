@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
 from nsa_core.registry import OpContext
-
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TRITON_MAX_HEAD_DIM = 256
+from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as TRITON_MAX_HEAD_DIM
+from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as TRITON_DTYPES
 
 
 def triton_available() -> bool:

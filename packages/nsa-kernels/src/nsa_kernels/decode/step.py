@@ -28,6 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from nsa_core import NSAConfig
+from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM, check_dtype, num_sms
 from nsa_kernels.decode.attention_kernels import cmp_window_kernel, selected_kernel
 from nsa_kernels.decode.combine_kernels import combine_kernel
 from nsa_kernels.decode.state import BlockPhi, DecodeState, check_phi
@@ -36,9 +37,6 @@ from nsa_kernels.decode.update import append_token
 
 LOG2E = 1.4426950408889634
 TOPN_REL_GAP = 1e-4
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-CPU_PROGRAM_SLOTS = 4  # stands in for the SM count under the interpreter
 
 
 def _pow2(x: int) -> int:
@@ -212,19 +210,14 @@ class DecodePlan:
         ):
             _check_pow2(name, getattr(kc, name), least)
         _check_geometry(cfg)
-        if state.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"decode supports {SUPPORTED_DTYPES}, got {state.dtype}")
+        check_dtype(state.dtype, "decode")
         self.config = cfg
         self.batch = state.batch
         self.capacity = state.capacity
         self.device = state.device
         self.dtype = state.dtype
         device = state.device
-        slots = kc.program_slots or (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else CPU_PROGRAM_SLOTS
-        )
+        slots = kc.program_slots or num_sms(device)
         bh = state.batch * cfg.num_kv_heads
         self.group = cfg.group_size
         self.block_g = max(16, _pow2(self.group))
