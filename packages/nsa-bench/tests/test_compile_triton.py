@@ -7,7 +7,6 @@ They compile with Triton's own compiler, so they run without TRITON_INTERPRET.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -97,22 +96,18 @@ def test_too_much_shared_memory_is_a_failure(monkeypatch: pytest.MonkeyPatch) ->
     assert "shared memory" in outcome.error
 
 
-def _write(folder: Path, *launches: compile_triton.Launch) -> None:
-    rows = [
-        {
-            "module": launch.module,
-            "kernel": launch.kernel,
-            "args": [list(a) for a in launch.args],
-            "options": [[name, list(value)] for name, value in launch.options],
-        }
-        for launch in launches
-    ]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "launches-gw0.json").write_text(json.dumps(rows))
+def _write(folder: Path, *launches: compile_triton.Launch, worker: str = "gw0") -> None:
+    """The launches as the pytest plugin writes them (one worker's file)."""
+    recorder = triton_launches.LaunchRecorder()
+    for launch in launches:
+        recorder.launches[(launch.module, launch.kernel, launch.args, launch.options)] = None
+    recorder.write(folder, worker)
 
 
 def test_run_passes_when_every_launch_compiles(tmp_path: Path) -> None:
-    _write(tmp_path, combine_launch(), combine_launch())  # the same launch twice: compiled once
+    # Two workers that made the same launch: it is compiled once.
+    _write(tmp_path, combine_launch(), worker="gw0")
+    _write(tmp_path, combine_launch(), worker="gw1")
     assert compile_triton.load_launches(tmp_path) == [combine_launch()]
     assert compile_triton.run(tmp_path, [90]) == 0
 

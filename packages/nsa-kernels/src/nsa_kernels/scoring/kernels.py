@@ -69,15 +69,15 @@ def _bitonic(
     """
     N_DIMS: tl.constexpr = LOG_ROWS + LOG_N
     h = tl.reshape(x, [2] * N_DIMS)
+    # Each element's flat index: along axis a it sits on side bit (N_DIMS - 1 - a) of its pair.
+    # A full-shape index rather than [1, .., 2, .., 1] reshapes of arange(0, 2): Triton 3.6/3.7
+    # fail to compile those in some tile shapes (TritonGPURemoveLayoutConversions; found by
+    # ci/compile_triton.py).
+    pos = tl.reshape(tl.arange(0, 1 << N_DIMS), [2] * N_DIMS)
     for stage in tl.static_range(LOG_N if MERGE_ONLY else 1, LOG_N + 1):
         for i in tl.static_range(stage):
             # Compare-and-swap along axis N_DIMS - stage + i (the (stage-1-i)-th innermost).
             partner = tl.sum(h, axis=N_DIMS - stage + i, keep_dims=True) - h
-            # Which side of the pair an element is on: bit (stage - 1 - i) of its flat index.
-            # Read off a full-shape index rather than a [1, .., 2, .., 1] reshape of
-            # arange(0, 2): Triton 3.6/3.7 fail to compile the latter in some tile shapes
-            # (TritonGPURemoveLayoutConversions; found by ci/compile_triton.py).
-            pos = tl.reshape(tl.arange(0, 1 << N_DIMS), [2] * N_DIMS)
             right = (pos >> (stage - 1 - i)) & 1
             # Runs of 2^stage alternate ascending / descending, making bitonic runs of 2x; the
             # last stage sorts the whole row one way.
