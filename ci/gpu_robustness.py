@@ -1355,23 +1355,47 @@ class Child:
     wall_s: float = 0.0
 
 
-def run_children(children: Sequence[Child], env: dict[str, str], part: str) -> None:
-    """Start ``children`` together, wait, kill a child past its timeout (its whole group)."""
-    for child in children:
+def visible_gpus(device: str, env: dict[str, str]) -> list[str]:
+    """The CUDA device ids children may be pinned to (``CUDA_VISIBLE_DEVICES`` values); empty on
+    CPU or with one GPU, where every child simply inherits ``env``."""
+    if device != "cuda":
+        return []
+    listed = env.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        ids = [i.strip() for i in listed.split(",") if i.strip()]
+    else:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    return ids if len(ids) > 1 else []
+
+
+def run_children(
+    children: Sequence[Child], env: dict[str, str], part: str, gpus: Sequence[str] = ()
+) -> None:
+    """Start ``children`` together, wait, kill a child past its timeout (its whole group).
+
+    ``gpus``: device ids; child i runs on ``gpus[i % len(gpus)]`` alone, so a host with several
+    GPUs runs the children side by side on all of them."""
+    for i, child in enumerate(children):
         child.log_path.parent.mkdir(parents=True, exist_ok=True)
         handle = child.log_path.open("wb")
         child.start = time.perf_counter()
+        child_env = {**env, "CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} if gpus else env
         child.process = subprocess.Popen(
             child.command,
             stdout=handle,
             stderr=subprocess.STDOUT,
-            env=env,
+            env=child_env,
             cwd=ROOT,
             start_new_session=True,
         )
         handle.close()
+        on_gpu = f" on GPU {gpus[i % len(gpus)]}" if gpus else ""
         log(
-            part, f"{child.name}: started ({' '.join(child.command[:4])} ...), log {child.log_path}"
+            part,
+            f"{child.name}: started{on_gpu} ({' '.join(child.command[:4])} ...), "
+            f"log {child.log_path}",
         )
     last_note = time.perf_counter()
     while any(c.returncode is None for c in children):
@@ -1498,7 +1522,8 @@ def run_sanitize(args: argparse.Namespace) -> PartResult:
             )
             for i, shard in enumerate(shards)
         ]
-    run_children([c for children in runs.values() for c in children], env, "sanitize")
+    children = [c for tool_children in runs.values() for c in tool_children]
+    run_children(children, env, "sanitize", visible_gpus(args.device, env))
 
     plain = runs.pop("plain")
     sweep = SweepSummary.merge([parse_sweep(c.log_path.read_text(errors="replace")) for c in plain])
@@ -2249,7 +2274,8 @@ def _run_workers(
     ]
     for i in range(workers):
         (out / f"parity_shard_{i}.json").unlink(missing_ok=True)
-    run_children(children, {**os.environ, "PYTHONUNBUFFERED": "1"}, "parity")
+    worker_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    run_children(children, worker_env, "parity", visible_gpus(args.device, worker_env))
     results: dict[int, list[Check]] = {}
     stops: list[str] = []
     env: dict[str, str] = {}

@@ -210,6 +210,20 @@ def test_shards_take_every_nth_item() -> None:
             gr.parse_shard(bad)
 
 
+def test_children_spread_over_the_visible_gpus_one_each() -> None:
+    assert gr.visible_gpus("cpu", {"CUDA_VISIBLE_DEVICES": "0,1"}) == []
+    assert gr.visible_gpus("cuda", {"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert gr.visible_gpus("cuda", {"CUDA_VISIBLE_DEVICES": "1"}) == []  # one GPU: inherited
+
+
+def test_run_children_pins_child_i_to_gpu_i_mod_n(tmp_path: Path) -> None:
+    show = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]
+    children = [gr.Child(f"c{i}", show, tmp_path / f"c{i}.log", 60.0) for i in range(3)]
+    gr.run_children(children, dict(os.environ), "test", ["4", "7"])
+    assert [c.log_path.read_text().strip() for c in children] == ["4", "7", "4"]
+    assert [c.returncode for c in children] == [0, 0, 0]
+
+
 def test_report_marks_a_missing_part_failed(tmp_path: Path) -> None:
     passed = gr.PartResult("sanitize", "PASS", "memcheck 0 errors", 12.0, {"tools": ["a"]})
     gr.write_part(tmp_path, passed)

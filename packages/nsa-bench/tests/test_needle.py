@@ -284,6 +284,37 @@ def test_a_failing_model_leaves_the_others_standing(
     assert "failed: RuntimeError: kernel refused" in (out / "needle.md").read_text()
 
 
+def test_runs_of_one_variant_each_merge_into_one_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--steps=2", "--lengths=96", "--depths=0.5", "--samples=2", "--log-every-s=0"]
+    common += ["--stats-lens=", *TINY_ARGS]
+    for variant in ("window", "nsa"):
+        argv = ["needle", f"--out={tmp_path / variant}", f"--variants={variant}", *common]
+        assert main(argv) == 0
+    capsys.readouterr()
+    merged = tmp_path / "merged"
+    argv = ["needle", f"--out={merged}", "--merge", str(tmp_path / "window"), str(tmp_path / "nsa")]
+    assert main(argv) == 0
+    record = json.loads((merged / "needle.json").read_text())
+    assert set(record["train"]) == {"nsa", "window"}
+    apart = [
+        c
+        for v in ("window", "nsa")
+        for c in json.loads((tmp_path / v / "needle.json").read_text())["cells"]
+    ]
+    assert sorted(map(str, record["cells"])) == sorted(map(str, apart))
+    assert "| T | depth | nsa | window |" in capsys.readouterr().out  # VARIANTS order
+
+    other = tmp_path / "other"
+    argv = ["needle", f"--out={other}", "--variants=random", *common, "--seed=5"]
+    assert main(argv) == 0
+    with pytest.raises(SystemExit, match=r"other settings \(seed\)"):
+        main(["needle", f"--out={merged}", "--merge", str(tmp_path / "nsa"), str(other)])
+    with pytest.raises(SystemExit, match=r"repeats variants \['nsa'\]"):
+        main(["needle", f"--out={merged}", "--merge", str(tmp_path / "nsa"), str(tmp_path / "nsa")])
+
+
 def test_sel_bench_takes_an_indices_file() -> None:
     args = build_parser().parse_args(["sel", "--prefill", "--indices", "sel.pt"])
     assert args.indices == "sel.pt"

@@ -712,6 +712,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100_000, help="training step cap per model")
     parser.add_argument("--eval-only", action="store_true", help="load --ckpt, skip training")
     parser.add_argument("--ckpt", default=None, help="folder of <variant>.pt (with --eval-only)")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="write --out's tables from the needle.json of runs that trained the variants apart "
+        "(one per GPU, say); trains nothing",
+    )
     parser.add_argument("--lengths", default="2048,4096,8192,16384", help="evaluation lengths")
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
     parser.add_argument("--samples", type=int, default=32, help="sequences per (length, depth)")
@@ -743,6 +751,8 @@ def settings_from_args(args: argparse.Namespace) -> NeedleSettings:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return merge_runs([Path(d) for d in args.merge], Path(args.out))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -777,7 +787,9 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         # Written after every model: a run cut short keeps what it finished.
-        notes = _write_outputs(out, cells, stats, trained, variants, settings, device, routes)
+        notes = _write_outputs(
+            out, cells, stats, trained, variants, settings, _device_names(device), routes
+        )
     for note in notes:
         print(f"# {note}", file=sys.stderr)
     print(_markdown(cells, stats, trained, variants))
@@ -905,9 +917,11 @@ def _write_outputs(
     trained: dict[str, dict[str, Any]],
     variants: list[str],
     settings: NeedleSettings,
-    device: torch.device,
+    devices: tuple[str, str],
     routes: str,
 ) -> list[str]:
+    """needle.csv, sel_stats.csv, needle.json, the heat maps and needle.md under ``out``;
+    ``devices``: (device, device_name) as :func:`_device_names` gives them."""
     notes = []
     columns = [f.name for f in dataclasses.fields(Cell)]
     with open(out / "needle.csv", "w", newline="") as stream:
@@ -920,8 +934,8 @@ def _write_outputs(
             writer.writeheader()
             writer.writerows(s.as_dict() for s in stats)
     record = {
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": devices[0],
+        "device_name": devices[1],
         "settings": dataclasses.asdict(settings),
         "routing": routes.splitlines(),
         "train": trained,
@@ -936,3 +950,60 @@ def _write_outputs(
             break
     (out / "needle.md").write_text(_markdown(cells, stats, trained, variants) + "\n")
     return notes
+
+
+def _device_names(device: torch.device) -> tuple[str, str]:
+    """(device, device_name) as needle.json records them."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return str(device), name
+
+
+def merge_runs(dirs: list[Path], out: Path) -> int:
+    """One report from runs that trained the variants apart (``--variants nsa`` on one GPU,
+    ``--variants window`` on another): their needle.json merged, in VARIANTS order.
+
+    The runs must share every setting (the same task, model and seeds), or their accuracies
+    would not be comparable; a variant in two runs is refused."""
+    records = []
+    for d in dirs:
+        path = d / "needle.json"
+        if not path.is_file():
+            raise SystemExit(f"--merge: {path} not found (did that run finish?)")
+        records.append(json.loads(path.read_text()))
+    settings = records[0]["settings"]
+    for d, record in zip(dirs[1:], records[1:], strict=True):
+        if record["settings"] != settings:
+            changed = sorted(k for k in settings if record["settings"].get(k) != settings[k])
+            raise SystemExit(f"--merge: {d} ran with other settings ({', '.join(changed)})")
+    trained: dict[str, dict[str, Any]] = {}
+    cells: list[Cell] = []
+    stats: list[SelStats] = []
+    for d, record in zip(dirs, records, strict=True):
+        twice = sorted(set(record["train"]) & set(trained))
+        if twice:
+            raise SystemExit(f"--merge: {d} repeats variants {twice}")
+        trained.update(record["train"])
+        cells += [Cell(**c) for c in record["cells"]]
+        stats += [SelStats(**x) for x in record["sel_stats"]]
+    variants = [v for v in VARIANTS if v in trained]
+    devices = sorted({(r["device"], r["device_name"]) for r in records})
+    device_names = (
+        ", ".join(d for d, _ in devices),
+        ", ".join(sorted({name for _, name in devices})),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    notes = _write_outputs(
+        out,
+        cells,
+        stats,
+        trained,
+        variants,
+        NeedleSettings(**settings),
+        device_names,
+        "\n".join(records[0]["routing"]),
+    )
+    for note in notes:
+        print(f"# {note}", file=sys.stderr)
+    print(_markdown(cells, stats, trained, variants))
+    failed = [v for v in variants if "error" in trained[v]]
+    return 1 if failed else 0
