@@ -260,3 +260,32 @@ def test_flex_block_mask_cache_is_bounded_and_skips_varlen() -> None:
     k, v = randn(1, 40, 1, 8, dtype=torch.float32), randn(1, 40, 1, 8, dtype=torch.float32)
     sliding_attention_flex(q, k, v, 8, cu_seqlens=cu)
     assert flex.block_mask_cache_keys() == keys
+
+
+def test_operands_past_int32_offsets_take_the_static_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The dynamic compile keeps the 32-bit offsets of the sizes it first met (flex._flex says
+    # why); a call with an operand or output of 2^31 elements or more must not reach it.
+    assert not flex.needs_64bit_offsets(torch.Size([1, 2**17, 64, 128]), torch.Size([3]))
+    assert flex.needs_64bit_offsets(torch.Size([3]), torch.Size([1, 2**18, 64, 128]))
+    chosen: list[bool] = []
+
+    def fake_flex(device: torch.device, *, static: bool = False) -> Callable[..., Any]:
+        chosen.append(static)
+        return lambda q, k, v, **kw: q.new_zeros(*q.shape[:-1], v.shape[-1])
+
+    monkeypatch.setattr(flex, "_flex", fake_flex)
+    monkeypatch.setattr(flex, "_cached_block_mask", lambda *args: None)
+
+    def attend(t: int, hq: int, dk: int, dv: int) -> torch.Tensor:
+        q = torch.empty(1, t, hq, dk, device="meta")
+        k = torch.empty(1, t, 4, dk, device="meta")
+        v = torch.empty(1, t, 4, dv, device="meta")
+        return flex._attend(q, k, v, None, lambda: (q, q), 1.0)
+
+    assert attend(2**17, 64, 192, 128).shape == (1, 2**17, 64, 128)
+    attend(2**18, 64, 192, 128)  # q: 3 * 2^31 elements
+    attend(2**18, 64, 64, 128)  # the output: 2^31 elements
+    attend(2**18, 32, 64, 128)  # 2^30 each
+    assert chosen == [False, True, True, False]

@@ -37,7 +37,10 @@ from nsa_kernels.common.op_calls import (
 FLEX_BLOCK = 128
 BLOCK_MASK_CACHE_SIZE = 16
 
+INT32_OFFSETS = 2**31  # operands of this many elements or more need 64-bit offsets
+
 _compiled: Callable[..., Any] | None = None
+_compiled_static: Callable[..., Any] | None = None
 _block_masks: OrderedDict[Hashable, Any] = OrderedDict()
 
 
@@ -60,12 +63,30 @@ def flex_missing_reason() -> str | None:
     return None
 
 
-def _flex(device: torch.device) -> Callable[..., Any]:
-    global _compiled
+def needs_64bit_offsets(*shapes: torch.Size) -> bool:
+    """Whether a tensor of one of these shapes (operands, output) reaches past int32 offsets."""
+    return any(shape.numel() >= INT32_OFFSETS for shape in shapes)
+
+
+def _flex(device: torch.device, *, static: bool = False) -> Callable[..., Any]:
+    """flex_attention, compiled on CUDA.
+
+    ``static``: a separate compile that specialises to each call's sizes. The default compile
+    turns dynamic on the second shape it meets, and torch 2.11 then keeps the 32-bit offsets it
+    chose for the sizes at hand: a later call whose operands pass 2^31 elements reads out of
+    bounds (128k tokens, then 256k at HQ=64, dk=192: an illegal memory access; 256k first ran).
+    Calls that large take the static compile, which picks 64-bit offsets where the sizes need
+    them; they are few shapes, each worth its compile.
+    """
+    global _compiled, _compiled_static
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
         return flex_attention
+    if static:
+        if _compiled_static is None:
+            _compiled_static = torch.compile(flex_attention, dynamic=False)
+        return _compiled_static
     if _compiled is None:
         _compiled = torch.compile(flex_attention)
     return _compiled
@@ -159,7 +180,9 @@ def _attend(
     if tq == 0 or tk == 0:
         return no_keys_output(q, k, v)
     block_mask = _cached_block_mask(key, intervals, tk)
-    out: torch.Tensor = _flex(q.device)(
+    out_shape = torch.Size((*q.shape[:-1], v.shape[-1]))
+    large = needs_64bit_offsets(q.shape, k.shape, v.shape, out_shape)
+    out: torch.Tensor = _flex(q.device, static=large)(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
