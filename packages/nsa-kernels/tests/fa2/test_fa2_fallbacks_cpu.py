@@ -262,30 +262,44 @@ def test_flex_block_mask_cache_is_bounded_and_skips_varlen() -> None:
     assert flex.block_mask_cache_keys() == keys
 
 
-def test_operands_past_int32_offsets_take_the_static_compile(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The dynamic compile keeps the 32-bit offsets of the sizes it first met (flex._flex says
-    # why); a call with an operand or output of 2^31 elements or more must not reach it.
-    assert not flex.needs_64bit_offsets(torch.Size([1, 2**17, 64, 128]), torch.Size([3]))
-    assert flex.needs_64bit_offsets(torch.Size([3]), torch.Size([1, 2**18, 64, 128]))
-    chosen: list[bool] = []
+def test_head_chunks_keep_every_operand_under_int32_offsets() -> None:
+    # One range when everything fits (the usual call: no copy).
+    assert flex.head_chunks(1, 2**17, 2**17, 64, 4, 128) == [(0, 64)]
+    # 256k tokens, HQ=64, H=4, head dim 192: 3 * 2^31 elements; ranges of whole groups of 16.
+    assert flex.head_chunks(1, 2**18, 2**18, 64, 4, 192) == [(0, 32), (32, 64)]
+    # Exactly 2^31 elements is one too many (offsets run to 2^31 - 1).
+    assert flex.head_chunks(1, 2**18, 2**18, 64, 4, 128) == [(0, 48), (48, 64)]
+    # Fewer heads fit than a group holds: parts of a group, a divisor of G, never two kv heads.
+    chunks = flex.head_chunks(1, 2**22, 2**22, 8, 2, 128)
+    assert chunks == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    for batch, t, hq, h, d in [
+        (1, 2**18, 64, 4, 192),
+        (2, 2**21, 12, 2, 96),
+        (1, 2**20, 6, 1, 640),
+    ]:
+        chunks = flex.head_chunks(batch, t, t, hq, h, d)
+        assert [s for s, _ in chunks] == [0, *(e for _, e in chunks[:-1])]  # they tile 0..HQ
+        assert chunks[-1][1] == hq
+        for start, end in chunks:
+            assert batch * t * d * (end - start) < flex.INT32_OFFSETS
+            assert start // (hq // h) == (end - 1) // (hq // h) or (end - start) % (hq // h) == 0
+    with pytest.raises(ValueError, match="one head of B=1 x 16777216 tokens x head dim 128"):
+        flex.head_chunks(1, 2**24, 2**24, 8, 2, 128)
 
-    def fake_flex(device: torch.device, *, static: bool = False) -> Callable[..., Any]:
-        chosen.append(static)
-        return lambda q, k, v, **kw: q.new_zeros(*q.shape[:-1], v.shape[-1])
 
-    monkeypatch.setattr(flex, "_flex", fake_flex)
-    monkeypatch.setattr(flex, "_cached_block_mask", lambda *args: None)
-
-    def attend(t: int, hq: int, dk: int, dv: int) -> torch.Tensor:
-        q = torch.empty(1, t, hq, dk, device="meta")
-        k = torch.empty(1, t, 4, dk, device="meta")
-        v = torch.empty(1, t, 4, dv, device="meta")
-        return flex._attend(q, k, v, None, lambda: (q, q), 1.0)
-
-    assert attend(2**17, 64, 192, 128).shape == (1, 2**17, 64, 128)
-    attend(2**18, 64, 192, 128)  # q: 3 * 2^31 elements
-    attend(2**18, 64, 64, 128)  # the output: 2^31 elements
-    attend(2**18, 32, 64, 128)  # 2^30 each
-    assert chosen == [False, True, True, False]
+@pytest.mark.parametrize("group", [1, 4])
+def test_flex_in_head_chunks_equals_one_call(group: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Forward only: FlexAttention has no CPU backward (the GPU tier checks the gradients).
+    tq, window, h, dk, dv = 96, 20, 2, 16, 8
+    q = randn(1, tq, h * group, dk, dtype=torch.float32)
+    k = randn(1, tq, h, dk, dtype=torch.float32)
+    v = randn(1, tq, h, dv, dtype=torch.float32)
+    whole = sliding_attention_flex(q, k, v, window)
+    # A limit that lets one head through at a time: every head its own call.
+    monkeypatch.setattr(flex, "INT32_OFFSETS", tq * dk + 1)
+    assert len(flex.head_chunks(1, tq, tq, h * group, h, dk)) == h * group
+    flex.clear_block_mask_cache()
+    chunked = sliding_attention_flex(q, k, v, window)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    ref = sliding_attention(q.double(), k.double(), v.double(), window)
+    assert rel_err(chunked, ref) < FLOAT32_BOUND

@@ -115,3 +115,25 @@ def test_fallback_gpu_compressed(name: str, dtype: torch.dtype) -> None:
         inputs,
         dtype,
     )
+
+
+def test_flex_in_head_chunks_matches_the_reference_with_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Operands of 2^31 elements or more run in head ranges (flex.head_chunks); a lowered limit
+    # puts a small call through that path, backward included.
+    from nsa_kernels.common import flex
+
+    tq, h, group, dk, dv = 512, 2, 4, 64, 32
+    monkeypatch.setattr(flex, "INT32_OFFSETS", 2 * tq * dk + 1)
+    assert len(flex.head_chunks(1, tq, tq, h * group, h, dk)) == h * group // 2
+    flex.clear_block_mask_cache()
+    q = _rand(1, tq, h * group, dk, dtype=torch.bfloat16)
+    k = _rand(1, tq, h, dk, dtype=torch.bfloat16)
+    v = _rand(1, tq, h, dv, dtype=torch.bfloat16)
+    _check(
+        lambda q, k, v: sliding_attention_flex(q, k, v, WINDOW),
+        lambda q, k, v: sliding_attention(q, k, v, WINDOW),
+        (q, k, v),
+        torch.bfloat16,
+    )

@@ -37,10 +37,9 @@ from nsa_kernels.common.op_calls import (
 FLEX_BLOCK = 128
 BLOCK_MASK_CACHE_SIZE = 16
 
-INT32_OFFSETS = 2**31  # operands of this many elements or more need 64-bit offsets
+INT32_OFFSETS = 2**31  # a FlexAttention operand of this many elements needs 64-bit offsets
 
 _compiled: Callable[..., Any] | None = None
-_compiled_static: Callable[..., Any] | None = None
 _block_masks: OrderedDict[Hashable, Any] = OrderedDict()
 
 
@@ -63,30 +62,39 @@ def flex_missing_reason() -> str | None:
     return None
 
 
-def needs_64bit_offsets(*shapes: torch.Size) -> bool:
-    """Whether a tensor of one of these shapes (operands, output) reaches past int32 offsets."""
-    return any(shape.numel() >= INT32_OFFSETS for shape in shapes)
+def head_chunks(batch: int, tq: int, tk: int, hq: int, h: int, d: int) -> list[tuple[int, int]]:
+    """Query-head ranges [start, end) whose FlexAttention operands each stay under 2^31 elements.
 
-
-def _flex(device: torch.device, *, static: bool = False) -> Callable[..., Any]:
-    """flex_attention, compiled on CUDA.
-
-    ``static``: a separate compile that specialises to each call's sizes. The default compile
-    turns dynamic on the second shape it meets, and torch 2.11 then keeps the 32-bit offsets it
-    chose for the sizes at hand: a later call whose operands pass 2^31 elements reads out of
-    bounds (128k tokens, then 256k at HQ=64, dk=192: an illegal memory access; 256k first ran).
-    Calls that large take the static compile, which picks 64-bit offsets where the sizes need
-    them; they are few shapes, each worth its compile.
+    FlexAttention's kernels address q, k, v, the output and their gradients with 32-bit offsets
+    in some of their paths (torch 2.11: 256k tokens at HQ=64 and head dim 192, past 2^31
+    elements, read out of bounds: an illegal memory access). A call that large runs per range
+    of query heads, each range inside one kv head's group or a whole number of groups, on
+    contiguous copies, so every offset fits. ``d``: the larger head dim. One range, all heads,
+    when the call is small enough (the usual case: no copy).
     """
-    global _compiled, _compiled_static
+    group = hq // h
+    per_head = batch * max(tq, tk) * d  # elements of one head of the largest operand
+    fit = (INT32_OFFSETS - 1) // per_head
+    if fit >= hq:
+        return [(0, hq)]
+    if fit == 0:
+        raise ValueError(
+            f"FlexAttention: one head of B={batch} x {max(tq, tk)} tokens x head dim {d} has "
+            f"2^31 elements or more, past its 32-bit offsets"
+        )
+    if fit >= group:  # whole kv-head groups
+        step = (fit // group) * group
+    else:  # parts of one group, never straddling two kv heads
+        step = max(i for i in range(1, group + 1) if group % i == 0 and i <= fit)
+    return [(start, min(start + step, hq)) for start in range(0, hq, step)]
+
+
+def _flex(device: torch.device) -> Callable[..., Any]:
+    global _compiled
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
         return flex_attention
-    if static:
-        if _compiled_static is None:
-            _compiled_static = torch.compile(flex_attention, dynamic=False)
-        return _compiled_static
     if _compiled is None:
         _compiled = torch.compile(flex_attention)
     return _compiled
@@ -180,17 +188,32 @@ def _attend(
     if tq == 0 or tk == 0:
         return no_keys_output(q, k, v)
     block_mask = _cached_block_mask(key, intervals, tk)
-    out_shape = torch.Size((*q.shape[:-1], v.shape[-1]))
-    large = needs_64bit_offsets(q.shape, k.shape, v.shape, out_shape)
-    out: torch.Tensor = _flex(q.device, static=large)(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)
+    hq, h = q.shape[2], k.shape[2]
+    chunks = head_chunks(q.shape[0], tq, tk, hq, h, max(q.shape[-1], v.shape[-1]))
+    if len(chunks) == 1:
+        out: torch.Tensor = _flex(q.device)(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2)
+    group = hq // h
+    parts = []
+    for start, end in chunks:
+        kv = slice(start // group, (end - 1) // group + 1)
+        part: torch.Tensor = _flex(q.device)(
+            q[:, :, start:end].transpose(1, 2).contiguous(),
+            k[:, :, kv].transpose(1, 2).contiguous(),
+            v[:, :, kv].transpose(1, 2).contiguous(),
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        parts.append(part)
+    return torch.cat(parts, dim=1).transpose(1, 2)
 
 
 def _sliding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: SlidingCall) -> torch.Tensor:
