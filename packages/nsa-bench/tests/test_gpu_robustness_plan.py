@@ -180,6 +180,60 @@ def test_parse_sanitizer() -> None:
     assert two.errors == 3, "one summary per process checked: they add up"
 
 
+RACES_LOG = """\
+========= COMPUTE-SANITIZER
+SWEEP ok core/g3/dense (2.7 s)
+SWEEP kernels found=m.sel_fwd_kernel,m.combine_fwd_kernel
+SWEEP kernels launched=m.sel_fwd_kernel,m.combine_fwd_kernel
+========= Error: Race reported between Write access at fmha_f(K<bf16, (int)64>::Params)+0xa7f0
+=========     and Read access at fmha_f(K<bf16, (int)64>::Params)+0x5ac0 [224 hazards]
+=========
+========= Warning: Race reported between Write access at combine_fwd_kernel+0x10
+=========     and Read access at combine_fwd_kernel+0x20 [2 hazards]
+=========
+========= Error: Race reported between Read access at fmha_f(K<bf16, (int)64>::Params)+0x300
+=========     and Write access at fmha_f(K<bf16, (int)64>::Params)+0x6af0 [64 hazards]
+=========
+========= RACECHECK SUMMARY: 3 hazards displayed (2 errors, 1 warning)
+"""
+
+
+def test_sanitizer_errors_are_tied_to_the_kernel_they_are_in() -> None:
+    assert gr.kernel_name("fmha_f(K<cutlass::bf16>::Params)") == ("fmha_f")
+    assert gr.kernel_name("sel_fwd_kernel") == "sel_fwd_kernel"
+    # Each error block once, by its first location; warnings are not errors.
+    assert gr.finding_kernels(RACES_LOG) == {"fmha_f": 2}
+    assert gr.finding_kernels(MEMCHECK_LOG) == {"sel_fwd_kernel": 1}
+    assert gr.parse_sanitizer(RACES_LOG).kernels == (("fmha_f", 2),)
+
+
+def test_errors_only_in_kernels_not_ours_are_reported_apart(tmp_path: Path) -> None:
+    plain = gr.parse_sweep(RACES_LOG)
+
+    def verdict(text: str) -> tuple[str, dict[str, Any], list[str]]:
+        log = tmp_path / "racecheck_0.log"
+        log.write_text(text)
+        child = gr.Child("racecheck 0", [], log, 60.0, returncode=86, wall_s=1.0)
+        return gr._tool_verdict("racecheck", [child], plain)
+
+    line, details, failures = verdict(RACES_LOG)
+    assert failures == []
+    assert details["errors"] == 0
+    assert details["errors_in_other_kernels"] == {"fmha_f": 2}
+    assert "racecheck 0 errors + 2 in kernels not ours (fmha_f x2)" in line
+    # The same hazard in one of this project's kernels fails the part.
+    ours = RACES_LOG.replace("fmha_f(K<bf16, (int)64>::Params)", "sel_fwd_kernel")
+    line, details, failures = verdict(ours)
+    assert details["errors"] == 2
+    assert failures[0].startswith("racecheck: 2 errors")
+    # An error the log ties to no kernel counts as ours.
+    untied = RACES_LOG.replace(
+        "RACECHECK SUMMARY: 3 hazards displayed (2 errors",
+        "RACECHECK SUMMARY: 4 hazards displayed (3 errors",
+    )
+    assert verdict(untied)[1]["errors"] == 1
+
+
 def test_parse_sweep_and_coverage_over_shards() -> None:
     mem = gr.parse_sweep(MEMCHECK_LOG)
     assert mem.ok == ("branches/g1/dense",)
