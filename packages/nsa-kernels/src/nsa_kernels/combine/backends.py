@@ -11,13 +11,9 @@ inputs' dtype) serves whatever they all decline: CPU, float64, ``NSA_COMBINE_BAC
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels.common.triton_routing import triton_decline_reason
+from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 
 OP = "gated_combine"
 TRITON_PRIORITY = 20
@@ -28,21 +24,8 @@ def triton_combine_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     return triton_decline_reason(ctx, max_head_dim=None)
 
 
-def gated_combine_triton_backend(*args: Any, toggles: Toggles, **kwargs: Any) -> torch.Tensor:
-    """The registered ``fn``: :func:`nsa_kernels.combine.function.gated_combine_triton`."""
-    from nsa_kernels.combine.function import gated_combine_triton
-
-    return gated_combine_triton(*args, **kwargs)
-
-
 def backends() -> list[Backend]:
-    """The gated combine's backends, highest priority first."""
-    return [
-        Backend(
-            op=OP,
-            name="triton_combine",
-            fn=gated_combine_triton_backend,
-            supports=triton_combine_supports,
-            priority=TRITON_PRIORITY,
-        )
-    ]
+    """The gated combine's backends, highest priority first: the docstring's table, one row each
+    as ``Backend(op, name, fn, supports, priority)``."""
+    triton = triton_fn("nsa_kernels.combine.function", "gated_combine_triton")
+    return [Backend(OP, "triton_combine", triton, triton_combine_supports, TRITON_PRIORITY)]

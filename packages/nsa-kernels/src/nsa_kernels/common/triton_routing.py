@@ -1,10 +1,15 @@
-"""What every Triton backend needs before it can serve a call: a CUDA device and triton."""
+"""What every Triton backend needs before it can serve a call (a CUDA device and triton), and the
+``fn`` it registers."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+from collections.abc import Callable
+from typing import Any
 
 from nsa_core.registry import OpContext
+from nsa_core.toggles import Toggles
 from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as TRITON_MAX_HEAD_DIM
 from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as TRITON_DTYPES
 
@@ -27,3 +32,18 @@ def triton_decline_reason(
     if max_head_dim is not None and max(ctx.head_dim_qk, ctx.head_dim_v) > max_head_dim:
         return f"head dims dk={ctx.head_dim_qk}, dv={ctx.head_dim_v} exceed {max_head_dim}"
     return None
+
+
+def triton_fn(module: str, name: str) -> Callable[..., Any]:
+    """A Triton backend's registered ``fn``: ``module.name`` called without the toggles.
+
+    ``module`` is imported at the call, not when the backend table is built: registering the
+    backends (nsa-core's entry-point loader, on every machine) loads no Triton.
+    """
+
+    def call(*args: Any, toggles: Toggles, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = f"{name}_backend"
+    call.__doc__ = f"The registered ``fn``: :func:`{module}.{name}`."
+    return call

@@ -16,54 +16,35 @@ The registry asks them from the highest priority down; the first whose ``support
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles
 from nsa_kernels.common import fa2_routing as routing
 from nsa_kernels.common.flex import compressed_attention_flex
 from nsa_kernels.common.sdpa import compressed_attention_sdpa
-from nsa_kernels.common.triton_routing import triton_decline_reason
+from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 from nsa_kernels.compressed.fa2 import compressed_attention_fa2
 
 OP = "compressed_attention"
 TRITON_PRIORITY = 25
+_TRITON_MODULE = "nsa_kernels.compressed.triton_function"
 
 
 def triton_cmp_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     return triton_decline_reason(ctx)
 
 
-def compressed_attention_triton_backend(
-    *args: Any, toggles: Toggles, **kwargs: Any
-) -> torch.Tensor:
-    """The registered ``fn``: ``compressed_attention_triton`` (compressed/triton_function.py)."""
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton
-
-    out: torch.Tensor = compressed_attention_triton(*args, **kwargs)
-    return out
-
-
-def compressed_attention_triton_lse_backend(
-    *args: Any, toggles: Toggles, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The registered ``fn_with_lse``: the same kernels, and the lse their forward writes."""
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
-
-    return compressed_attention_triton_with_lse(*args, **kwargs)
-
-
 def backends() -> list[Backend]:
     """The compressed branch's backends, highest priority first: the docstring's table, one row
     each as ``Backend(op, name, fn, supports, priority, ...)``."""
     fa2, flex, sdpa = compressed_attention_fa2, compressed_attention_flex, compressed_attention_sdpa
+    # The Triton row's fn_with_lse: the same kernels, and the lse their forward writes.
+    triton = triton_fn(_TRITON_MODULE, "compressed_attention_triton")
+    triton_with_lse = triton_fn(_TRITON_MODULE, "compressed_attention_triton_with_lse")
     return [
         Backend(OP, "fa2", fa2, routing.fa2_compressed_supports, routing.FA2_PRIORITY,
                 requested_by=routing.fa2_compressed_requested),
-        Backend(OP, "triton_cmp", compressed_attention_triton_backend, triton_cmp_supports,
-                TRITON_PRIORITY, fn_with_lse=compressed_attention_triton_lse_backend),
+        Backend(OP, "triton_cmp", triton, triton_cmp_supports, TRITON_PRIORITY,
+                fn_with_lse=triton_with_lse),
         Backend(OP, "flex", flex, routing.flex_supports, routing.FLEX_PRIORITY),
         Backend(OP, "sdpa", sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
     ]  # fmt: skip

@@ -13,13 +13,9 @@ within the stated tolerance.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels.common.triton_routing import triton_decline_reason
+from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 
 OP = "select_blocks"
 TRITON_PRIORITY = 20
@@ -29,23 +25,8 @@ def triton_score_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     return triton_decline_reason(ctx)
 
 
-def select_blocks_triton_backend(
-    *args: Any, toggles: Toggles, **kwargs: Any
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The registered ``fn``: :func:`nsa_kernels.scoring.function.select_blocks_triton`."""
-    from nsa_kernels.scoring.function import select_blocks_triton
-
-    return select_blocks_triton(*args, **kwargs)
-
-
 def backends() -> list[Backend]:
-    """Block scoring's backends, highest priority first."""
-    return [
-        Backend(
-            op=OP,
-            name="triton_score",
-            fn=select_blocks_triton_backend,
-            supports=triton_score_supports,
-            priority=TRITON_PRIORITY,
-        )
-    ]
+    """Block scoring's backends, highest priority first: the docstring's table, one row each as
+    ``Backend(op, name, fn, supports, priority)``."""
+    triton = triton_fn("nsa_kernels.scoring.function", "select_blocks_triton")
+    return [Backend(OP, "triton_score", triton, triton_score_supports, TRITON_PRIORITY)]
