@@ -140,6 +140,22 @@ def test_head_dims_192_128(request: pytest.FixtureRequest) -> None:
     _run_steps(cfg, [30, 61], 2, FAT, _gen(request), capacity=80)
 
 
+def test_wide_float32_tiles_run_one_stage(request: pytest.FixtureRequest) -> None:
+    """float32 K/V tiles of 256 + 128 columns in two stages need more shared memory than an
+    sm_89 SM has (ci/compile_triton.py); such plans run one stage, the others keep two."""
+    gen = _gen(request)
+    for (dk, dv, dtype), stages in {
+        (192, 128, F32): 1,
+        (128, 128, F32): 2,
+        (192, 128, torch.float16): 2,
+    }.items():
+        cfg = small_config(2, dk=dk, dv=dv)
+        stream = Stream.random(cfg, 1, 40, gen, dtype=dtype, device=DEV)
+        state = DecodeState.from_prefixes(cfg, stream.k, stream.v, [30], 40)
+        assert DecodePlan(state).stages == stages, (dk, dv, dtype)
+        assert DecodePlan(state, DecodeKernelConfig(stages=2)).stages == 2, "asked for: kept"
+
+
 def test_learned_phi(request: pytest.FixtureRequest) -> None:
     """phi = an MLP, run every step on the device and written where a block completes."""
     gen = _gen(request)

@@ -171,7 +171,8 @@ class DecodeKernelConfig:
         program_slots: programs the device runs at once, for the split choices (default: the
             SM count on CUDA).
         warps: warps of the attention programs.
-        stages: pipeline stages of the attention loops.
+        stages: pipeline stages of the attention loops (0: 2, or 1 for float32 tiles wider than
+            128 + 128 columns, which need too much shared memory on sm_86/sm_89 with 2).
     """
 
     key_tile: int = 0
@@ -270,7 +271,11 @@ class DecodePlan:
         combine_floats = self.combine_tile * _pow2(self.combine_heads) * self.block_v
         self.combine_warps = 4 if combine_floats > 4096 else 2
         self.warps = kc.warps or 4
-        self.stages = kc.stages or 2
+        # Two stages of float32 K/V tiles wider than 128 + 128 ask for up to 116 KiB of shared
+        # memory in the compressed/window kernel: more than an sm_86/sm_89 SM has (99 KiB).
+        # One stage fits every supported architecture.
+        wide_fp32 = state.dtype == torch.float32 and self.block_k + self.block_v > 256
+        self.stages = kc.stages or (1 if wide_fp32 else 2)
         self.dot_precision = "ieee" if state.dtype == torch.float32 else "tf32"
 
         g, dv = self.group, cfg.head_dim_v
