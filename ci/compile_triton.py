@@ -204,7 +204,8 @@ def run(folder: Path, archs: Sequence[int]) -> int:
     if status:
         print("\ncompile_triton: FAILED")
     else:
-        print(f"\ncompile_triton: every launch compiled but {known} known Triton failure(s)")
+        but = f" but {known} known Triton failure(s)" if known else ""
+        print(f"\ncompile_triton: every launch compiled{but}")
     return status
 
 
