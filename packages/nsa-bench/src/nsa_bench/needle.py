@@ -769,7 +769,6 @@ def run(args: argparse.Namespace) -> int:
     routes = routing(settings, device)
     print(f"# routing at T={settings.train_len}, training:\n{routes}", file=sys.stderr, flush=True)
     stats: list[SelStats] = []
-    failed: list[str] = []
     notes: list[str] = []
     for variant in variants:
         # One variant failing (a kernel error, memory) leaves the others' results standing.
@@ -783,16 +782,27 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:
             traceback.print_exc()
             trained[variant] = {"error": f"{type(exc).__name__}: {exc}"}
-            failed.append(variant)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         # Written after every model: a run cut short keeps what it finished.
         notes = _write_outputs(
             out, cells, stats, trained, variants, settings, _device_names(device), routes
         )
+    return _report(notes, cells, stats, trained, variants)
+
+
+def _report(
+    notes: list[str],
+    cells: list[Cell],
+    stats: list[SelStats],
+    trained: dict[str, dict[str, Any]],
+    variants: list[str],
+) -> int:
+    """The notes and the failed models on stderr, the tables on stdout; 1 if a model failed."""
     for note in notes:
         print(f"# {note}", file=sys.stderr)
     print(_markdown(cells, stats, trained, variants))
+    failed = [v for v in variants if "error" in trained.get(v, {})]
     if failed:
         print(f"# failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
@@ -1002,8 +1012,4 @@ def merge_runs(dirs: list[Path], out: Path) -> int:
         device_names,
         "\n".join(records[0]["routing"]),
     )
-    for note in notes:
-        print(f"# {note}", file=sys.stderr)
-    print(_markdown(cells, stats, trained, variants))
-    failed = [v for v in variants if "error" in trained[v]]
-    return 1 if failed else 0
+    return _report(notes, cells, stats, trained, variants)

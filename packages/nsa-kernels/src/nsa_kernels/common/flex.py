@@ -190,30 +190,28 @@ def _attend(
     block_mask = _cached_block_mask(key, intervals, tk)
     hq, h = q.shape[2], k.shape[2]
     chunks = head_chunks(q.shape[0], tq, tk, hq, h, max(q.shape[-1], v.shape[-1]))
-    if len(chunks) == 1:
-        out: torch.Tensor = _flex(q.device)(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        return out.transpose(1, 2)
     group = hq // h
+
+    def heads(x: torch.Tensor, picked: slice) -> torch.Tensor:
+        """x [B, T, heads, d] -> [B, heads, T, d]; a range of heads is copied so that its offsets
+        start at 0 (:func:`head_chunks`), all heads stay a view."""
+        x = x.transpose(1, 2)
+        return x if len(chunks) == 1 else x[:, picked].contiguous()
+
     parts = []
     for start, end in chunks:
         kv = slice(start // group, (end - 1) // group + 1)
         part: torch.Tensor = _flex(q.device)(
-            q[:, :, start:end].transpose(1, 2).contiguous(),
-            k[:, :, kv].transpose(1, 2).contiguous(),
-            v[:, :, kv].transpose(1, 2).contiguous(),
+            heads(q, slice(start, end)),
+            heads(k, kv),
+            heads(v, kv),
             block_mask=block_mask,
             scale=scale,
             enable_gqa=True,
         )
         parts.append(part)
-    return torch.cat(parts, dim=1).transpose(1, 2)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out.transpose(1, 2)
 
 
 def _sliding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: SlidingCall) -> torch.Tensor:

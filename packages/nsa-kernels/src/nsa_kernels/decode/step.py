@@ -28,7 +28,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from nsa_core import NSAConfig
-from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM, check_dtype, num_sms
+from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM, check_dtype, dot_precision, num_sms
 from nsa_kernels.decode.attention_kernels import cmp_window_kernel, selected_kernel
 from nsa_kernels.decode.combine_kernels import combine_kernel
 from nsa_kernels.decode.state import BlockPhi, DecodeState, check_phi
@@ -276,7 +276,7 @@ class DecodePlan:
         # One stage fits every supported architecture.
         wide_fp32 = state.dtype == torch.float32 and self.block_k + self.block_v > 256
         self.stages = kc.stages or (1 if wide_fp32 else 2)
-        self.dot_precision = "ieee" if state.dtype == torch.float32 else "tf32"
+        self.dot_precision = dot_precision(state.dtype)
 
         g, dv = self.group, cfg.head_dim_v
 
