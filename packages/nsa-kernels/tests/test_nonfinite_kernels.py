@@ -156,10 +156,11 @@ def random_indices(gen: torch.Generator, batch: int, length: int) -> torch.Tenso
     return ref.topn_blocks(scores, N_SEL, L_SEL)[0].to(dev())
 
 
-# The forward loads K/V tiles through pointers with a mask (tma=2), or (tma=1) whole through TMA
-# descriptors: a whole tile also holds keys the row cannot see (later tokens of its block, the
+# The forward loads K tiles through pointers with a mask (tma=2), or (tma=1) whole through a TMA
+# descriptor: a whole tile also holds keys the row cannot see (later tokens of its block, the
 # next batch row's first tokens, block 0 under a -1 slot), whose V must still weigh exactly 0.
-# A bad K there only reaches logits that the visibility mask replaces, so TMA runs the v cases.
+# A bad K there only reaches logits that the visibility mask replaces; the v case under TMA
+# keeps the masked V loads honest beside the whole K tiles.
 SEL_POINTER, SEL_TMA = SelConfig(tma=2), SelConfig(tma=1)
 _NO_TMA = pytest.mark.skipif(
     not tma_available(), reason="this triton has no host tensor descriptors (< 3.4)"

@@ -34,7 +34,7 @@ from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_
 
 @triton.jit
 def sel_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, k_desc, v_desc,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, k_desc,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -55,9 +55,11 @@ def sel_fwd_kernel(
     programs in flight share one kv head and its K/V stays in L2 (KV_HINT="evict_last" asks L2
     to keep K/V over the streamed q and o).
 
-    TMA (NK == 1, BK == DK, BV == DV): K/V tiles come through tensor descriptors over
-    k, v viewed as [B * Tk, H * D]; a tile is loaded whole (the visibility mask applies to s, and
-    selects zeros for V's invisible rows), rows past the end read as 0.
+    TMA (NK == 1, BK == DK): K tiles come through a tensor descriptor over k viewed as
+    [B * Tk, H * dk]; a tile is loaded whole (the visibility mask applies to s), rows past the end
+    read as 0. V always comes through masked pointer loads: a whole V tile would hold the rows the
+    query cannot see, whose weight 0 times a NaN there is NaN (docs/spec.md, "Non-finite
+    values"), and zeroing them with a select costs the tile a round trip through shared memory.
     """
     pid_v = tl.program_id(2)
     # RPP consecutive rows per program: rows of one query block share their forced blocks
@@ -115,20 +117,12 @@ def sel_fwd_kernel(
                     s += tl.dot(qc, tl.trans(kc_t), input_precision=DOT_PREC)
             s = tl.where(live[None, :], s * qk_scale, float("-inf"))
             m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
-            if TMA:
-                # The whole tile arrives, keys the row cannot see included (later tokens of the
-                # block, the next sequence's first ones, block 0 under a -1 slot). Their p is 0,
-                # but 0 * NaN = NaN: select exact zeros so a bad V reaches only the rows that
-                # see it (docs/spec.md, "Non-finite values"), as the masked loads below do.
-                vt = v_desc.load([kv_row, (h * DV).to(tl.int32)])
-                vt = tl.where(live[:, None], vt, tl.zeros_like(vt))
-            else:
-                vt = tl.load(
-                    v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
-                    mask=live[:, None] & v_mask[None, :],
-                    other=0.0,
-                    eviction_policy=KV_HINT,
-                )
+            vt = tl.load(
+                v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                mask=live[:, None] & v_mask[None, :],
+                other=0.0,
+                eviction_policy=KV_HINT,
+            )
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
             m_i = m_new
 
@@ -148,20 +142,15 @@ def sel_fwd_kernel(
             tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
 
 
-def kv_descriptors(
-    k: torch.Tensor, v: torch.Tensor, cfg: SelConfig, info: Launch
-) -> tuple[Any, Any]:
-    """TMA descriptors over k [B, Tk, H, dk] and v as [B * Tk, H * d] with [block_l, d] boxes."""
+def k_descriptor(k: torch.Tensor, cfg: SelConfig, info: Launch) -> Any:
+    """The TMA descriptor over k [B, Tk, H, dk] as [B * Tk, H * dk] with [block_l, dk] boxes."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     misfit = tma_misfit(cfg, info)
     if misfit:
         raise ValueError(misfit)
-    out = []
-    for x, d in ((k, info.dk), (v, info.dv)):
-        flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * d)
-        out.append(TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [cfg.block_l, d]))
-    return out[0], out[1]
+    flat = k.reshape(k.shape[0] * k.shape[1], k.shape[2] * info.dk)
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [cfg.block_l, info.dk])
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple[Tensor, Tensor]:
@@ -180,12 +169,9 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
     nsub = -(-sel_block // cfg.block_l)
     grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
     tma = use_tma(cfg, info, q.device)
-    k_desc: Any = k
-    v_desc: Any = v
-    if tma:
-        k_desc, v_desc = kv_descriptors(k, v, cfg, info)
+    k_desc: Any = k_descriptor(k, cfg, info) if tma else k
     sel_fwd_kernel[grid](
-        q, k, v, o, lse, idx, seq_ids, cu, k_desc, v_desc,
+        q, k, v, o, lse, idx, seq_ids, cu, k_desc,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),

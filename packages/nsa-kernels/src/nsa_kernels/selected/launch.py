@@ -47,9 +47,10 @@ class SelConfig(TileConfig):
             their forced blocks, found in L1 by the later rows).
         kv_hint: L2 eviction hint of the K/V loads of forward and dq: 1 "evict_last" (keep K/V
             over the streamed q and o), 2 none.
-        tma: forward K/V loads: 1 through TMA tensor descriptors (dk and dv powers of two in one
-            tile each), 2 pointer loads; 0 chooses TMA on GPUs with SM >= 9.0 where it applies
-            (3-6% faster at the paper's shapes on an H100, docs/selection.md).
+        tma: forward K loads: 1 through a TMA tensor descriptor (dk a power of two in one tile),
+            2 pointer loads; 0 chooses TMA on GPUs with SM >= 9.0 where it applies
+            (docs/selection.md). V always takes masked pointer loads (``sel_fwd_kernel`` in
+            :mod:`nsa_kernels.selected.forward` says why).
     """
 
     block_l: int = 0
@@ -215,7 +216,7 @@ def varlen_args(info: Launch, device: torch.device) -> tuple[torch.Tensor, torch
 
 
 def use_tma(cfg: SelConfig, info: Launch, device: torch.device) -> bool:
-    """cfg.tma, or for 0 whether TMA serves this call (Hopper or newer, one pow-2 tile each)."""
+    """cfg.tma, or for 0 whether TMA serves this call (Hopper or newer, dk one pow-2 tile)."""
     if cfg.tma not in (0, 1, 2):
         raise ValueError(
             f"tma must be 0 (choose), 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}"
@@ -241,8 +242,7 @@ def tma_available() -> bool:
 
 
 def tma_misfit(cfg: SelConfig, info: Launch) -> str | None:
-    """Why TMA loads cannot serve these head dims and tiles, or None when they can."""
-    for name, d, tile in (("dk", info.dk, cfg.block_d), ("dv", info.dv, cfg.block_dv)):
-        if d != tile or d & (d - 1):
-            return f"tma=1 needs {name} a power of two in one tile, got {name}={d}"
+    """Why TMA K loads cannot serve this head dim and tile, or None when they can."""
+    if info.dk != cfg.block_d or info.dk & (info.dk - 1):
+        return f"tma=1 needs dk a power of two in one tile, got dk={info.dk}"
     return None
