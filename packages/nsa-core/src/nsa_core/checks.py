@@ -15,6 +15,8 @@ import numbers
 import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
+from nsa_core.op_context import OpContext, op_context
+from nsa_core.toggles import get_toggles
 
 
 def shape(t: torch.Tensor) -> str:
@@ -261,8 +263,9 @@ def check_compressed_attention(
     *,
     q_start: object = 0,
     cu_seqlens: torch.Tensor | None = None,
-) -> None:
-    """Every rule of ``compressed_attention``; raises on the first one broken."""
+) -> OpContext:
+    """Every rule of ``compressed_attention``; raises on the first one broken. Returns the
+    call's routing context (keys: the queries' last position + 1)."""
     check_attention_args(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp")
     l_cmp, d = check_cmp_geometry(cmp_block, cmp_stride)
     check_scale(scale)
@@ -270,6 +273,7 @@ def check_compressed_attention(
         "compressed_attention", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
     _check_cmp_keys("compressed_attention", q, k_cmp, l_cmp, d, start, cu_seqlens)
+    return op_context(q, k_cmp, v_cmp, start + q.shape[1], varlen=cu_seqlens is not None)
 
 
 def check_selected_attention(
@@ -282,10 +286,17 @@ def check_selected_attention(
     *,
     q_start: object = 0,
     cu_seqlens: torch.Tensor | None = None,
-    check_range: bool = True,
-) -> None:
-    """Every rule of ``selected_attention``; ``check_range`` reads the indices (a sync on CUDA)."""
+    check_range: bool | None = None,
+) -> OpContext:
+    """Every rule of ``selected_attention``; returns the call's routing context.
+
+    ``check_range`` reads the indices' values (a device sync on CUDA); None reads them on a CPU
+    and on CUDA only where NSA_SEL_CHECK_INDICES asks (the kernels treat out-of-range entries
+    as -1).
+    """
     batch, tq, _, h, _, _ = check_attention_args(q, k, v)
+    if check_range is None:
+        check_range = q.device.type == "cpu" or get_toggles().sel_check_indices
     l_sel = check_int("sel_block", sel_block, 1)
     check_scale(scale)
     _check_varlen_or_start("selected_attention", q, k.shape[1], q_start, cu_seqlens)
@@ -299,6 +310,7 @@ def check_selected_attention(
         q.device,
         check_range=check_range,
     )
+    return op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
 
 
 def check_sliding_attention(
@@ -310,12 +322,14 @@ def check_sliding_attention(
     *,
     q_start: object = 0,
     cu_seqlens: torch.Tensor | None = None,
-) -> None:
-    """Every rule of ``sliding_attention``; raises on the first one broken."""
+) -> OpContext:
+    """Every rule of ``sliding_attention``; raises on the first one broken. Returns the call's
+    routing context."""
     check_attention_args(q, k, v)
     check_int("window", window, 1)
     check_scale(scale)
     _check_varlen_or_start("sliding_attention", q, k.shape[1], q_start, cu_seqlens)
+    return op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
 
 
 def check_select_blocks(
@@ -330,9 +344,10 @@ def check_select_blocks(
     q_start: object = 0,
     cu_seqlens: torch.Tensor | None = None,
     lse: object = None,
-) -> None:
+) -> OpContext:
     """Every rule of ``select_blocks`` (d must divide l' as well as l; lse None or float32
-    [B, Tq, HQ] on q's device)."""
+    [B, Tq, HQ] on q's device). Returns the call's routing context: selection takes no
+    gradient, so it never asks for one."""
     check_attention_args(q, k_cmp, k_cmp, k_name="k_cmp", v_name="k_cmp")
     check_lse(lse, q)
     l_cmp, d = check_cmp_geometry(cmp_block, cmp_stride)
@@ -345,6 +360,8 @@ def check_select_blocks(
         "select_blocks", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
     _check_cmp_keys("select_blocks", q, k_cmp, l_cmp, d, start, cu_seqlens)
+    q, k_cmp = q.detach(), k_cmp.detach()
+    return op_context(q, k_cmp, k_cmp, start + q.shape[1], varlen=cu_seqlens is not None)
 
 
 def check_lse(lse: object, q: torch.Tensor) -> None:
@@ -427,8 +444,12 @@ def check_compress(
 
 def check_gated_combine(
     o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
-) -> None:
-    """o_cmp, o_slc, o_win [B, T, HQ, dv] alike; gates [B, T, HQ, 3] of their dtype and device."""
+) -> OpContext:
+    """o_cmp, o_slc, o_win [B, T, HQ, dv] alike; gates [B, T, HQ, 3] of their dtype and device.
+
+    Returns the call's routing context: the combine has no kv heads and one head dim, so it says
+    H = HQ and dk = dv.
+    """
     check_rank("gates", gates, 4, "[B, T, HQ, 3]")
     for name, o in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)):
         check_rank(name, o, 4, "[B, T, HQ, dv]")
@@ -440,3 +461,15 @@ def check_gated_combine(
     check_same_place("gates", gates, "o_cmp", o_cmp)
     if not o_cmp.is_floating_point():
         raise TypeError(f"o_cmp must be a floating-point tensor, got {o_cmp.dtype}")
+    return OpContext(
+        device=o_cmp.device,
+        dtype=o_cmp.dtype,
+        seq_len=o_cmp.shape[1],
+        num_q_heads=o_cmp.shape[2],
+        num_kv_heads=o_cmp.shape[2],
+        head_dim_qk=o_cmp.shape[3],
+        head_dim_v=o_cmp.shape[3],
+        requires_grad=torch.is_grad_enabled()
+        and any(t.requires_grad for t in (o_cmp, o_slc, o_win, gates)),
+        varlen=False,
+    )

@@ -1,19 +1,25 @@
 """The public ops of one NSA layer: validate once, ask the registry, run the chosen backend.
 
-Each op has the shapes of docs/spec.md (``q [B, T, HQ, dk]``, ``k [B, T, H, dk]``,
-``v [B, T, H, dv]``, ``block_indices [B, T, H, n]``). It checks every argument with the op's
-validator in :mod:`nsa_core.checks`, builds the :class:`~nsa_core.registry.OpContext` of the call,
-resolves the backend (:func:`nsa_core.registry.resolve_fn`, the same decision that
-``routing_report`` shows, wrapped in the debug hooks when NSA_DEBUG_SHAPES/TIMING/COMPARE is on)
-and hands it the validated arguments and the toggles the decision was
-made with. On a CPU, in float64, or with ``NSA_<STEP>_BACKEND=reference`` the backend is the
-reference in :mod:`nsa_core.reference`, which stays callable by name everywhere.
+Each op has the signature, shapes and docstring of its reference body in :mod:`nsa_core.reference`
+(``q [B, T, HQ, dk]``, ``k [B, T, H, dk]``, ``v [B, T, H, dv]``, ``block_indices [B, T, H, n]``;
+docs/spec.md). A call checks every argument with the op's validator in :mod:`nsa_core.checks`,
+which returns the call's :class:`~nsa_core.op_context.OpContext`; the registry resolves the
+backend for it (:func:`nsa_core.registry.resolve_fn`, the same decision that ``routing_report``
+shows, wrapped in the debug hooks when NSA_DEBUG_SHAPES/TIMING/COMPARE is on), which receives the
+call's arguments as given and the toggles the decision was made with. On a CPU, in float64, or
+with ``NSA_<STEP>_BACKEND=reference`` the backend is the reference body, which stays callable by
+name (with its own checks) everywhere.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
 import torch
 
+from nsa_core import reference
 from nsa_core.checks import (
     check_compressed_attention,
     check_gated_combine,
@@ -21,89 +27,96 @@ from nsa_core.checks import (
     check_selected_attention,
     check_sliding_attention,
 )
-from nsa_core.registry import OpContext, resolve_fn, resolve_fn_with_lse
-from nsa_core.toggles import Toggles, get_toggles
+from nsa_core.op_context import OpContext, op_context
+from nsa_core.registry import resolve_fn, resolve_fn_with_lse
+from nsa_core.toggles import get_toggles
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+__all__ = [
+    "compressed_attention",
+    "compressed_attention_with_lse",
+    "gated_combine",
+    "op_context",
+    "select_blocks",
+    "selected_attention",
+    "sliding_attention",
+]
+
+_ROUTED = """
+
+    Public op (:mod:`nsa_core.ops`): validated once, then run by the backend the registry picks
+    for the call (``routing_report``); the reference body is :func:`nsa_core.reference.{name}`.
+"""
 
 
-def op_context(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seq_len: int,
-    *,
-    varlen: bool,
-) -> OpContext:
-    """The routing context of one call: q [B, Tq, HQ, dk], k [B, *, H, dk], v [B, *, H, dv]."""
-    return OpContext(
-        device=q.device,
-        dtype=q.dtype,
-        seq_len=seq_len,
-        num_q_heads=q.shape[2],
-        num_kv_heads=k.shape[2],
-        head_dim_qk=q.shape[3],
-        head_dim_v=v.shape[3],
-        requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-        varlen=varlen,
-    )
+def public_op(op: str, body: Callable[P, R], check: Callable[..., OpContext]) -> Callable[P, R]:
+    """The public ``op``: ``check`` the arguments, resolve the backend, call it.
 
-
-def _compressed_route(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None,
-    q_start: int,
-    cu_seqlens: torch.Tensor | None,
-) -> tuple[Toggles, OpContext]:
-    """Validate a compressed_attention call (q [B, Tq, HQ, dk], k_cmp [B, N, H, dk], v_cmp
-    [B, N, H, dv]); the toggles and the routing context its backend is chosen by."""
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    toggles = get_toggles()
-    return toggles, op_context(q, k_cmp, v_cmp, q_start + q.shape[1], varlen=cu_seqlens is not None)
-
-
-def compressed_attention(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """o_cmp [B, Tq, HQ, dv]: each query over the compressed blocks that end at or before it.
-
-    q [B, Tq, HQ, dk] (row r at position ``q_start + r``), k_cmp [B, N, H, dk], v_cmp
-    [B, N, H, dv]; block i covers tokens [i*d, i*d + l). Rows that see no block give 0. See
-    :func:`nsa_core.reference.compressed_attention` for every argument.
+    ``body`` (the reference op) lends its name, signature and docstring; ``check`` takes the
+    same arguments and returns the routing context.
     """
-    toggles, ctx = _compressed_route(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens
-    )
-    fn = resolve_fn("compressed_attention", ctx, toggles)
-    args = (q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
-    out: torch.Tensor = fn(*args, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles)
-    return out
+
+    @functools.wraps(body)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        ctx = check(*args, **kwargs)
+        toggles = get_toggles()
+        out: R = resolve_fn(op, ctx, toggles)(*args, **kwargs, toggles=toggles)
+        return out
+
+    call.__doc__ = (body.__doc__ or "").rstrip() + _ROUTED.format(name=body.__name__)
+    return call
 
 
-def compressed_attention_with_lse(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`compressed_attention` and, where its backend produces one, its log-sum-exp.
+def public_op_with_lse(
+    op: str, body: Callable[P, torch.Tensor], check: Callable[..., OpContext]
+) -> Callable[P, tuple[torch.Tensor, torch.Tensor | None]]:
+    """The public ``op`` that also returns its backend's log-sum-exp, where it has one.
+
+    The call returns ``(o, lse)``: ``o`` exactly as the plain public op gives it, and the chosen
+    backend's ``fn_with_lse`` normaliser, detached, or None when that backend has none (or a
+    debug hook is on: the hooks observe ``fn``).
+    """
+
+    @functools.wraps(body)
+    def call(*args: P.args, **kwargs: P.kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ctx = check(*args, **kwargs)
+        toggles = get_toggles()
+        fn_with_lse = resolve_fn_with_lse(op, ctx, toggles)
+        if fn_with_lse is None:
+            o: torch.Tensor = resolve_fn(op, ctx, toggles)(*args, **kwargs, toggles=toggles)
+            return o, None
+        o, lse = fn_with_lse(*args, **kwargs, toggles=toggles)
+        return o, None if lse is None else lse.detach()
+
+    call.__name__ = call.__qualname__ = f"{body.__name__}_with_lse"
+    return call
+
+
+compressed_attention = public_op(
+    "compressed_attention", reference.compressed_attention.body, check_compressed_attention
+)
+selected_attention = public_op(
+    "selected_attention", reference.selected_attention.body, check_selected_attention
+)
+sliding_attention = public_op(
+    "sliding_attention", reference.sliding_attention.body, check_sliding_attention
+)
+selected_attention.__doc__ = (selected_attention.__doc__ or "") + (
+    "    On CUDA the public op does not read the index range back (a device sync) unless\n"
+    "    NSA_SEL_CHECK_INDICES is set: kernels treat out-of-range entries as -1.\n"
+)
+select_blocks = public_op("select_blocks", reference.select_blocks.body, check_select_blocks)
+gated_combine = public_op("gated_combine", reference.gated_combine.body, check_gated_combine)
+
+compressed_attention_with_lse = public_op_with_lse(
+    "compressed_attention", reference.compressed_attention.body, check_compressed_attention
+)
+compressed_attention_with_lse.__doc__ = """:func:`compressed_attention` and, where its backend
+    produces one, its log-sum-exp.
+
+    Same arguments as :func:`compressed_attention`.
 
     Returns:
         o_cmp [B, Tq, HQ, dv], exactly what :func:`compressed_attention` returns, and lse
@@ -112,164 +125,3 @@ def compressed_attention_with_lse(
         None when the chosen backend has no ``fn_with_lse`` (or a debug hook is on). Meant for
         :func:`select_blocks`'s ``lse``, with the same q, k_cmp, scale, q_start and cu_seqlens.
     """
-    toggles, ctx = _compressed_route(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens
-    )
-    fn_with_lse = resolve_fn_with_lse("compressed_attention", ctx, toggles)
-    args = (q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
-    if fn_with_lse is None:
-        fn = resolve_fn("compressed_attention", ctx, toggles)
-        out: torch.Tensor = fn(*args, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles)
-        return out, None
-    o, lse = fn_with_lse(*args, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles)
-    return o, None if lse is None else lse.detach()
-
-
-def selected_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_indices: torch.Tensor,
-    sel_block: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """o_slc [B, Tq, HQ, dv]: each query over the union of its selected blocks, causally.
-
-    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n] in
-    [-1, ceil(Tk / l')). On CUDA the index range is not read back (a device sync) unless
-    NSA_SEL_CHECK_INDICES is set: kernels treat out-of-range entries as -1. See
-    :func:`nsa_core.reference.selected_attention` for every argument.
-    """
-    toggles = get_toggles()
-    check_selected_attention(
-        q,
-        k,
-        v,
-        block_indices,
-        sel_block,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        check_range=not isinstance(q, torch.Tensor)
-        or q.device.type == "cpu"
-        or toggles.sel_check_indices,
-    )
-    ctx = op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
-    fn = resolve_fn("selected_attention", ctx, toggles)
-    args = (q, k, v, block_indices, sel_block, scale)
-    out: torch.Tensor = fn(*args, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles)
-    return out
-
-
-def sliding_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """o_win [B, Tq, HQ, dv]: the query at t over tokens [max(0, t - w + 1), t].
-
-    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv]. See
-    :func:`nsa_core.reference.sliding_attention` for every argument.
-    """
-    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-    toggles = get_toggles()
-    ctx = op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
-    fn = resolve_fn("sliding_attention", ctx, toggles)
-    out: torch.Tensor = fn(
-        q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles
-    )
-    return out
-
-
-def select_blocks(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    sel_block: int,
-    num_selected: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block scoring and top-n: indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H].
-
-    q [B, Tq, HQ, dk], k_cmp [B, N, H, dk]. Selection takes no gradient: q, k_cmp and lse are
-    read detached. See :func:`nsa_core.reference.select_blocks` for every argument and
-    docs/spec.md for the index contract GPU backends keep.
-
-    ``lse`` (optional) is the compressed branch's normaliser for the same q, k_cmp, scale,
-    q_start and cu_seqlens: float32 [B, Tq, HQ], natural log, -inf on rows that see no block
-    (what :func:`compressed_attention_with_lse` returns). A backend that can use it skips its
-    own normaliser pass; the others, the reference included, ignore it and compute their own.
-    """
-    check_select_blocks(
-        q,
-        k_cmp,
-        cmp_block,
-        cmp_stride,
-        sel_block,
-        num_selected,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        lse=lse,
-    )
-    toggles = get_toggles()
-    q, k_cmp = q.detach(), k_cmp.detach()
-    ctx = op_context(q, k_cmp, k_cmp, q_start + q.shape[1], varlen=cu_seqlens is not None)
-    fn = resolve_fn("select_blocks", ctx, toggles)
-    # Only a given lse is passed on: a backend registered before the keyword existed still serves.
-    extra = {} if lse is None else {"lse": lse.detach()}
-    indices, counts = fn(
-        q,
-        k_cmp,
-        cmp_block,
-        cmp_stride,
-        sel_block,
-        num_selected,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        toggles=toggles,
-        **extra,
-    )
-    return indices, counts
-
-
-def gated_combine(
-    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
-) -> torch.Tensor:
-    """o [B, T, HQ, dv] = g[..., 0] * o_cmp + g[..., 1] * o_slc + g[..., 2] * o_win.
-
-    o_cmp, o_slc, o_win [B, T, HQ, dv] alike, gates [B, T, HQ, 3] (cmp, slc, win) of their dtype
-    and device; differentiable in all four. See :func:`nsa_core.reference.gated_combine`.
-    """
-    check_gated_combine(o_cmp, o_slc, o_win, gates)
-    toggles = get_toggles()
-    # The combine has no kv heads and one head dim: its context says H = HQ and dk = dv.
-    ctx = OpContext(
-        device=o_cmp.device,
-        dtype=o_cmp.dtype,
-        seq_len=o_cmp.shape[1],
-        num_q_heads=o_cmp.shape[2],
-        num_kv_heads=o_cmp.shape[2],
-        head_dim_qk=o_cmp.shape[3],
-        head_dim_v=o_cmp.shape[3],
-        requires_grad=torch.is_grad_enabled()
-        and any(t.requires_grad for t in (o_cmp, o_slc, o_win, gates)),
-        varlen=False,
-    )
-    fn = resolve_fn("gated_combine", ctx, toggles)
-    out: torch.Tensor = fn(o_cmp, o_slc, o_win, gates, toggles=toggles)
-    return out

@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-import torch
-
-from nsa_core.config import NSAConfig
 from nsa_core.debug_hooks import with_debug_hooks
 from nsa_core.debug_log import debug_log, log_once, reset_log_state
+from nsa_core.op_context import OpContext as OpContext  # re-exported: the registry API names it
 from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
@@ -47,60 +45,6 @@ OPS = (
 ENTRY_POINT_GROUP = "nsa.backends"
 
 
-@dataclass(frozen=True)
-class OpContext:
-    """What a backend needs to know to accept or refuse one call of an op.
-
-    ``seq_len`` is the number of keys of the longest sequence (tokens), ``varlen`` whether the call
-    packs sequences with ``cu_seqlens``.
-    """
-
-    device: torch.device
-    dtype: torch.dtype
-    seq_len: int
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim_qk: int
-    head_dim_v: int
-    requires_grad: bool
-    varlen: bool
-
-    @classmethod
-    def for_config(
-        cls,
-        config: NSAConfig,
-        *,
-        device: torch.device,
-        dtype: torch.dtype,
-        seq_len: int,
-        requires_grad: bool = False,
-        varlen: bool = False,
-    ) -> OpContext:
-        """The context of a call with ``config``'s heads and head dims."""
-        return cls(
-            device=device,
-            dtype=dtype,
-            seq_len=seq_len,
-            num_q_heads=config.num_q_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim_qk=config.head_dim_qk,
-            head_dim_v=config.head_dim_v,
-            requires_grad=requires_grad,
-            varlen=varlen,
-        )
-
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
-    @property
-    def device_capability(self) -> tuple[int, int] | None:
-        if self.device.type != "cuda":
-            return None
-        major, minor = torch.cuda.get_device_capability(self.device)
-        return (major, minor)
-
-
 Supports = Callable[[OpContext, Toggles], "str | None"]
 
 
@@ -108,7 +52,8 @@ Supports = Callable[[OpContext, Toggles], "str | None"]
 class Backend:
     """One implementation of ``op``.
 
-    ``fn`` takes the public op's arguments, already validated by the op's ``check_<op>`` in
+    ``fn`` takes the public op's arguments as the caller gave them (positional or by keyword,
+    under the reference signature's names), already validated by the op's ``check_<op>`` in
     :mod:`nsa_core.checks`, plus the keyword ``toggles``: the toggles the routing decision that
     chose it was made with (a backend never re-reads the environment).
 
@@ -117,8 +62,8 @@ class Backend:
     of its softmax, float32 [B, Tq, HQ], ``log sum_i exp(scale * q . k_cmp[i])`` over the
     visible blocks, -inf on rows that see none. The attention core hands that lse to
     ``select_blocks``, which then skips its own normaliser pass (docs/spec.md, "Block scoring on
-    a GPU"). ``select_blocks`` backends take the keyword ``lse`` (None or that tensor, detached)
-    and may ignore it.
+    a GPU"). ``select_blocks`` backends take the keyword ``lse`` (None or that tensor) and may
+    ignore it; selection takes no gradient, so they read q, k_cmp and lse detached.
     """
 
     op: str

@@ -136,14 +136,20 @@ def select_blocks(
         k_cmp: [B, N, H, dk] compressed keys (packed per sequence when varlen).
         cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0); indices are local
             to each sequence.
-        lse: the compressed branch's normaliser that faster backends may take (see
-            :func:`nsa_core.ops.select_blocks`); checked, and not read: the spec defines the
-            scores from the reference's own compressed softmax, which this computes.
+        lse: optional, the compressed branch's normaliser for the same q, k_cmp, scale,
+            q_start and cu_seqlens: float32 [B, Tq, HQ], natural log, -inf on rows that see no
+            block (what :func:`nsa_core.ops.compressed_attention_with_lse` returns). A backend
+            that can use it skips its own normaliser pass; the reference checks it and does not
+            read it: the spec defines the scores from its own compressed softmax.
+
+    Selection takes no gradient: q, k_cmp and lse are read detached. GPU backends keep the
+    index contract of docs/spec.md.
 
     Returns:
         indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H] int32.
     """
     batch, tq, hq, _ = q.shape
+    q, k_cmp = q.detach(), k_cmp.detach()
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
         parts = [

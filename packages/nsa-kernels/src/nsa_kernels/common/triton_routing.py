@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from nsa_core.registry import OpContext
@@ -34,16 +35,30 @@ def triton_decline_reason(
     return None
 
 
-def triton_fn(module: str, name: str) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class TritonFn:
     """A Triton backend's registered ``fn``: ``module.name`` called without the toggles.
 
     ``module`` is imported at the call, not when the backend table is built: registering the
     backends (nsa-core's entry-point loader, on every machine) loads no Triton.
     """
 
-    def call(*args: Any, toggles: Toggles, **kwargs: Any) -> Any:
-        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+    module: str
+    name: str
 
-    call.__name__ = call.__qualname__ = f"{name}_backend"
-    call.__doc__ = f"The registered ``fn``: :func:`{module}.{name}`."
-    return call
+    def __call__(self, *args: Any, toggles: Toggles, **kwargs: Any) -> Any:
+        return self.target()(*args, **kwargs)
+
+    def target(self) -> Callable[..., Any]:
+        """The function the backend runs (imports its module, and so triton)."""
+        fn: Callable[..., Any] = getattr(importlib.import_module(self.module), self.name)
+        return fn
+
+    @property
+    def __name__(self) -> str:
+        return f"{self.name}_backend"
+
+
+def triton_fn(module: str, name: str) -> TritonFn:
+    """The registered ``fn`` of a Triton backend that runs ``module.name``."""
+    return TritonFn(module, name)
