@@ -113,6 +113,27 @@ def test_cmp_triton_tiny(tmp_path: Path) -> None:
     assert all(float(r[c]) > 0 for r in rows for c in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"))
 
 
+def test_cmp_sweep_reports_a_config_the_gpu_cannot_hold_and_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    errors = pytest.importorskip("triton.runtime.errors")
+
+    def time_triton(
+        p: cmp_bench.CmpProblem, config_text: str, timer: cmp_bench.Timer
+    ) -> tuple[str, float, float, float]:
+        if config_text == "block_n=128":
+            raise errors.OutOfResources(262144, 232448, "shared memory")
+        return config_text, 1.0, 2.0, 3.0
+
+    monkeypatch.setattr(cmp_bench, "time_triton", time_triton)
+    out = tmp_path / "cmp.csv"
+    argv = _cmp_argv(out, "triton", "--T", "40", "--configs", "block_n=128;block_m=32")
+    assert cmp_bench.run(build_parser().parse_args(argv)) == 0
+    assert [r["config"] for r in csv.DictReader(out.open())] == ["block_m=32"]
+    printed = capsys.readouterr().out
+    assert "config 'block_n=128': not run: out of resource: shared memory" in printed
+
+
 @pytest.mark.triton
 @NEEDS_TRITON
 def test_score_triton_tiny(tmp_path: Path) -> None:
