@@ -113,12 +113,13 @@ def resolve_config(
     128 rows per dot for float16/bfloat16 (8 tokens x 16 heads at G = 16; fewer when Tq holds
     fewer tokens, down to one token per tile for a decode row), 32 for float32 (its IEEE dots
     run on CUDA cores and hold their operands in registers); selection tiles of 128 owned
-    compressed blocks (32 selection blocks at l' = 4d; 64 blocks for dk > 192, so that q and two
-    stages of keys fit in shared memory) with at most 1024 (token, block) scores per tile (the
-    running top-n sorts them in registers); 64 blocks per tile of the normaliser
-    pass; 8 warps at 128 rows and more (4 below); 2 stages. Whatever the request, block_rows
-    holds the padded group, and block_sel is at least 16, pow2(n) (the running top-n merges
-    NP-wide chunks of a tile) and pow2(Q) (a spill reaches one tile back at most).
+    compressed blocks at 128 < dk <= 192 (32 selection blocks at l' = 4d), 64 at dk <= 128
+    (faster) and for dk > 192 (so that q and two stages of keys fit in shared memory), with at
+    most 1024 (token, block) scores per tile (the running top-n sorts them in registers); 64
+    blocks per tile of the normaliser pass; 8 warps at 128 rows and more (4 below); 2 stages.
+    Whatever the request, block_rows holds the padded group, and block_sel is at least 16,
+    pow2(n) (the running top-n merges NP-wide chunks of a tile) and pow2(Q) (a spill reaches
+    one tile back at most).
     """
     cfg = config or ScoreConfig()
     check_pow2_tiles(cfg, ("block_rows", "block_sel", "block_lse"))
@@ -130,7 +131,9 @@ def resolve_config(
     wide = 32 if dtype == torch.float32 else 128
     rows = max(cfg.block_rows or min(wide, heads * pow2(max(tq, 1))), heads, 16)
     tokens = rows // heads
-    columns = 128 if head_dim <= 192 else 64
+    # 64 columns at dk <= 128: 13-19% faster than 128 at T = 16k-128k on an H200
+    # (docs/results/2026-11-26-h100-h200.md); at dk = 192 that alone is slower.
+    columns = 64 if head_dim <= 128 else 128 if head_dim <= 192 else 64
     sel = cfg.block_sel or min(max(16, columns // pow2(weights.ratio)), max(16, 1024 // tokens))
     return ScoreConfig(
         block_rows=rows,
