@@ -116,6 +116,20 @@ def test_git_commit(tmp_path: Path) -> None:
     assert env.git_commit(repo) == head  # untracked files do not make a build dirty
 
 
+def test_git_commit_of_a_copy_in_an_ignored_folder_is_unknown(tmp_path: Path) -> None:
+    if shutil.which("git") is None:
+        pytest.skip("needs git on PATH")
+    repo = tmp_path / "repo"
+    (repo / "copy").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / ".gitignore").write_text("copy/\n")
+    (repo / "copy" / "f.txt").write_text("a\n")
+    _git(repo, "add", ".gitignore")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", "m")
+    assert env.git_commit(repo) == _git(repo, "rev-parse", "--short", "HEAD")
+    assert env.git_commit(repo / "copy") == "unknown"
+
+
 def test_git_commit_outside_a_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # tmp_path may lie inside a checkout (nox puts TMPDIR under .nox/): stop git's upward search.
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))

@@ -105,12 +105,16 @@ def torch_info() -> dict[str, str]:
 
 
 def git_commit(repo: str | Path) -> str:
-    """Short hash of HEAD in ``repo``, with ``-dirty`` if tracked files differ; else ``unknown``."""
+    """Short hash of HEAD in ``repo``, with ``-dirty`` if tracked files differ; else ``unknown``.
+
+    ``unknown`` too where ``repo`` holds no file the checkout above it tracks: a copy of the tree
+    placed in an ignored folder of another checkout would otherwise record that one's commit.
+    """
     git = shutil.which("git")
     if git is None:
         return UNKNOWN
     head = _run([git, "rev-parse", "--short", "HEAD"], cwd=repo)
-    if not head:
+    if not head or not _run([git, "ls-files", "--error-unmatch", "."], cwd=repo):
         return UNKNOWN
     status = _run([git, "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     dirty = "-dirty" if status else ""
