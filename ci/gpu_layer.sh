@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU host: the whole NSA layer's GPU routes checked and timed in one call.
 #
-#   [TESTS="routes scoring compressed combine decode"] [LAYER_ARGS=...] bash ci/gpu_layer.sh [SEQLENS] [HEAD_DIMS]
+#   [TESTS="routes scoring compressed sliding combine decode"] [LAYER_ARGS=...] bash ci/gpu_layer.sh [SEQLENS] [HEAD_DIMS]
 #   (defaults: every test set; 8k,16k,32k,64k and 128/128)
 #
 # Runs from the checkout with PYTHONPATH (no index needed); wheels under .carry/wheels (fla-core
@@ -30,11 +30,13 @@ run_tests() {  # name, folder or file, pytest args...: the "gpu" tier of ci/tier
 }
 
 # TESTS picks the sets (default all); LAYER_ARGS goes to the bench (e.g. "--methods nsa_core,fla").
-TESTS="${TESTS:-routes scoring compressed combine decode}"
+# TESTS=none runs the bench alone.
+TESTS="${TESTS:-routes scoring compressed sliding combine decode}"
 [[ " $TESTS " == *" routes "* ]] && run_tests routes packages/nsa-kernels/tests/test_default_routes_gpu.py
 [[ " $TESTS " == *" scoring "* ]] && run_tests scoring packages/nsa-kernels/tests/scoring/test_scoring_gpu.py
 [[ " $TESTS " == *" scoring "* ]] && run_tests scoring_lse packages/nsa-kernels/tests/scoring/test_scoring_cmp_lse_gpu.py
 [[ " $TESTS " == *" compressed "* ]] && run_tests compressed packages/nsa-kernels/tests/compressed/test_cmp_triton_gpu.py
+[[ " $TESTS " == *" sliding "* ]] && run_tests sliding packages/nsa-kernels/tests/sliding
 [[ " $TESTS " == *" combine "* ]] && run_tests combine packages/nsa-kernels/tests/combine
 [[ " $TESTS " == *" decode "* ]] && run_tests decode packages/nsa-kernels/tests/decode -x
 

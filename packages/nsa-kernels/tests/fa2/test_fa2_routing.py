@@ -18,6 +18,7 @@ from nsa_kernels.common.fa2_routing import (
     fa2_compressed_supports,
     fa2_sliding_supports,
     flex_supports,
+    sdpa_compressed_supports,
     sdpa_supports,
 )
 from nsa_kernels.compressed.backends import backends as compressed_backends
@@ -51,6 +52,7 @@ def test_backend_table() -> None:
         ("compressed_attention", "flex"): 20,
         ("sliding_attention", "sdpa"): 10,
         ("compressed_attention", "sdpa"): 10,
+        ("sliding_attention", "triton_win"): 5,
     }
     # FA-2 is on by default: where it is installed and declines, the refusal is logged.
     requested = {(b.op, b.name) for b in backends() if b.requested_by(Toggles())}
@@ -69,6 +71,16 @@ def test_sdpa_serves_cuda_and_cpu_only_when_pinned() -> None:
     assert sdpa_supports(ctx(device="cuda"), Toggles()) is None
     assert "the reference serves cpu" in str(sdpa_supports(ctx(device="cpu"), Toggles()))
     assert sdpa_supports(ctx(device="cpu"), Toggles(win_backend="sdpa")) is None
+
+
+def test_pinning_sdpa_for_one_branch_leaves_the_other_branch_on_its_route() -> None:
+    cpu = ctx(device="cpu")
+    assert sdpa_compressed_supports(cpu, Toggles(cmp_backend="sdpa")) is None
+    assert "pin NSA_CMP_BACKEND=sdpa" in str(sdpa_compressed_supports(cpu, Toggles()))
+    assert "pin NSA_CMP_BACKEND=sdpa" in str(
+        sdpa_compressed_supports(cpu, Toggles(win_backend="sdpa"))
+    )
+    assert "pin NSA_WIN_BACKEND=sdpa" in str(sdpa_supports(cpu, Toggles(cmp_backend="sdpa")))
 
 
 def test_fa2_reasons_in_order(monkeypatch: pytest.MonkeyPatch) -> None:

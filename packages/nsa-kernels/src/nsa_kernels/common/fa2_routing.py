@@ -96,9 +96,23 @@ def flex_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     return None
 
 
-def sdpa_supports(ctx: OpContext, toggles: Toggles) -> str | None:
-    if ctx.dtype == torch.float64 and "sdpa" not in (toggles.win_backend, toggles.cmp_backend):
-        return "float64 runs the reference"
-    if ctx.device.type == "cuda" or "sdpa" in (toggles.win_backend, toggles.cmp_backend):
+def _sdpa_decline(ctx: OpContext, pinned: bool, toggle: str) -> str | None:
+    """Why SDPA does not serve ``ctx`` unasked (float64, or off CUDA), or None; ``pinned``: the
+    op's own ``toggle`` names SDPA, which then serves anywhere."""
+    if pinned:
         return None
-    return f"the reference serves {ctx.device.type} (pin NSA_WIN_BACKEND=sdpa to use SDPA there)"
+    if ctx.dtype == torch.float64:
+        return "float64 runs the reference"
+    if ctx.device.type == "cuda":
+        return None
+    return f"the reference serves {ctx.device.type} (pin {toggle}=sdpa to use SDPA there)"
+
+
+def sdpa_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    """The sliding branch's SDPA row: CUDA, or anywhere NSA_WIN_BACKEND=sdpa pins it."""
+    return _sdpa_decline(ctx, toggles.win_backend == "sdpa", "NSA_WIN_BACKEND")
+
+
+def sdpa_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    """The compressed branch's SDPA row: CUDA, or anywhere NSA_CMP_BACKEND=sdpa pins it."""
+    return _sdpa_decline(ctx, toggles.cmp_backend == "sdpa", "NSA_CMP_BACKEND")

@@ -46,5 +46,5 @@ def backends() -> list[Backend]:
         Backend(OP, "triton_cmp", triton, triton_cmp_supports, TRITON_PRIORITY,
                 fn_with_lse=triton_with_lse),
         Backend(OP, "flex", flex, routing.flex_supports, routing.FLEX_PRIORITY),
-        Backend(OP, "sdpa", sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
+        Backend(OP, "sdpa", sdpa, routing.sdpa_compressed_supports, routing.SDPA_PRIORITY),
     ]  # fmt: skip

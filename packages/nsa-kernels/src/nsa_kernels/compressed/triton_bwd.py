@@ -16,6 +16,9 @@ dk = scale * ds^T q.
   queries fit one segment stores dk/dv directly; otherwise each segment stores float32
   partials and ``cmp_dkv_reduce_kernel`` sums them in segment order.
 
+WINDOWED (the sliding branch, l = d = 1): a query also sees no key before its window, and a key
+tile's queries end where their windows stop reaching it (:func:`dkv_segments`).
+
 Rows that see nothing and padding rows get lse = +inf here, so their p is exactly 0.
 """
 
@@ -26,7 +29,7 @@ import triton.language as tl
 
 from nsa_kernels.common.key_rows import load_key_rows, store_key_grads
 from nsa_kernels.compressed.triton_fwd import group_rows, load_group_rows, query_tile_rows
-from nsa_kernels.compressed.triton_tiles import key_tile, visible_blocks
+from nsa_kernels.compressed.triton_tiles import key_tile, visible_blocks, window_start
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -53,6 +56,7 @@ def _dq_key_tile(
     n0,
     n_hi,
     nvis,
+    nlo,
     stride_kt,
     stride_vt,
     qk_scale,
@@ -62,9 +66,11 @@ def _dq_key_tile(
     BV: tl.constexpr,
     BN: tl.constexpr,
     MASK: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """dq [BM, BK] (unscaled) plus the contribution of blocks [n0, n0 + BN)."""
+    """dq [BM, BK] (unscaled) plus the contribution of blocks [n0, n0 + BN) (MASK, nvis, nlo as
+    in the forward's ``_fwd_key_tile``)."""
     offs_n = tl.arange(0, BN)
     blocks = n0 + offs_n
     k_rows = key_row + offs_n.to(tl.int64)
@@ -74,7 +80,10 @@ def _dq_key_tile(
     s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
     p = tl.exp2(s - lse2[:, None])
     if MASK:
-        p = tl.where(blocks[None, :] < nvis[:, None], p, 0.0)
+        seen = blocks[None, :] < nvis[:, None]
+        if WINDOWED:
+            seen = seen & (blocks[None, :] >= nlo[:, None])
+        p = tl.where(seen, p, 0.0)
     dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(kt.dtype), kt, dq, input_precision=DOT_PREC)
@@ -111,6 +120,7 @@ def cmp_bwd_dq_kernel(
     tq,
     q_start,
     num_kv_heads,
+    window,
     qk_scale,
     scale,
     G: tl.constexpr,
@@ -126,15 +136,18 @@ def cmp_bwd_dq_kernel(
     DSTR: tl.constexpr,
     BN: tl.constexpr,
     VARLEN: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """dq [BM, DK] and delta [BM] of one query tile (the forward's tiling and grid).
 
     ``q``/``dq`` share strides, as do ``o``/``do`` and ``lse``/``delta`` [B, Tq, HQ].
     """
-    b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full = query_tile_rows(
-        tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads,
-        G, HPP, TPP, NCH, BM, LBLK, DSTR, BN, VARLEN,
+    b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo, n_start, n_open = (
+        query_tile_rows(
+            tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads, window,
+            G, HPP, TPP, NCH, BM, LBLK, DSTR, BN, VARLEN, WINDOWED,
+        )
     )  # fmt: skip
 
     offs_k = tl.arange(0, BK)
@@ -154,17 +167,24 @@ def cmp_bwd_dq_kernel(
     k_head = k_ptr + b * stride_kb + kvh * stride_kh
     v_head = v_ptr + b * stride_vb + kvh * stride_vh
     dq = tl.zeros([BM, BK], dtype=tl.float32)
-    for n0 in range(0, n_full, BN):
+    if WINDOWED:
+        for n0 in range(n_start, n_open, BN):
+            dq = _dq_key_tile(
+                q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo,
+                stride_kt, stride_vt, qk_scale,
+                DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
+            )  # fmt: skip
+    for n0 in range(n_open, n_full, BN):
         dq = _dq_key_tile(
-            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis,
+            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo,
             stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, False, DOT_PREC,
+            DK, BK, DV, BV, BN, False, WINDOWED, DOT_PREC,
         )  # fmt: skip
     for n0 in range(n_full, n_hi, BN):
         dq = _dq_key_tile(
-            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis,
+            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo,
             stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, True, DOT_PREC,
+            DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
         )  # fmt: skip
     tl.store(
         dq_ptr + q_rows + offs_k[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=qk_mask
@@ -188,6 +208,7 @@ def _dkv_query_tile(
     seg_hi,
     chunk,
     shift,
+    window,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -208,12 +229,13 @@ def _dkv_query_tile(
     LBLK: tl.constexpr,
     DSTR: tl.constexpr,
     MASK: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """dk, dv [BN, *] plus the contribution of query rows [start, start + TPQ) x head chunk.
 
     Computed transposed (blocks on the rows): st = k q^T [BN, BMQ]. MASK: some query row does
-    not see every block of the tile.
+    not see every block of the tile (WINDOWED: from below as well).
     """
     _, rows, row_ok, heads = group_rows(start, seg_hi, chunk, kvh, G, HPP, TPQ, BMQ)
     qt = load_group_rows(q_ptr, b, rows, heads, row_ok, stride_qb, stride_qt, stride_qh, DK, BK)
@@ -226,7 +248,10 @@ def _dkv_query_tile(
     pt = tl.exp2(st - lse2[None, :])
     if MASK:
         nvis = visible_blocks(rows - shift, LBLK, DSTR)
-        pt = tl.where(blocks[:, None] < nvis[None, :], pt, 0.0)
+        seen = blocks[:, None] < nvis[None, :]
+        if WINDOWED:
+            seen = seen & (blocks[:, None] >= window_start(rows - shift, window)[None, :])
+        pt = tl.where(seen, pt, 0.0)
     dv = tl.dot(pt.to(dot_.dtype), dot_, dv, input_precision=DOT_PREC)
     dpt = tl.dot(vt, tl.trans(dot_), input_precision=DOT_PREC)
     dst = pt * (dpt - delta[None, :])
@@ -235,16 +260,30 @@ def _dkv_query_tile(
 
 
 @triton.jit
-def dkv_segments(n0, r_lo, r_end, shift, seg_rows, LBLK: tl.constexpr, DSTR: tl.constexpr):
-    """(row_first, j_lo, j_hi) of a key tile starting at block n0.
+def dkv_segments(
+    n0,
+    r_lo,
+    r_end,
+    shift,
+    seg_rows,
+    window,
+    LBLK: tl.constexpr,
+    DSTR: tl.constexpr,
+    BN: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
+    """(row_first, r_end, j_lo, j_hi) of a key tile starting at block n0.
 
     row_first: first row that sees block n0 (clamped to [r_lo, r_end]); its queries are the rows
     [row_first, r_end), covered by segments j_lo .. j_hi (j_hi < j_lo when there are none).
+    WINDOWED: r_end comes back lowered to one past the last row whose window reaches the tile.
     """
+    if WINDOWED:
+        r_end = tl.maximum(tl.minimum(r_end, n0 + BN + window - 1 + shift), r_lo)
     row_first = tl.minimum(tl.maximum(n0 * DSTR + LBLK - 1 + shift, r_lo), r_end)
     j_lo = row_first // seg_rows
     j_hi = tl.where(row_first < r_end, (r_end - 1) // seg_rows, j_lo - 1)
-    return row_first, j_lo, j_hi
+    return row_first, r_end, j_lo, j_hi
 
 
 @triton.jit
@@ -284,6 +323,7 @@ def cmp_bwd_dkv_kernel(
     num_tiles,
     num_segs,
     seg_rows,
+    window,
     qk_scale,
     scale,
     G: tl.constexpr,
@@ -299,6 +339,7 @@ def cmp_bwd_dkv_kernel(
     DSTR: tl.constexpr,
     BN: tl.constexpr,
     VARLEN: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """dk [BN, DK], dv [BN, DV] of one key tile of one kv head, over one query segment.
@@ -317,7 +358,9 @@ def cmp_bwd_dkv_kernel(
     b, n0, n_end, kbase, r_lo, r_end, shift = key_tile(
         tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, BN, VARLEN
     )
-    row_first, j_lo, j_hi = dkv_segments(n0, r_lo, r_end, shift, seg_rows, LBLK, DSTR)
+    row_first, r_end, j_lo, j_hi = dkv_segments(
+        n0, r_lo, r_end, shift, seg_rows, window, LBLK, DSTR, BN, WINDOWED
+    )
     split = j_hi > j_lo
     # A tile no query sees still owns its (zero) gradient rows: segment 0 writes them.
     direct = ((j_hi == j_lo) & (j == j_lo)) | ((j_hi < j_lo) & (j == 0))
@@ -328,6 +371,9 @@ def cmp_bwd_dkv_kernel(
     # Rows from row_full on see the tile's last block, hence all of it.
     row_full = (n0 + BN - 1) * DSTR + LBLK - 1 + shift
     n_masked = tl.minimum(tl.maximum(tl.cdiv(row_full - seg_lo, TPQ), 0), n_iter)
+    if WINDOWED:
+        # A row's window also leaves the tile's first blocks behind: every step masks.
+        n_masked = n_iter
 
     blocks = n0 + tl.arange(0, BN)
     live = blocks < n_end
@@ -346,18 +392,18 @@ def cmp_bwd_dkv_kernel(
     for it in range(0, n_masked * NCH):
         dk, dv = _dkv_query_tile(
             kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse_ptr, delta_ptr,
-            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift,
+            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift, window,
             stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, qk_scale,
-            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, True, DOT_PREC,
+            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, True, WINDOWED, DOT_PREC,
         )  # fmt: skip
     for it in range(n_masked * NCH, n_iter * NCH):
         dk, dv = _dkv_query_tile(
             kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse_ptr, delta_ptr,
-            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift,
+            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift, window,
             stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, qk_scale,
-            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, False, DOT_PREC,
+            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, False, WINDOWED, DOT_PREC,
         )  # fmt: skip
     dk = dk * scale
 
@@ -403,6 +449,7 @@ def cmp_dkv_reduce_kernel(
     num_kv_heads,
     num_segs,
     seg_rows,
+    window,
     DK: tl.constexpr,
     BK: tl.constexpr,
     DV: tl.constexpr,
@@ -411,6 +458,7 @@ def cmp_dkv_reduce_kernel(
     DSTR: tl.constexpr,
     BN: tl.constexpr,
     VARLEN: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     """Sum, in segment order, the partials of one key tile split over several segments.
 
@@ -423,7 +471,9 @@ def cmp_dkv_reduce_kernel(
     b, n0, n_end, kbase, r_lo, r_end, shift = key_tile(
         tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, BN, VARLEN
     )
-    _, j_lo, j_hi = dkv_segments(n0, r_lo, r_end, shift, seg_rows, LBLK, DSTR)
+    _, _, j_lo, j_hi = dkv_segments(
+        n0, r_lo, r_end, shift, seg_rows, window, LBLK, DSTR, BN, WINDOWED
+    )
     split = j_hi > j_lo
     j_stop = tl.where(split, j_hi + 1, j_lo)
     offs_n = tl.arange(0, BN)

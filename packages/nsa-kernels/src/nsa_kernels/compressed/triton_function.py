@@ -153,6 +153,13 @@ class _Launch:
     scale: float
     cu_seqlens: torch.Tensor | None
     cmp_cu: torch.Tensor | None
+    # The sliding branch runs these kernels with l = d = 1 (blocks are tokens) and a window of
+    # the last ``window`` keys; 0: no window (the compressed branch).
+    window: int = 0
+
+    @property
+    def windowed(self) -> bool:
+        return self.window > 0
 
     @property
     def group(self) -> int:
@@ -266,11 +273,12 @@ def _fwd(
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
-        info.batch, info.tq, info.q_start, info.h, info.scale * LOG2E,
+        info.batch, info.tq, info.q_start, info.h, info.window, info.scale * LOG2E,
         G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
         DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
         LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
-        VARLEN=info.cu_seqlens is not None, DOT_PREC=dot_precision(q.dtype),
+        VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed,
+        DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
     return o, lse
@@ -292,7 +300,8 @@ def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, num_sms: int) -> in
     pairs = 0
     for tile in range(-(-info.num_blocks // bn)):
         first = tile * bn * info.cmp_stride + info.cmp_block - 1 - info.q_start
-        pairs += max(0, rows - max(0, first))
+        last = first + bn + info.window - 1 if info.windowed else rows
+        pairs += max(0, min(rows, last) - max(0, first))
     work = pairs * info.batch * info.h
     seg = max(MIN_SEGMENT_ROWS, -(-work // (DKV_PROGRAMS_PER_SM * num_sms)))
     seg = -(-seg // tokens) * tokens
@@ -330,11 +339,11 @@ def _bwd(
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1),
-        info.batch, info.tq, info.q_start, info.h, info.scale * LOG2E, info.scale,
+        info.batch, info.tq, info.q_start, info.h, info.window, info.scale * LOG2E, info.scale,
         G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks,
         BM=cfg.dq_block_m, DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
         LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.dq_block_n,
-        VARLEN=varlen, DOT_PREC=prec,
+        VARLEN=varlen, WINDOWED=info.windowed, DOT_PREC=prec,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
 
@@ -349,6 +358,7 @@ def _bwd(
     common = dict(
         DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
         LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=bn, VARLEN=varlen,
+        WINDOWED=info.windowed,
     )  # fmt: skip
     cmp_bwd_dkv_kernel[(num_segs * num_tiles * info.h,)](
         q, k, v, do, lse, delta, dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
@@ -358,7 +368,7 @@ def _bwd(
         do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1),
         info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_tiles, num_segs, seg,
-        info.scale * LOG2E, info.scale,
+        info.window, info.scale * LOG2E, info.scale,
         G=info.group, HPP=layout.heads, TPQ=layout.tokens, NCH=layout.chunks,
         BMQ=cfg.dkv_block_m, DOT_PREC=prec, **common,
         num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages,
@@ -368,7 +378,7 @@ def _bwd(
             dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
-            info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_segs, seg,
+            info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_segs, seg, info.window,
             **common, num_warps=8,
         )  # fmt: skip
     return dq, dk, dv
@@ -418,27 +428,22 @@ def compressed_attention_bwd(
 
 
 class CompressedAttentionFunction(torch.autograd.Function):
-    """(o, lse) = compressed attention; o is differentiable in q, k_cmp, v_cmp, lse is not."""
+    """(o, lse) of the compressed kernels for the launch facts ``info`` (either branch that
+    runs them: compressed, or sliding with l = d = 1 and a window); o is differentiable in q
+    and the keys and values, lse is not."""
 
     @staticmethod
     def forward(
         ctx: Any,
         q: torch.Tensor,
-        k_cmp: torch.Tensor,
-        v_cmp: torch.Tensor,
-        cmp_block: int,
-        cmp_stride: int,
-        scale: float | None,
-        q_start: int,
-        cu_seqlens: torch.Tensor | None,
-        config: CmpConfig | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        info: _Launch,
+        cfg: CmpConfig,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        info, cfg = _prepare(
-            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config
-        )
-        q, k_cmp, v_cmp = q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous()
-        o, lse = _fwd(q, k_cmp, v_cmp, info, cfg)
-        ctx.save_for_backward(q, k_cmp, v_cmp, o, lse)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        o, lse = _fwd(q, k, v, info, cfg)
+        ctx.save_for_backward(q, k, v, o, lse)
         ctx.info = info
         ctx.cfg = cfg
         ctx.mark_non_differentiable(lse)
@@ -448,9 +453,22 @@ class CompressedAttentionFunction(torch.autograd.Function):
     def backward(
         ctx: Any, do: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
-        q, k_cmp, v_cmp, o, lse = ctx.saved_tensors
-        dq, dk, dv = _bwd(do, q, k_cmp, v_cmp, o, lse, ctx.info, ctx.cfg)
-        return dq, dk, dv, None, None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.info, ctx.cfg)
+        return dq, dk, dv, None, None
+
+
+def attend_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: _Launch, cfg: CmpConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o, lse) through :class:`CompressedAttentionFunction` where a gradient is wanted, else
+    the forward kernel alone. q [B, Tq, HQ, dk], k [B, N, H, dk], v [B, N, H, dv]."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = CompressedAttentionFunction.apply(q, k, v, info, cfg)  # type: ignore[no-untyped-call]
+        assert isinstance(o, torch.Tensor)
+        assert isinstance(lse, torch.Tensor)
+        return o, lse
+    return _fwd(q.contiguous(), k.contiguous(), v.contiguous(), info, cfg)
 
 
 def compressed_attention_triton_with_lse(
@@ -487,16 +505,8 @@ def compressed_attention_triton_with_lse(
         float32: ``log sum_i exp(scale * q . k_cmp[i])`` over the visible blocks, -inf for rows
         that see none (no gradient flows through lse).
     """
-    if torch.is_grad_enabled() and (q.requires_grad or k_cmp.requires_grad or v_cmp.requires_grad):
-        out = CompressedAttentionFunction.apply(  # type: ignore[no-untyped-call]
-            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config
-        )
-        o, lse = out
-        assert isinstance(o, torch.Tensor)
-        assert isinstance(lse, torch.Tensor)
-        return o, lse
     info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
-    return _fwd(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), info, cfg)
+    return attend_with_lse(q, k_cmp, v_cmp, info, cfg)
 
 
 def _output_only(
@@ -546,6 +556,7 @@ def attention_flops(
 __all__ = [
     "CmpConfig",
     "CompressedAttentionFunction",
+    "attend_with_lse",
     "attention_flops",
     "compressed_attention_bwd",
     "compressed_attention_fwd",

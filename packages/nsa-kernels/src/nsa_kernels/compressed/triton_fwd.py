@@ -22,7 +22,7 @@ import triton.language as tl
 
 from nsa_kernels.common.key_rows import load_key_rows
 from nsa_kernels.common.online_softmax import online_softmax_step
-from nsa_kernels.compressed.triton_tiles import query_tile, visible_blocks
+from nsa_kernels.compressed.triton_tiles import query_tile, visible_blocks, window_start
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -72,17 +72,21 @@ def load_group_rows(
 
 @triton.jit
 def query_tile_rows(
-    tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads,
+    tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads, window,
     G: tl.constexpr, HPP: tl.constexpr, TPP: tl.constexpr, NCH: tl.constexpr, BM: tl.constexpr,
     LBLK: tl.constexpr, DSTR: tl.constexpr, BN: tl.constexpr, VARLEN: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):  # fmt: skip
     """This program's query tile of one kv head (head chunk) and the blocks its rows see.
 
     Grid: (num_tiles * H * NCH,), program p -> head unit ``p % (H * NCH)``, tile
-    ``p // (H * NCH)``. Returns (b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full): the
-    batch row, kv head and first compressed key of the tile's sequence; the rows of
-    :func:`group_rows`; nvis [BM] the blocks each row sees; n_hi the blocks some row sees, the
-    key tiles of BN blocks below n_full are seen by every row.
+    ``p // (H * NCH)``. Returns (b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo,
+    n_start, n_open): the batch row, kv head and first compressed key of the tile's sequence;
+    the rows of :func:`group_rows`; nvis [BM] the blocks each row sees; n_hi the blocks some row
+    sees, the key tiles of BN blocks below n_full are seen by every row (from above).
+    WINDOWED: nlo [BM] each row's first visible key, n_start the first key tile some row sees,
+    and the tiles from n_open on are seen by every row from below; else nlo = 0 and
+    n_start = n_open = 0.
     """
     pid = tl.program_id(0)
     units = num_kv_heads * NCH
@@ -99,7 +103,16 @@ def query_tile_rows(
     n_lo = tl.where(tokens > 0, visible_blocks(t0, LBLK, DSTR), 0)
     n_hi = tl.where(tokens > 0, visible_blocks(t0 + tokens - 1, LBLK, DSTR), 0)
     n_full = (n_lo // BN) * BN
-    return b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full
+    if WINDOWED:
+        nlo = window_start(t0 + tok, window)
+        n_start = tl.where(tokens > 0, (window_start(t0, window) // BN) * BN, 0)
+        top = tl.cdiv(window_start(t0 + tokens - 1, window), BN) * BN
+        n_open = tl.minimum(tl.maximum(top, n_start), n_full)
+    else:
+        nlo = nvis * 0
+        n_start = n_full * 0
+        n_open = n_start
+    return b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo, n_start, n_open
 
 
 @triton.jit
@@ -111,6 +124,7 @@ def _fwd_key_tile(
     n0,
     n_hi,
     nvis,
+    nlo,
     m_i,
     l_i,
     acc,
@@ -123,12 +137,14 @@ def _fwd_key_tile(
     BV: tl.constexpr,
     BN: tl.constexpr,
     MASK: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """One online-softmax step over blocks [n0, n0 + BN): -> (m_i, l_i, acc) [BM], [BM], [BM, BV].
 
-    MASK: some row does not see every block of the tile (per-row prefix ``nvis``, and blocks at
-    or past ``n_hi`` do not exist for any row); without it every block is visible to every row.
+    MASK: some row does not see every block of the tile (per-row prefix ``nvis``, from ``nlo``
+    on when WINDOWED, and blocks at or past ``n_hi`` do not exist for any row); without it every
+    block is visible to every row.
     """
     offs_n = tl.arange(0, BN)
     blocks = n0 + offs_n
@@ -137,7 +153,10 @@ def _fwd_key_tile(
     kt = load_key_rows(k_head, k_rows, stride_kt, live, DK, BK, MASK)
     s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
     if MASK:
-        s = tl.where(blocks[None, :] < nvis[:, None], s, float("-inf"))
+        seen = blocks[None, :] < nvis[:, None]
+        if WINDOWED:
+            seen = seen & (blocks[None, :] >= nlo[:, None])
+        s = tl.where(seen, s, float("-inf"))
     # m_i starts finite (-1e30), so a row that sees nothing keeps p = exp2(-inf) = 0, alpha = 1.
     m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
     vt = load_key_rows(v_head, k_rows, stride_vt, live, DV, BV, MASK)
@@ -146,7 +165,7 @@ def _fwd_key_tile(
         # dot takes finite values only, and a channel whose visible values hold a non-finite
         # one becomes NaN (docs/spec.md, "Non-finite values").
         finite = (vt == vt) & (vt != float("inf")) & (vt != float("-inf"))
-        sees = (blocks[None, :] < nvis[:, None]).to(vt.dtype)
+        sees = seen.to(vt.dtype)
         hits = tl.dot(sees, (~finite).to(vt.dtype), input_precision=DOT_PREC)
         vt = tl.where(finite, vt, 0.0)
     acc = acc * alpha[:, None]
@@ -184,6 +203,7 @@ def cmp_fwd_kernel(
     tq,
     q_start,
     num_kv_heads,
+    window,
     qk_scale,
     G: tl.constexpr,
     HPP: tl.constexpr,
@@ -198,6 +218,7 @@ def cmp_fwd_kernel(
     DSTR: tl.constexpr,
     BN: tl.constexpr,
     VARLEN: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """o [BM, DV] and lse [BM] of one query tile of one kv head (head chunk).
@@ -205,9 +226,11 @@ def cmp_fwd_kernel(
     q [B, Tq, HQ, DK], k [B, N, H, DK], v [B, N, H, DV], o [B, Tq, HQ, DV], lse [B, Tq, HQ].
     Grid: that of :func:`query_tile_rows`.
     """
-    b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full = query_tile_rows(
-        tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads,
-        G, HPP, TPP, NCH, BM, LBLK, DSTR, BN, VARLEN,
+    b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo, n_start, n_open = (
+        query_tile_rows(
+            tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads, window,
+            G, HPP, TPP, NCH, BM, LBLK, DSTR, BN, VARLEN, WINDOWED,
+        )
     )  # fmt: skip
 
     q = load_group_rows(q_ptr, b, rows, heads, row_ok, stride_qb, stride_qt, stride_qh, DK, BK)
@@ -217,17 +240,25 @@ def cmp_fwd_kernel(
     m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BV], dtype=tl.float32)
-    for n0 in range(0, n_full, BN):
+    if WINDOWED:
+        # The first tiles: some row's window starts inside them or after them.
+        for n0 in range(n_start, n_open, BN):
+            m_i, l_i, acc = _fwd_key_tile(
+                q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
+                stride_kt, stride_vt, qk_scale,
+                DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
+            )  # fmt: skip
+    for n0 in range(n_open, n_full, BN):
         m_i, l_i, acc = _fwd_key_tile(
-            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, m_i, l_i, acc,
+            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
             stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, False, DOT_PREC,
+            DK, BK, DV, BV, BN, False, WINDOWED, DOT_PREC,
         )  # fmt: skip
     for n0 in range(n_full, n_hi, BN):
         m_i, l_i, acc = _fwd_key_tile(
-            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, m_i, l_i, acc,
+            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
             stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, True, DOT_PREC,
+            DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
         )  # fmt: skip
 
     seen = l_i > 0.0

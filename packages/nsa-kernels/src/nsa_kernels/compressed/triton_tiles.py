@@ -13,6 +13,11 @@ group is split into NCH = ceil(G / HPP) head chunks, each its own program.
 Key tiles (dk/dv): BN consecutive compressed blocks of one kv head; the query rows that see them
 are walked TPQ tokens x HPP heads at a time.
 
+Windowed (the sliding branch, docs/spec.md "Sliding branch"): with l = d = 1 the blocks are the
+tokens themselves and a query at t sees keys ``max(0, t - w + 1) .. t``; WINDOWED adds that lower
+bound to every rule above (:func:`window_start`), and the dk/dv tiles walk only the rows whose
+window reaches them.
+
 Packed sequences (varlen) index the tiles through tables built on the device
 (:func:`nsa_kernels.common.tile_table.tile_table`): int32 rows
 ``(sequence, first token)`` or ``(sequence, first block)``, both counted from the sequence's
@@ -33,6 +38,13 @@ def visible_blocks(pos, LBLK: tl.constexpr, DSTR: tl.constexpr):
     both truncating and flooring division, so the clamp gives 0.
     """
     return tl.maximum((pos + 1 - LBLK + DSTR) // DSTR, 0)
+
+
+@triton.jit
+def window_start(pos, window):
+    """The first key a query at ``pos`` sees when it sees only the last ``window`` keys
+    (``l = d = 1``: keys are tokens; 0 near the start of the sequence)."""
+    return tl.maximum(pos - window + 1, 0)
 
 
 @triton.jit

@@ -10,25 +10,38 @@ serves the call; whatever all of them decline falls to nsa-core's reference (pri
 | 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA, when none of the above accepted |
+| 5 | ``triton_win`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256; not yet timed against |
+| | | Flex and FA-2, so it serves only when pinned: ``NSA_WIN_BACKEND=triton_win`` |
 """
 
 from __future__ import annotations
 
-from nsa_core.registry import Backend
+from nsa_core.registry import Backend, OpContext
+from nsa_core.toggles import Toggles
 from nsa_kernels.common import fa2_routing as routing
 from nsa_kernels.common.flex import sliding_attention_flex
 from nsa_kernels.common.sdpa import sliding_attention_sdpa
+from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 from nsa_kernels.sliding.fa2 import sliding_attention_fa2
 
 OP = "sliding_attention"
+# Below SDPA, which accepts every CUDA call, until a GPU bench shows where it is faster.
+TRITON_PRIORITY = 5
+
+
+def triton_win_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    """Why the Triton sliding kernels cannot serve ``ctx``, or None."""
+    return triton_decline_reason(ctx)
 
 
 def backends() -> list[Backend]:
     """The sliding branch's backends, highest priority first: the docstring's table, one row
     each as ``Backend(op, name, fn, supports, priority[, requested_by])``."""
+    triton = triton_fn("nsa_kernels.sliding.triton_function", "sliding_attention_triton")
     fa2_row = (routing.fa2_sliding_supports, routing.FA2_PRIORITY, routing.fa2_sliding_requested)
     return [
         Backend(OP, "fa2", sliding_attention_fa2, *fa2_row),
         Backend(OP, "flex", sliding_attention_flex, routing.flex_supports, routing.FLEX_PRIORITY),
         Backend(OP, "sdpa", sliding_attention_sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
+        Backend(OP, "triton_win", triton, triton_win_supports, TRITON_PRIORITY),
     ]

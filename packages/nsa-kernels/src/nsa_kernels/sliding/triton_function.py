@@ -1,0 +1,81 @@
+"""The sliding branch on Triton: the compressed branch's kernels with l = d = 1 and a window.
+
+With l = d = 1 a compressed block is one token, and the compressed branch's rule (block i is
+visible at t iff ``i*d + l - 1 <= t``) becomes causality; the kernels' windowed mode adds the
+lower bound ``max(0, t - w + 1)`` (docs/spec.md, "Sliding branch"). The sliding branch so shares
+the compressed kernels' tiling (the G query heads of a group x a few tokens per tile, each K/V
+tile loaded once for the group), their deterministic backward (no atomics) and their NaN
+containment.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nsa_core.checks import check_sliding_attention
+from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims
+from nsa_kernels.compressed.triton_function import (
+    CmpConfig,
+    _Launch,
+    attend_with_lse,
+    resolve_config,
+)
+
+
+def sliding_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+    config: CmpConfig | None = None,
+) -> torch.Tensor:
+    """Sliding-window attention (docs/spec.md) on Triton; the reference op's contract.
+
+    Query row r sits at position ``t = q_start + r`` (varlen: positions restart at 0 in every
+    sequence) and attends to the keys ``max(0, t - w + 1) .. t`` of its sequence.
+
+    Args:
+        q: [B, Tq, HQ, dk]; k: [B, Tk, H, dk]; v: [B, Tk, H, dv]; float16, bfloat16 or float32,
+            HQ a multiple of H, dk and dv <= 256.
+        window: w >= 1.
+        scale: softmax scale, default dk ** -0.5.
+        q_start: position of q[:, 0] (dense only; Tk >= q_start + Tq).
+        cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0).
+        config: the compressed kernels' tiles (:class:`CmpConfig`; default their
+            :func:`resolve_config`).
+
+    Returns:
+        o [B, Tq, HQ, dv] in q's dtype, differentiable in q, k and v.
+    """
+    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    batch, tq, hq, dk = q.shape
+    keys, h, dv = k.shape[1], k.shape[2], v.shape[3]
+    check_dtype(q.dtype, "sliding attention")
+    check_head_dims(dk, dv)
+    info = _Launch(
+        batch=batch,
+        tq=tq,
+        hq=hq,
+        h=h,
+        dk=dk,
+        dv=dv,
+        num_blocks=keys,
+        cmp_block=1,
+        cmp_stride=1,
+        q_start=q_start,
+        scale=dk**-0.5 if scale is None else float(scale),
+        cu_seqlens=cu_seqlens,
+        # One block per token: the packed keys are the packed tokens.
+        cmp_cu=cu_seqlens,
+        # A window as long as the keys bounds nothing: the plain causal kernels serve it.
+        window=int(window) if window < keys else 0,
+    )
+    o, _ = attend_with_lse(q, k, v, info, resolve_config(config, dk, dv, q.dtype))
+    return o
+
+
+__all__ = ["sliding_attention_triton"]
