@@ -9,6 +9,7 @@ routing tests hand a backend.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +73,31 @@ class CompressedCase(KernelCase):
 
     cmp_block: int = 8
     cmp_stride: int = 4
+
+
+# The compressed kernels' tiles at 16 rows x 16 keys, so that short sequences run the masked and
+# unmasked key walks and the head chunks; SPLIT adds dk/dv segments of 12 rows, so that most key
+# tiles are split over several programs and reduced. The sliding branch runs the same kernels.
+CMP_SMALL_TILES = {
+    "block_m": 16,
+    "block_n": 16,
+    "dq_block_m": 16,
+    "dq_block_n": 16,
+    "dkv_block_m": 16,
+    "dkv_block_n": 16,
+}
+CMP_SPLIT_TILES = {**CMP_SMALL_TILES, "dkv_segment": 12}
+
+
+def assert_grads_close(
+    got: Sequence[torch.Tensor], want: Sequence[torch.Tensor], bound: float
+) -> None:
+    """Each leaf of ``got`` (q, k, v, ...) has a .grad within ``bound`` (relative error) of the
+    .grad of the matching leaf of ``want``."""
+    for i, (leaf, ref) in enumerate(zip(got, want, strict=True)):
+        assert leaf.grad is not None, f"leaf {i} has no gradient"
+        assert ref.grad is not None, f"reference leaf {i} has no gradient"
+        assert rel_err(leaf.grad, ref.grad) < bound, f"gradient of leaf {i}"
 
 
 def positions(case: KernelCase) -> torch.Tensor:

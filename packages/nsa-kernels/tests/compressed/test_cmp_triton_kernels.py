@@ -24,7 +24,15 @@ from cmp_triton_testlib import (
     reference_lse,
     unseen_blocks,
 )
-from kernel_testlib import BOUND, DEVICE, INTERPRET, SKIP_REASON, rel_err
+from kernel_testlib import (
+    BOUND,
+    CMP_SMALL_TILES,
+    CMP_SPLIT_TILES,
+    DEVICE,
+    INTERPRET,
+    SKIP_REASON,
+    rel_err,
+)
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
@@ -36,16 +44,7 @@ from nsa_kernels.compressed.triton_function import (  # noqa: E402
     compressed_attention_triton_with_lse,
 )
 
-SMALL = {
-    "block_m": 16,
-    "block_n": 16,
-    "dq_block_m": 16,
-    "dq_block_n": 16,
-    "dkv_block_m": 16,
-    "dkv_block_n": 16,
-}
-# dk/dv segments of 12 rows: most key tiles are split over several programs and reduced.
-SPLIT = {**SMALL, "dkv_segment": 12}
+SMALL, SPLIT = CMP_SMALL_TILES, CMP_SPLIT_TILES
 
 CASES = [
     # The paper's l=32, d=16; T a multiple of neither; dk != dv; two batch rows.

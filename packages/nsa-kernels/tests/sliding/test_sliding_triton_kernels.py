@@ -11,11 +11,20 @@ sequences.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
-from kernel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
+from kernel_testlib import (
+    BOUND,
+    CMP_SMALL_TILES,
+    CMP_SPLIT_TILES,
+    DEVICE,
+    SKIP_REASON,
+    KernelCase,
+    assert_grads_close,
+    rel_err,
+)
 
 from nsa_core.reference import sliding_attention
 
@@ -25,34 +34,15 @@ pytest.importorskip("triton")
 from nsa_kernels.compressed.triton_function import CmpConfig  # noqa: E402
 from nsa_kernels.sliding.triton_function import sliding_attention_triton  # noqa: E402
 
-SMALL = {
-    "block_m": 16,
-    "block_n": 16,
-    "dq_block_m": 16,
-    "dq_block_n": 16,
-    "dkv_block_m": 16,
-    "dkv_block_n": 16,
-}
-# dk/dv segments of 12 rows: a key tile's rows are split over several programs and reduced.
-SPLIT = {**SMALL, "dkv_segment": 12}
+SMALL, SPLIT = CMP_SMALL_TILES, CMP_SPLIT_TILES
 
 
 @dataclass
-class Case:
-    """One sliding call: ``batch`` rows of ``tq`` queries at ``q_start`` .. over ``q_start + tq``
-    keys, or (``seqlens``) packed sequences; HQ = h * group, window w."""
+class Case(KernelCase):
+    """One sliding call over ``q_start + tq`` keys with a window of ``window`` keys."""
 
-    name: str
-    window: int
-    tq: int = 40
-    batch: int = 1
-    h: int = 1
-    group: int = 1
-    dk: int = 16
+    window: int = 8
     dv: int = 16
-    q_start: int = 0
-    seqlens: list[int] | None = None
-    config: dict[str, int] = field(default_factory=dict)
 
 
 CASES = [
@@ -84,8 +74,7 @@ def inputs(
     """q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv] float32 on DEVICE, cu_seqlens."""
     assert DEVICE is not None
     keys = case.q_start + case.tq
-    hq = case.h * case.group
-    q = torch.randn(case.batch, case.tq, hq, case.dk, generator=gen)
+    q = torch.randn(case.batch, case.tq, case.hq, case.dk, generator=gen)
     k = torch.randn(case.batch, keys, case.h, case.dk, generator=gen)
     v = torch.randn(case.batch, keys, case.h, case.dv, generator=gen)
     cu = None
@@ -101,7 +90,7 @@ def inputs(
 def test_forward_and_gradients_match_reference(case: Case, request: pytest.FixtureRequest) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
     q, k, v, cu = inputs(case, gen)
-    do = torch.randn(case.batch, case.tq, case.h * case.group, case.dv, generator=gen).to(q.device)
+    do = torch.randn(case.batch, case.tq, case.hq, case.dv, generator=gen).to(q.device)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o = sliding_attention_triton(
         *leaves, case.window, q_start=case.q_start, cu_seqlens=cu, config=CmpConfig(**case.config)
@@ -119,17 +108,14 @@ def test_forward_and_gradients_match_reference(case: Case, request: pytest.Fixtu
     assert o.dtype == q.dtype
     assert o.shape == ref.shape
     assert rel_err(o, ref) < BOUND[torch.float32]
-    for name, got, want in zip("qkv", leaves, ref_leaves, strict=True):
-        assert got.grad is not None
-        assert want.grad is not None
-        assert rel_err(got.grad, want.grad) < 2 * BOUND[torch.float32], f"d{name}"
+    assert_grads_close(leaves, ref_leaves, 2 * BOUND[torch.float32])
 
 
 def test_backward_is_bitwise_reproducible(request: pytest.FixtureRequest) -> None:
     case = CASES[1]
     gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
     q, k, v, _ = inputs(case, gen)
-    do = torch.randn(case.batch, case.tq, case.group, case.dv, generator=gen).to(q.device)
+    do = torch.randn(case.batch, case.tq, case.hq, case.dv, generator=gen).to(q.device)
 
     def gradients() -> list[torch.Tensor]:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]

@@ -29,7 +29,12 @@ import triton.language as tl
 
 from nsa_kernels.common.key_rows import load_key_rows, store_key_grads
 from nsa_kernels.compressed.triton_fwd import group_rows, load_group_rows, query_tile_rows
-from nsa_kernels.compressed.triton_tiles import key_tile, visible_blocks, window_start
+from nsa_kernels.compressed.triton_tiles import (
+    key_stretch,
+    key_tile,
+    visible_blocks,
+    window_start,
+)
 
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
@@ -167,25 +172,16 @@ def cmp_bwd_dq_kernel(
     k_head = k_ptr + b * stride_kb + kvh * stride_kh
     v_head = v_ptr + b * stride_vb + kvh * stride_vh
     dq = tl.zeros([BM, BK], dtype=tl.float32)
-    if WINDOWED:
-        for n0 in range(n_start, n_open, BN):
-            dq = _dq_key_tile(
-                q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo,
-                stride_kt, stride_vt, qk_scale,
-                DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
-            )  # fmt: skip
-    for n0 in range(n_open, n_full, BN):
-        dq = _dq_key_tile(
-            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo,
-            stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, False, WINDOWED, DOT_PREC,
-        )  # fmt: skip
-    for n0 in range(n_full, n_hi, BN):
-        dq = _dq_key_tile(
-            q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo,
-            stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
-        )  # fmt: skip
+    # The forward's three stretches of key tiles (triton_tiles.key_stretch).
+    for stretch in tl.static_range(3):
+        if WINDOWED or stretch > 0:
+            lo, hi = key_stretch(stretch, n_start, n_open, n_full, n_hi)
+            for n0 in range(lo, hi, BN):
+                dq = _dq_key_tile(
+                    q, do, lse2, delta, dq, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo,
+                    stride_kt, stride_vt, qk_scale,
+                    DK, BK, DV, BV, BN, stretch != 1, WINDOWED, DOT_PREC,
+                )  # fmt: skip
     tl.store(
         dq_ptr + q_rows + offs_k[None, :], (dq * scale).to(dq_ptr.dtype.element_ty), mask=qk_mask
     )

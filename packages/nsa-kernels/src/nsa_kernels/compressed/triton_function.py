@@ -157,6 +157,27 @@ class _Launch:
     # the last ``window`` keys; 0: no window (the compressed branch).
     window: int = 0
 
+    @classmethod
+    def of_call(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None,
+        q_start: int,
+        cu_seqlens: torch.Tensor | None,
+        **geometry: Any,
+    ) -> _Launch:
+        """The facts of a validated call: q [B, Tq, HQ, dk], k [B, N, H, dk], v [B, N, H, dv]
+        (N blocks, or tokens for the sliding branch); ``geometry``: cmp_block, cmp_stride,
+        cmp_cu and window."""
+        batch, tq, hq, dk = q.shape
+        return cls(
+            batch=batch, tq=tq, hq=hq, h=k.shape[2], dk=dk, dv=v.shape[3],
+            num_blocks=k.shape[1], q_start=q_start,
+            scale=dk**-0.5 if scale is None else float(scale), cu_seqlens=cu_seqlens, **geometry,
+        )  # fmt: skip
+
     @property
     def windowed(self) -> bool:
         return self.window > 0
@@ -190,28 +211,16 @@ def _prepare(
     check_compressed_attention(
         q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )
-    batch, tq, hq, dk = q.shape
-    h, dv = k_cmp.shape[2], v_cmp.shape[3]
+    dk, dv = q.shape[3], v_cmp.shape[3]
     check_dtype(q.dtype, "compressed attention")
     check_head_dims(dk, dv)
     cmp_cu = None
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride).to(torch.int32)
-    info = _Launch(
-        batch=batch,
-        tq=tq,
-        hq=hq,
-        h=h,
-        dk=dk,
-        dv=dv,
-        num_blocks=k_cmp.shape[1],
-        cmp_block=cmp_block,
-        cmp_stride=cmp_stride,
-        q_start=q_start,
-        scale=dk**-0.5 if scale is None else float(scale),
-        cu_seqlens=cu_seqlens,
-        cmp_cu=cmp_cu,
-    )
+    info = _Launch.of_call(
+        q, k_cmp, v_cmp, scale, q_start, cu_seqlens,
+        cmp_block=cmp_block, cmp_stride=cmp_stride, cmp_cu=cmp_cu,
+    )  # fmt: skip
     return info, resolve_config(config, dk, dv, q.dtype)
 
 

@@ -22,7 +22,12 @@ import triton.language as tl
 
 from nsa_kernels.common.key_rows import load_key_rows
 from nsa_kernels.common.online_softmax import online_softmax_step
-from nsa_kernels.compressed.triton_tiles import query_tile, visible_blocks, window_start
+from nsa_kernels.compressed.triton_tiles import (
+    key_stretch,
+    query_tile,
+    visible_blocks,
+    window_start,
+)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -240,26 +245,15 @@ def cmp_fwd_kernel(
     m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BV], dtype=tl.float32)
-    if WINDOWED:
-        # The first tiles: some row's window starts inside them or after them.
-        for n0 in range(n_start, n_open, BN):
-            m_i, l_i, acc = _fwd_key_tile(
-                q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
-                stride_kt, stride_vt, qk_scale,
-                DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
-            )  # fmt: skip
-    for n0 in range(n_open, n_full, BN):
-        m_i, l_i, acc = _fwd_key_tile(
-            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
-            stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, False, WINDOWED, DOT_PREC,
-        )  # fmt: skip
-    for n0 in range(n_full, n_hi, BN):
-        m_i, l_i, acc = _fwd_key_tile(
-            q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
-            stride_kt, stride_vt, qk_scale,
-            DK, BK, DV, BV, BN, True, WINDOWED, DOT_PREC,
-        )  # fmt: skip
+    for stretch in tl.static_range(3):
+        if WINDOWED or stretch > 0:
+            lo, hi = key_stretch(stretch, n_start, n_open, n_full, n_hi)
+            for n0 in range(lo, hi, BN):
+                m_i, l_i, acc = _fwd_key_tile(
+                    q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
+                    stride_kt, stride_vt, qk_scale,
+                    DK, BK, DV, BV, BN, stretch != 1, WINDOWED, DOT_PREC,
+                )  # fmt: skip
 
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)

@@ -48,6 +48,23 @@ def window_start(pos, window):
 
 
 @triton.jit
+def key_stretch(STRETCH: tl.constexpr, n_start, n_open, n_full, n_hi):
+    """[lo, hi) of one stretch of a query tile's walk over its key tiles (the bounds of
+    ``query_tile_rows``): 0, from n_start, the tiles where some row's window starts (windowed
+    only; masked); 1, the tiles every row sees whole (unmasked); 2, the causal end up to n_hi,
+    where some row's prefix stops (masked)."""
+    lo = n_full
+    hi = n_hi
+    if STRETCH == 0:
+        lo = n_start
+        hi = n_open
+    if STRETCH == 1:
+        lo = n_open
+        hi = n_full
+    return lo, hi
+
+
+@triton.jit
 def varlen_entry(tiles_ptr, cu_ptr, cmp_cu_ptr, i):
     """(seq, offset, first, end, kbase) of entry ``i`` of a varlen tile table (int32 pairs
     ``(sequence, offset)``, sequence -1 for padding; read from sequence 0 then).

@@ -10,7 +10,7 @@ containment.
 
 from __future__ import annotations
 
-import torch
+from torch import Tensor
 
 from nsa_core.checks import check_sliding_attention
 from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims
@@ -23,16 +23,9 @@ from nsa_kernels.compressed.triton_function import (
 
 
 def sliding_attention_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
-    config: CmpConfig | None = None,
-) -> torch.Tensor:
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None, *,
+    q_start: int = 0, cu_seqlens: Tensor | None = None, config: CmpConfig | None = None,
+) -> Tensor:  # fmt: skip
     """Sliding-window attention (docs/spec.md) on Triton; the reference op's contract.
 
     Query row r sits at position ``t = q_start + r`` (varlen: positions restart at 0 in every
@@ -52,28 +45,15 @@ def sliding_attention_triton(
         o [B, Tq, HQ, dv] in q's dtype, differentiable in q, k and v.
     """
     check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-    batch, tq, hq, dk = q.shape
-    keys, h, dv = k.shape[1], k.shape[2], v.shape[3]
+    dk, dv = q.shape[3], v.shape[3]
     check_dtype(q.dtype, "sliding attention")
     check_head_dims(dk, dv)
-    info = _Launch(
-        batch=batch,
-        tq=tq,
-        hq=hq,
-        h=h,
-        dk=dk,
-        dv=dv,
-        num_blocks=keys,
-        cmp_block=1,
-        cmp_stride=1,
-        q_start=q_start,
-        scale=dk**-0.5 if scale is None else float(scale),
-        cu_seqlens=cu_seqlens,
-        # One block per token: the packed keys are the packed tokens.
-        cmp_cu=cu_seqlens,
-        # A window as long as the keys bounds nothing: the plain causal kernels serve it.
-        window=int(window) if window < keys else 0,
-    )
+    # One block per token (the packed keys are the packed tokens); a window as long as the keys
+    # bounds nothing, so the plain causal kernels serve it.
+    info = _Launch.of_call(
+        q, k, v, scale, q_start, cu_seqlens, cmp_block=1, cmp_stride=1, cmp_cu=cu_seqlens,
+        window=int(window) if window < k.shape[1] else 0,
+    )  # fmt: skip
     o, _ = attend_with_lse(q, k, v, info, resolve_config(config, dk, dv, q.dtype))
     return o
 
