@@ -43,6 +43,7 @@ from nsa_kernels.selected.function import (  # noqa: E402
     selected_attention_triton,
     tma_available,
 )
+from nsa_kernels.sliding.triton_function import sliding_attention_triton  # noqa: E402
 
 F32 = torch.float32
 NAN, INF = float("nan"), float("inf")
@@ -149,6 +150,30 @@ def test_compressed(request: pytest.FixtureRequest, where: str, value: float) ->
             expected = group_rows(b, head, s * D_CMP + L_CMP - 1 <= t, (2, length, HQ))
         exact = value != value or where == "v_cmp"
         check_rows(bad, clean, expected, exact, f"compressed {where}[{b}, {s}, {head}] = {value}")
+
+
+@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_sliding_triton(request: pytest.FixtureRequest, where: str, value: float) -> None:
+    """The sliding branch on the compressed kernels (l = d = 1, a window of WINDOW keys): a bad
+    token reaches exactly the rows whose window holds it."""
+    gen = seeded(request)
+    length = 61
+    clean_inputs = {"q": randn(gen, 2, length, HQ, DK)}
+    clean_inputs |= {"k": randn(gen, 2, length, H, DK), "v": randn(gen, 2, length, H, DV)}
+    clean = sliding_attention_triton(*clean_inputs.values(), WINDOW, config=CMP_TILES)
+    t = torch.arange(length)
+    for _ in range(2):
+        s = pick(gen, length)
+        bad_inputs = dict(clean_inputs)
+        bad_inputs[where], b, head = inject(gen, clean_inputs[where], s, value)
+        bad = sliding_attention_triton(*bad_inputs.values(), WINDOW, config=CMP_TILES)
+        if where == "q":
+            expected = query_row(b, s, head, True, (2, length, HQ))
+        else:
+            expected = group_rows(b, head, (s <= t) & (t < s + WINDOW), (2, length, HQ))
+        exact = value != value or where == "v"
+        check_rows(bad, clean, expected, exact, f"sliding {where}[{b}, {s}, {head}] = {value}")
 
 
 def random_indices(gen: torch.Generator, batch: int, length: int) -> torch.Tensor:
