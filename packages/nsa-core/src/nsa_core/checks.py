@@ -8,6 +8,7 @@ wrong value) and names the argument and the rule.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import numbers
@@ -360,8 +361,8 @@ def check_select_blocks(
         "select_blocks", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
     _check_cmp_keys("select_blocks", q, k_cmp, l_cmp, d, start, cu_seqlens)
-    q, k_cmp = q.detach(), k_cmp.detach()
-    return op_context(q, k_cmp, k_cmp, start + q.shape[1], varlen=cu_seqlens is not None)
+    ctx = op_context(q, k_cmp, k_cmp, start + q.shape[1], varlen=cu_seqlens is not None)
+    return dataclasses.replace(ctx, requires_grad=False)
 
 
 def check_lse(lse: object, q: torch.Tensor) -> None:

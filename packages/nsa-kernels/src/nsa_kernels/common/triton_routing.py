@@ -54,10 +54,6 @@ class TritonFn:
         fn: Callable[..., Any] = getattr(importlib.import_module(self.module), self.name)
         return fn
 
-    @property
-    def __name__(self) -> str:
-        return f"{self.name}_backend"
-
 
 def triton_fn(module: str, name: str) -> TritonFn:
     """The registered ``fn`` of a Triton backend that runs ``module.name``."""

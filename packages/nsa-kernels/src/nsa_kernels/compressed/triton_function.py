@@ -166,16 +166,20 @@ class _Launch:
         scale: float | None,
         q_start: int,
         cu_seqlens: torch.Tensor | None,
-        **geometry: Any,
+        *,
+        cmp_block: int,
+        cmp_stride: int,
+        cmp_cu: torch.Tensor | None,
+        window: int = 0,
     ) -> _Launch:
         """The facts of a validated call: q [B, Tq, HQ, dk], k [B, N, H, dk], v [B, N, H, dv]
-        (N blocks, or tokens for the sliding branch); ``geometry``: cmp_block, cmp_stride,
-        cmp_cu and window."""
+        (N blocks, or tokens for the sliding branch)."""
         batch, tq, hq, dk = q.shape
         return cls(
             batch=batch, tq=tq, hq=hq, h=k.shape[2], dk=dk, dv=v.shape[3],
-            num_blocks=k.shape[1], q_start=q_start,
-            scale=dk**-0.5 if scale is None else float(scale), cu_seqlens=cu_seqlens, **geometry,
+            num_blocks=k.shape[1], cmp_block=cmp_block, cmp_stride=cmp_stride, q_start=q_start,
+            scale=dk**-0.5 if scale is None else float(scale), cu_seqlens=cu_seqlens,
+            cmp_cu=cmp_cu, window=window,
         )  # fmt: skip
 
     @property
