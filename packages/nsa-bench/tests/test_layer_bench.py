@@ -198,7 +198,7 @@ def test_markdown_is_printed_last_and_written(cpu_run_module: tuple[Path, str, s
     assert "| 32/32 | fwd | 128 |" in table
     assert "| 32/32 | fwdbwd | 128 |" in table
     assert "core vs sdpa" in table
-    assert "### Where the core forward's time goes" in table
+    assert "### Where the core's time goes" in table
 
 
 def test_png_is_written(cpu_run_module: tuple[Path, str, str]) -> None:
@@ -348,6 +348,52 @@ def test_a_failed_step_skips_the_steps_that_need_it(monkeypatch: pytest.MonkeyPa
     assert status["selected"] == "skipped: needs the output of select_blocks, which failed"
     assert status["combine"] == "skipped: needs the output of selected, which failed"
     assert all(status[s] == "ok" for s in ("compress", "compressed", "sliding"))
+
+
+def test_steps_time_forward_and_backward_and_pinned_backends() -> None:
+    shape = _shape()
+    inp = layer_bench.make_inputs(shape, CPU, 0)
+    rows = layer_bench.bench_steps(
+        shape, inp, _host_timer(), CPU, ("fwd", "fwdbwd"), [("sliding", "reference")]
+    )
+    names = [s for s, _ in STEPS] + ["sliding@reference"]
+    assert [(r.mode, r.step) for r in rows] == [(m, n) for m in ("fwd", "fwdbwd") for n in names]
+    for r in rows:
+        assert r.status == "ok", r
+        assert r.ms > 0, r
+    assert {r.backend for r in rows if r.step.startswith("sliding")} == {"reference"}
+    bad = layer_bench.bench_steps(shape, inp, _host_timer(), CPU, pins=[("sliding", "nope")])
+    assert bad[-1].step == "sliding@nope"
+    assert bad[-1].status.startswith("refused: ")
+    assert "'nope'" in bad[-1].status
+
+
+def test_a_step_in_fwdbwd_fills_the_grads_of_its_inputs() -> None:
+    q = torch.randn(1, 8, 2, 4)
+    k = torch.randn(1, 8, 2, 4)
+    step = layer_bench.StepCall(lambda a, b: (a * b, a.sum()), (q, k), 1)
+    call, leaves = layer_bench.step_timed_call(step, "fwdbwd", seed=0)
+    assert call() is None
+    assert len(leaves) == 2
+    # d(a*b)/da = b times the upstream gradient, drawn once from the seed.
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(leaves[0].grad, k * upstream)
+    torch.testing.assert_close(leaves[1].grad, q * upstream)
+    no_grad = layer_bench.StepCall(lambda a, b: a + b, (q, k), 0)
+    call, leaves = layer_bench.step_timed_call(no_grad, "fwdbwd", seed=0)
+    assert leaves == []
+    torch.testing.assert_close(call(), q + k)
+
+
+def test_step_backends_are_parsed_and_checked() -> None:
+    assert layer_bench.parse_step_backends("sliding=triton_win, selected=reference") == [
+        ("sliding", "triton_win"),
+        ("selected", "reference"),
+    ]
+    assert layer_bench.parse_step_backends("") == []
+    for bad in ("sliding", "attention=x", "compress=reference", "sliding="):
+        with pytest.raises(Exception, match=r"STEP=BACKEND|nothing to pin"):
+            layer_bench.parse_step_backends(bad)
 
 
 def test_parsers() -> None:

@@ -16,6 +16,7 @@ from nsa_core.toggles import (
     legacy_sel_tiles,
     legacy_sel_tiles_from_env,
     reload_toggles,
+    toggles_overridden,
 )
 
 # The documented table of toggles (module docstring of nsa_core.toggles): name -> default.
@@ -273,6 +274,21 @@ def test_get_toggles_reads_os_environ_once_and_reload_rereads(
     finally:
         monkeypatch.undo()
         toggles_module._cached, toggles_module._cached_tiles = saved
+
+
+def test_toggles_overridden_applies_inside_the_block_and_restores() -> None:
+    before = get_toggles()
+    with toggles_overridden(win_backend="reference", debug_log_limit=3) as inside:
+        assert get_toggles() is inside
+        assert (inside.win_backend, inside.debug_log_limit) == ("reference", 3)
+        assert inside.cmp_backend == before.cmp_backend
+    assert get_toggles() is before
+    with pytest.raises(RuntimeError, match="boom"), toggles_overridden(win_backend="reference"):
+        raise RuntimeError("boom")
+    assert get_toggles() is before
+    with pytest.raises(TypeError), toggles_overridden(no_such_toggle=1):
+        pass
+    assert get_toggles() is before
 
 
 @pytest.mark.parametrize("name", NAME_TOGGLES)

@@ -17,10 +17,13 @@ for smoke runs at tiny shapes):
 - ``fa2``: ``flash_attn_func``, causal, native GQA (v zero-padded to dk when dv != dk).
 
 Every row has ``vs_<peer>``: the peer's median over this row's median in the same
-(head dims, T, mode) case, so > 1 means faster than that peer. The core forward is also timed
-step by step (``compress``, ``select_blocks``, ``compressed``, ``selected``, ``sliding``,
+(head dims, T, mode) case, so > 1 means faster than that peer. The core is also timed step
+by step (``compress``, ``select_blocks``, ``compressed``, ``selected``, ``sliding``,
 ``combine``), each through nsa_core's public op with the backend the registry routes it to named
-in the row, and its share of the whole core forward. ``peak_mib`` is
+in the row, and its share of the whole core, in the modes of ``--step-modes`` (default the
+forward; ``fwdbwd`` times each step's forward and backward). ``--step-backends
+sliding=triton_win`` adds a ``sliding@triton_win`` row timed with that backend pinned, to
+compare backends of one step in one run. ``peak_mib`` is
 ``torch.cuda.max_memory_allocated`` over the row's runs (inputs included), ``work_mib`` the part
 above what was allocated when the row started.
 
@@ -63,6 +66,7 @@ from nsa_bench.tables import finite_or_dash, write_env_tables
 from nsa_bench.timing import clear_grads, do_bench_median_ms, median_ms
 from nsa_core import NSAConfig
 from nsa_core.registry import OpContext
+from nsa_core.toggles import BACKEND_TOGGLE, toggles_overridden
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NSA_METHODS = ("nsa_core", "nsa_module")
@@ -563,79 +567,172 @@ STEP_NEEDS: dict[str, tuple[str, ...]] = {
 }
 
 
-def bench_steps(shape: Shape, inp: Inputs, timer: Timer, device: torch.device) -> list[Row]:
-    """The core forward step by step, each through its public nsa_core op, routed backends named.
+@dataclass(frozen=True)
+class StepCall:
+    """One step as a function of its tensor inputs: ``fn(*inputs)`` -> its output(s).
 
-    Each step is timed, then run once more to hand its outputs to the steps after it; a step
-    whose input step failed is reported as skipped, with the reason.
+    ``grad_outputs``: how many leading outputs carry a gradient in ``fwdbwd`` (0: the step
+    takes none, as block scoring, and is timed forward only).
+    """
+
+    fn: Callable[..., Any]
+    inputs: tuple[torch.Tensor, ...]
+    grad_outputs: int
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def step_timed_call(
+    step: StepCall, mode: str, seed: int
+) -> tuple[Callable[[], object], list[torch.Tensor]]:
+    """The zero-argument call that times ``step`` in ``mode`` and the leaves whose grads it fills.
+
+    ``fwdbwd``: the step's inputs become leaves and its differentiable outputs get random
+    upstream gradients (drawn once, from ``seed``), as the layer's backward hands them down.
+    """
+    if mode == "fwd" or step.grad_outputs == 0:
+
+        def call_fwd() -> object:
+            with torch.no_grad():
+                return step.fn(*step.inputs)
+
+        return call_fwd, []
+    leaves = [
+        t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in step.inputs
+    ]
+    with torch.no_grad():
+        outs = _as_tuple(step.fn(*step.inputs))[: step.grad_outputs]
+    gen = torch.Generator(device=outs[0].device).manual_seed(seed)
+    upstream = [torch.randn(o.shape, generator=gen, device=o.device).to(o.dtype) for o in outs]
+
+    def call_fwdbwd() -> object:
+        outs = _as_tuple(step.fn(*leaves))[: step.grad_outputs]
+        torch.autograd.backward(list(outs), upstream)
+        return None
+
+    return call_fwdbwd, [t for t in leaves if t.requires_grad]
+
+
+def parse_step_backends(text: str) -> list[tuple[str, str]]:
+    """``sliding=triton_win,selected=reference`` -> [(step, backend)], steps checked."""
+    pairs = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        step, sep, backend = item.partition("=")
+        if not sep or not backend or step not in dict(STEPS):
+            raise argparse.ArgumentTypeError(
+                f"--step-backends takes STEP=BACKEND pairs with STEP one of "
+                f"{', '.join(s for s, _ in STEPS)}; got {item!r}"
+            )
+        if dict(STEPS)[step] not in BACKEND_TOGGLE:
+            raise argparse.ArgumentTypeError(f"step {step!r} has one backend, nothing to pin")
+        pairs.append((step, backend))
+    return pairs
+
+
+def bench_steps(
+    shape: Shape,
+    inp: Inputs,
+    timer: Timer,
+    device: torch.device,
+    modes: Sequence[str] = ("fwd",),
+    pins: Sequence[tuple[str, str]] = (),
+    seed: int = 0,
+) -> list[Row]:
+    """The core step by step, each through its public nsa_core op, routed backends named.
+
+    For every mode, each step is timed alone: ``fwd``, or ``fwdbwd`` (its forward and its
+    backward from random upstream gradients; ``select_blocks`` takes no gradient and is timed
+    forward). Each step runs once more untimed to hand its outputs to the steps after it; a step
+    whose input step failed is reported as skipped, with the reason. ``pins`` (step, backend)
+    add rows named ``step@backend``, timed with that backend pinned (``NSA_<STEP>_BACKEND``).
     """
     cmp_block, cmp_stride, sel_block = shape.cmp_block, shape.cmp_stride, shape.sel_block
     num_selected, window, scale = shape.num_selected, shape.window, shape.scale
-    rows = [shape.row("step", "nsa_core", "fwd", step=step) for step, _ in STEPS]
-    try:
-        ctx = op_context(shape, device, requires_grad=False)
-        for row, (_, op) in zip(rows, STEPS, strict=True):
-            row.backend = routed_backend(op, ctx)
-    except Exception as exc:  # said in the rows; the timing still runs
-        for row in rows:
-            row.backend = f"unknown (OpContext: {type(exc).__name__}: {exc})"
-
     done: dict[str, Any] = {}
 
-    # Looked up on nsa_core at call time: the public, routed ops.
-    def compress() -> Any:
-        k_cmp = nsa_core.compress(inp.k, cmp_block, cmp_stride)
-        return k_cmp, nsa_core.compress(inp.v, cmp_block, cmp_stride)
-
-    # As the core runs them: the compressed branch first, its lse (where its backend yields
-    # one) handed to block scoring.
-    def compressed() -> Any:
-        k_cmp, v_cmp = done["compress"]
-        return nsa_core.compressed_attention_with_lse(
-            inp.q, k_cmp, v_cmp, cmp_block, cmp_stride, scale
+    # Looked up on nsa_core at call time: the public, routed ops. As the core runs them: the
+    # compressed branch first, its lse (where its backend yields one) handed to block scoring.
+    def step_call(step: str) -> StepCall:
+        if step == "compress":
+            return StepCall(
+                lambda k, v: (
+                    nsa_core.compress(k, cmp_block, cmp_stride),
+                    nsa_core.compress(v, cmp_block, cmp_stride),
+                ),
+                (inp.k, inp.v),
+                2,
+            )
+        if step == "compressed":
+            return StepCall(
+                lambda q, k_cmp, v_cmp: nsa_core.compressed_attention_with_lse(
+                    q, k_cmp, v_cmp, cmp_block, cmp_stride, scale
+                ),
+                (inp.q, *done["compress"]),
+                1,
+            )
+        if step == "select_blocks":
+            return StepCall(
+                lambda q, k_cmp, lse: nsa_core.select_blocks(
+                    q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale, lse=lse
+                )[0],
+                (inp.q, done["compress"][0], done["compressed"][1]),
+                0,
+            )
+        if step == "selected":
+            indices = done["select_blocks"]
+            return StepCall(
+                lambda q, k, v: nsa_core.selected_attention(q, k, v, indices, sel_block, scale),
+                (inp.q, inp.k, inp.v),
+                1,
+            )
+        if step == "sliding":
+            return StepCall(
+                lambda q, k, v: nsa_core.sliding_attention(q, k, v, window, scale),
+                (inp.q, inp.k, inp.v),
+                1,
+            )
+        return StepCall(
+            nsa_core.gated_combine,
+            (done["compressed"][0], done["selected"], done["sliding"], inp.gates),
+            1,
         )
 
-    def select_blocks() -> Any:
-        k_cmp, _ = done["compress"]
-        indices, _counts = nsa_core.select_blocks(
-            inp.q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale,
-            lse=done["compressed"][1],
-        )  # fmt: skip
-        return indices
+    def routed(op: str, requires_grad: bool) -> str:
+        try:
+            return routed_backend(op, op_context(shape, device, requires_grad))
+        except Exception as exc:  # said in the row; the timing still runs
+            return f"unknown (OpContext: {type(exc).__name__}: {exc})"
 
-    def selected() -> Any:
-        indices = done["select_blocks"]
-        return nsa_core.selected_attention(inp.q, inp.k, inp.v, indices, sel_block, scale)
-
-    def sliding() -> Any:
-        return nsa_core.sliding_attention(inp.q, inp.k, inp.v, window, scale)
-
-    def combine() -> Any:
-        o_cmp, o_slc, o_win = done["compressed"][0], done["selected"], done["sliding"]
-        return nsa_core.gated_combine(o_cmp, o_slc, o_win, inp.gates)
-
-    calls: dict[str, Callable[[], Any]] = {
-        "compress": compress,
-        "select_blocks": select_blocks,
-        "compressed": compressed,
-        "selected": selected,
-        "sliding": sliding,
-        "combine": combine,
-    }
-    for row in rows:
-        missing = [s for s in STEP_NEEDS[row.step] if s not in done]
-        if missing:
-            row.status = f"skipped: needs the output of {', '.join(missing)}, which failed"
-            continue
-        call = calls[row.step]
-
-        def call_fwd(call: Callable[[], Any] = call) -> Any:
-            with torch.no_grad():
-                return call()
-
-        measure(row, call_fwd, [], timer, device)
-        if row.status == "ok":
-            done[row.step] = call_fwd()
+    rows: list[Row] = []
+    plan = [(step, op, "") for step, op in STEPS]
+    plan += [(step, dict(STEPS)[step], backend) for step, backend in pins]
+    for mode in modes:
+        for step, op, pinned in plan:
+            name = f"{step}@{pinned}" if pinned else step
+            row = shape.row("step", "nsa_core", mode, step=name)
+            rows.append(row)
+            missing = [s for s in STEP_NEEDS[step] if s not in done]
+            if missing:
+                row.status = f"skipped: needs the output of {', '.join(missing)}, which failed"
+                continue
+            pin = {BACKEND_TOGGLE[op]: pinned} if pinned else {}
+            with toggles_overridden(**pin):
+                row.backend = routed(op, mode == "fwdbwd")
+                try:
+                    call = step_call(step)
+                    timed, leaves = step_timed_call(call, mode, seed)
+                except Exception as exc:  # e.g. an OOM drawing the upstream gradients
+                    row.status = failure_status(exc)
+                    continue
+                measure(row, timed, leaves, timer, device)
+                if row.status == "ok" and step not in done and not pinned:
+                    with torch.no_grad():
+                        done[step] = call.fn(*call.inputs)
+            del timed, leaves
     return rows
 
 
@@ -660,7 +757,7 @@ def add_ratios(rows: Sequence[Row]) -> None:
     for row in rows:
         if row.kind != "step":
             continue
-        core = by_case.get(row.case_key(), {}).get("nsa_core")  # steps are all fwd
+        core = by_case.get(row.case_key(), {}).get("nsa_core")  # same mode
         ok = row.ok and core is not None and core.ok and core.ms > 0
         row.share = row.ms / core.ms if ok and core is not None else math.nan
 
@@ -745,21 +842,37 @@ def methods_table(rows: Sequence[Row]) -> list[str]:
 
 
 def steps_table(step_rows: Sequence[Row], method_rows: Sequence[Row]) -> list[str]:
-    """One line per (head dims, T): each step's ms, share of the core forward and backend."""
+    """One line per (head dims, mode, T): each step's ms, share of the core and backend.
+
+    Steps timed with a pinned backend (``step@backend``) follow the sum, outside it.
+    """
     if not step_rows:
         return []
     steps = [s for s, _ in STEPS]
+    pinned = sorted({r.step for r in step_rows if "@" in r.step})
     lines = [
-        "### Where the core forward's time goes: ms (share of nsa_core fwd) backend",
+        "### Where the core's time goes: ms (share of nsa_core) backend",
         "",
-        "| dk/dv | T | nsa_core fwd ms | " + " | ".join(steps) + " | steps sum | other |",
-        "|---|---:|---:|" + "---|" * len(steps) + "---:|---:|",
+        "Each step timed alone through its public op; fwdbwd: its forward and backward "
+        "(select_blocks takes no gradient: forward).",
+        "",
+        "| dk/dv | mode | T | nsa_core ms | "
+        + " | ".join(steps)
+        + " | steps sum | other |"
+        + "".join(f" {p} |" for p in pinned),
+        "|---|---|---:|---:|" + "---|" * len(steps) + "---:|---:|" + "---|" * len(pinned),
     ]
     by_case: dict[tuple[Any, ...], dict[str, Row]] = {}
     for row in step_rows:
         by_case.setdefault(row.case_key(), {})[row.step] = row
-    core_fwd = {r.case_key(): r for r in method_rows if r.method == "nsa_core" and r.mode == "fwd"}
-    for key in sorted(by_case, key=lambda k: (k[4], k[5], k[7])):
+    core_rows = {r.case_key(): r for r in method_rows if r.method == "nsa_core"}
+
+    def cell(timed: Row) -> str:
+        share = f" ({100 * timed.share:.0f}%)" if math.isfinite(timed.share) else ""
+        # The table names the backend; the CSV keeps the full routing text.
+        return f"{timed.ms:.3f}{share} {timed.backend.split(' (')[0]}"
+
+    for key in sorted(by_case, key=lambda k: (k[4], k[5], MODES.index(k[6]), k[7])):
         case = by_case[key]
         cells = []
         total = 0.0
@@ -770,15 +883,15 @@ def steps_table(step_rows: Sequence[Row], method_rows: Sequence[Row]) -> list[st
                 total = math.nan
                 continue
             total += timed.ms
-            share = f" ({100 * timed.share:.0f}%)" if math.isfinite(timed.share) else ""
-            # The table names the backend; the CSV keeps the full routing text.
-            cells.append(f"{timed.ms:.3f}{share} {timed.backend.split(' (')[0]}")
-        core = core_fwd.get(key)
+            cells.append(cell(timed))
+        extra = [cell(t) if t is not None and t.ok else _ms(t) for t in map(case.get, pinned)]
+        core = core_rows.get(key)
         core_ms = core.ms if core is not None and core.ok else math.nan
         lines.append(
-            f"| {key[4]}/{key[5]} | {key[7]} | {_ms(core)} | "
+            f"| {key[4]}/{key[5]} | {key[6]} | {key[7]} | {_ms(core)} | "
             + " | ".join(cells)
             + f" | {_fmt(total)} | {_fmt(core_ms - total)} |"
+            + "".join(f" {c} |" for c in extra)
         )
     return lines
 
@@ -856,7 +969,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="fwd,fwdbwd", help="fwd,fwdbwd")
     parser.add_argument("--methods", default=",".join(METHODS), help=",".join(METHODS))
     parser.add_argument(
-        "--no-steps", action="store_true", help="skip the per-step breakdown of the core forward"
+        "--no-steps", action="store_true", help="skip the per-step breakdown of the core"
+    )
+    parser.add_argument(
+        "--step-modes",
+        default="fwd",
+        help="modes of the per-step breakdown: fwd, fwdbwd or fwd,fwdbwd",
+    )
+    parser.add_argument(
+        "--step-backends",
+        default="",
+        help="extra step rows with a backend pinned, e.g. sliding=triton_win (STEP@BACKEND)",
     )
     parser.add_argument("--out", default="artifacts/bench/layer/", help="output folder")
     parser.add_argument(
@@ -898,6 +1021,8 @@ def sweep(args: argparse.Namespace, out: Path) -> list[Row]:
     head_dims = parse_pairs(args.head_dims)
     lengths = [parse_length(x) for x in args.seqlens.split(",") if x.strip()]
     modes = parse_names(args.modes, MODES)
+    step_modes = parse_names(args.step_modes, MODES)
+    pins = parse_step_backends(args.step_backends)
     methods = parse_names(args.methods, METHODS)
     timer = make_timer(
         device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, iters=args.iters, warmup=args.warmup
@@ -945,7 +1070,7 @@ def sweep(args: argparse.Namespace, out: Path) -> list[Row]:
                     _progress(row)
                     here.append(row)
             if not args.no_steps:
-                for row in bench_steps(shape, inp, timer, device):
+                for row in bench_steps(shape, inp, timer, device, step_modes, pins, args.seed):
                     _progress(row)
                     here.append(row)
             for row in here:

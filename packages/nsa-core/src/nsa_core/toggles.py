@@ -57,10 +57,13 @@ kernels as a config.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from typing import Any
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -258,6 +261,23 @@ def reload_toggles() -> Toggles:
     _cached = Toggles.from_env()
     _cached_tiles = legacy_sel_tiles_from_env()
     return _cached
+
+
+@contextmanager
+def toggles_overridden(**changes: Any) -> Iterator[Toggles]:
+    """The process's toggles with ``changes`` (field names) applied inside the block.
+
+    For benches and tests that time one backend against another in one process, e.g.
+    ``toggles_overridden(win_backend="triton_win")``; an unknown field raises ``TypeError``.
+    The toggles the block started with come back on exit, even after an exception.
+    """
+    global _cached
+    saved = get_toggles()
+    _cached = dataclasses.replace(saved, **changes)
+    try:
+        yield _cached
+    finally:
+        _cached = saved
 
 
 # The toggle that pins each op's backend (docs: NSA_<STEP>_BACKEND).
