@@ -94,6 +94,26 @@ def test_cmp_peers_on_cpu_write_csv(tmp_path: Path) -> None:
     assert all(math.isnan(float(r["bwd_ms"])) for r in rows)
 
 
+def test_window_flops_count_each_rows_keys() -> None:
+    # Rows t = 0..9 with w = 4 see 1, 2, 3, 4, 4, ... keys: 1 + 2 + 3 + 7 * 4 = 34.
+    assert cmp_bench.window_flops(1, 10, 2, 8, 4, 4) == 2 * 2 * (8 + 4) * 34
+    assert cmp_bench.window_flops(1, 3, 1, 8, 8, 100) == 2 * 16 * 6  # no row fills the window
+
+
+def test_cmp_window_times_the_sliding_branch_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "cmp.csv"
+    argv = _cmp_argv(out, "reference", "--window", "16", "--device", "cpu")
+    assert cmp_bench.run(build_parser().parse_args(argv)) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["T"], r["method"], r["blocks"]) for r in rows] == [
+        ("40", "reference", "40"),  # k and v hold T tokens
+        ("64", "reference", "64"),
+    ]
+    assert all(float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0 for r in rows)
+    args = build_parser().parse_args(_cmp_argv(out, "sdpa", "--window", "16"))
+    assert cmp_bench.run(args) == 2  # the compressed branch's SDPA peer has no sliding form
+
+
 def test_cmp_refuses_unknown_methods(capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args(["cmp", "--methods", "triton,flash"])
     assert cmp_bench.run(args) == 2
@@ -111,6 +131,19 @@ def test_cmp_triton_tiny(tmp_path: Path) -> None:
     assert "block_m=16" in rows[0]["config"]
     assert "block_m=32" in rows[1]["config"]
     assert all(float(r[c]) > 0 for r in rows for c in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"))
+
+
+@pytest.mark.triton
+@NEEDS_TRITON
+def test_cmp_window_triton_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "cmp.csv"
+    argv = _cmp_argv(out, "triton", "--T", "40", "--window", "8", "--configs", "block_m=16")
+    assert cmp_bench.run(build_parser().parse_args(argv)) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["method"], r["blocks"]) for r in rows] == [("triton", "40")]
+    assert "block_m=16" in rows[0]["config"]
+    assert float(rows[0]["fwd_ms"]) > 0
+    assert float(rows[0]["fwd_bwd_ms"]) > 0
 
 
 def test_cmp_sweep_reports_a_config_the_gpu_cannot_hold_and_goes_on(

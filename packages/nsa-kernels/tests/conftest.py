@@ -2,5 +2,21 @@
 
 pytest (import mode ``prepend``, the default) puts the folder of each conftest.py on ``sys.path``
 before it collects below it, so ``import kernel_testlib`` works from every subfolder whichever
-paths a tier names (ci/tiers.py).
+paths a tier names (ci/tiers.py). Its fixtures serve every step's tests as well.
 """
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def kernels_registered() -> None:
+    """The kernels' backends in nsa_core's registry, as an install's entry point puts them there.
+
+    A GPU host may run the checkout from PYTHONPATH, with no installed metadata to load.
+    """
+    from nsa_core import registry
+    from nsa_kernels.registration import register
+
+    register(registry.register_backend)

@@ -12,16 +12,9 @@ from nsa_core.toggles import Toggles
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("kernels_registered"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def kernels_registered() -> None:
-    """As an install's entry point would (a GPU host may run the checkout from PYTHONPATH)."""
-    from nsa_kernels.registration import register
-
-    register(registry.register_backend)
 
 
 def _ctx(dtype: torch.dtype) -> registry.OpContext:

@@ -8,6 +8,11 @@ chunked SDPA call with a boolean visibility mask; for timing only: rows that see
 out NaN or 0 there, by SDPA backend); methods other than triton run up to ``--baseline-max-t``
 tokens. ``--configs "block_m=64;dkv_block_n=128"`` times each
 :class:`~nsa_kernels.compressed.triton_function.CmpConfig` (fields left out keep their defaults).
+
+``--window W`` times the sliding branch instead, which runs on the same kernels (one block per
+token, a window of W keys): k and v hold T tokens, ``triton`` is
+``sliding_attention_triton`` (forward and forward+backward; the backward alone is not split
+out), and the peers are ``flex`` (nsa-kernels' FlexAttention backend, CUDA) and ``reference``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +32,12 @@ from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
 
+if TYPE_CHECKING:
+    from nsa_kernels.compressed.triton_function import CmpConfig
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 METHODS = ("triton", "reference", "sdpa")
+WINDOW_METHODS = ("triton", "reference", "flex")
 # Forward + backward matmuls: 2 forward (q.k, p.v), 5 backward (q.k again, do.v, p^T.do,
 # ds.k, ds^T.q).
 FWD_BWD_FLOP_FACTOR = 3.5
@@ -66,6 +76,7 @@ class CmpProblem:
     do: torch.Tensor
     cmp_block: int
     cmp_stride: int
+    window: int = 0
 
 
 def sdpa_chunked(
@@ -98,7 +109,7 @@ def sdpa_chunked(
 def make_problem(args: argparse.Namespace, seq_len: int, device: torch.device) -> CmpProblem:
     dtype = DTYPES[args.dtype]
     gen = torch.Generator(device=device).manual_seed(args.seed + seq_len)
-    blocks = num_cmp_blocks(seq_len, args.l, args.d)
+    blocks = seq_len if args.window else num_cmp_blocks(seq_len, args.l, args.d)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, generator=gen).to(dtype)
@@ -110,7 +121,15 @@ def make_problem(args: argparse.Namespace, seq_len: int, device: torch.device) -
         do=randn(args.B, seq_len, args.hq, args.dv),
         cmp_block=args.l,
         cmp_stride=args.d,
+        window=args.window,
     )
+
+
+def window_flops(batch: int, tq: int, hq: int, dk: int, dv: int, window: int) -> int:
+    """Matmul FLOPs of the sliding forward: 2 * B * HQ * (dk + dv) * sum_t min(t + 1, w)."""
+    full = max(0, tq - window)  # rows that see a whole window
+    visible = full * window + sum(range(1, tq - full + 1))
+    return 2 * batch * hq * (dk + dv) * visible
 
 
 Timer = Callable[[Callable[[], object]], float]
@@ -128,6 +147,8 @@ def time_triton(p: CmpProblem, config_text: str, timer: Timer) -> tuple[str, flo
 
     config = parse_config(config_text)
     shown = resolve_config(config, p.q.shape[-1], p.v.shape[-1], p.q.dtype).describe()
+    if p.window:
+        return (shown, *time_sliding(p, "triton", timer, config))
     block, stride = p.cmp_block, p.cmp_stride
     o, lse = compressed_attention_fwd(p.q, p.k, p.v, block, stride, config=config)
     leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
@@ -148,15 +169,38 @@ def time_triton(p: CmpProblem, config_text: str, timer: Timer) -> tuple[str, flo
     return shown, timer(fwd), timer(bwd), timer(both)
 
 
-def time_peer(method: str, p: CmpProblem, timer: Timer) -> tuple[float, float]:
-    """(forward, forward+backward) ms of ``reference`` or ``sdpa``."""
-    from nsa_core.reference.compressed_attention import compressed_attention
+def time_sliding(
+    p: CmpProblem, method: str, timer: Timer, config: CmpConfig | None = None
+) -> tuple[float, float, float]:
+    """(forward, NaN, forward+backward) ms of the sliding branch by ``method``."""
+    if method == "triton":
+        from nsa_kernels.sliding.triton_function import sliding_attention_triton
 
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if method == "reference":
-            return compressed_attention(q, k, v, p.cmp_block, p.cmp_stride)
-        return sdpa_chunked(q, k, v, p.cmp_block, p.cmp_stride)
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return sliding_attention_triton(q, k, v, p.window, config=config)
 
+    elif method == "flex":
+        from nsa_kernels.common.flex import sliding_attention_flex
+
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return sliding_attention_flex(q, k, v, p.window)
+
+    else:
+        from nsa_core.reference.sliding_attention import sliding_attention
+
+        def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return sliding_attention(q, k, v, p.window)
+
+    fwd_ms, both_ms = _time_fwd_and_both(call, p, timer)
+    return fwd_ms, math.nan, both_ms
+
+
+def _time_fwd_and_both(
+    call: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    p: CmpProblem,
+    timer: Timer,
+) -> tuple[float, float]:
+    """(forward, forward+backward) ms of ``call(q, k, v)`` on ``p``."""
     leaves = [t.detach().clone().requires_grad_() for t in (p.q, p.k, p.v)]
 
     def fwd() -> object:
@@ -171,6 +215,18 @@ def time_peer(method: str, p: CmpProblem, timer: Timer) -> tuple[float, float]:
     return timer(fwd), timer(both)
 
 
+def time_peer(method: str, p: CmpProblem, timer: Timer) -> tuple[float, float]:
+    """(forward, forward+backward) ms of ``reference`` or ``sdpa``."""
+    from nsa_core.reference.compressed_attention import compressed_attention
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if method == "reference":
+            return compressed_attention(q, k, v, p.cmp_block, p.cmp_stride)
+        return sdpa_chunked(q, k, v, p.cmp_block, p.cmp_stride)
+
+    return _time_fwd_and_both(call, p, timer)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_kernel_shape_args(parser)
     parser.add_argument("--dv", type=int, default=128, help="value head dim")
@@ -180,6 +236,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--methods", default="triton", help=f"comma-separated, of {', '.join(METHODS)}"
     )
     parser.add_argument("--configs", default="", help='CmpConfig strings separated by ";"')
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=0,
+        help="time the sliding branch with this window instead (methods triton, flex, reference)",
+    )
     parser.add_argument(
         "--baseline-max-t", type=int, default=16384, help="longest T for reference and sdpa"
     )
@@ -194,9 +256,10 @@ def run(args: argparse.Namespace) -> int:
     from nsa_kernels.compressed.triton_function import attention_flops
 
     methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(METHODS))
+    known = WINDOW_METHODS if args.window else METHODS
+    unknown = sorted(set(methods) - set(known))
     if unknown:
-        print(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        print(f"unknown methods {unknown}; known: {', '.join(known)}")
         return 2
     device = torch.device(args.device)
 
@@ -206,7 +269,10 @@ def run(args: argparse.Namespace) -> int:
     rows: list[CmpRow] = []
     for seq_len in cli_args.parse_ints(args.T):
         p = make_problem(args, seq_len, device)
-        flops = attention_flops(args.B, seq_len, args.hq, args.dk, args.dv, args.l, args.d)
+        if args.window:
+            flops = window_flops(args.B, seq_len, args.hq, args.dk, args.dv, args.window)
+        else:
+            flops = attention_flops(args.B, seq_len, args.hq, args.dk, args.dv, args.l, args.d)
         timed: list[tuple[str, str, float, float, float]] = []
         for method in methods:
             if method == "triton":
@@ -218,7 +284,12 @@ def run(args: argparse.Namespace) -> int:
                     except OutOfResources as exc:
                         # One entry of a tile sweep that this GPU cannot hold: say so, go on.
                         print(f"T={seq_len} config {config_text!r}: not run: {exc}", flush=True)
+            elif method == "flex":
+                timed.append((method, "", *time_sliding(p, method, timer)))
             elif seq_len <= args.baseline_max_t:
+                if args.window:
+                    timed.append((method, "", *time_sliding(p, method, timer)))
+                    continue
                 fwd_ms, both_ms = time_peer(method, p, timer)
                 timed.append((method, "", fwd_ms, math.nan, both_ms))
         for method, shown, fwd_ms, bwd_ms, both_ms in timed:

@@ -47,6 +47,7 @@ def test_bf16_paper_shapes_match_the_float32_reference(
     assert_grads_close(leaves, ref_leaves, 2 * BOUND[torch.bfloat16])
 
 
+@pytest.mark.usefixtures("kernels_registered")
 def test_pinned_route_serves_the_public_op(monkeypatch: pytest.MonkeyPatch) -> None:
     ctx = OpContext.for_config(
         nsa_core.NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128),
