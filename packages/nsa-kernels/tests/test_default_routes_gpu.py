@@ -33,7 +33,7 @@ def test_default_routes_on_cuda_are_gpu_backends() -> None:
     assert chosen["select_blocks"] == "triton_score"
     assert chosen["compressed_attention"] in ("fa2", "triton_cmp")
     assert chosen["selected_attention"] == "triton_sel"
-    assert chosen["sliding_attention"] in ("fa2", "flex", "sdpa")
+    assert chosen["sliding_attention"] in ("fa2", "triton_win")
 
 
 def test_float64_and_pinned_reference_run_the_reference() -> None:

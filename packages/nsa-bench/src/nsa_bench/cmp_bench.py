@@ -146,7 +146,10 @@ def time_triton(p: CmpProblem, config_text: str, timer: Timer) -> tuple[str, flo
     )
 
     config = parse_config(config_text)
-    shown = resolve_config(config, p.q.shape[-1], p.v.shape[-1], p.q.dtype).describe()
+    dk, dv = p.q.shape[-1], p.v.shape[-1]
+    # The sliding kernels' own defaults where the window bounds anything (as the op picks them).
+    windowed = 0 < p.window < p.q.shape[1]
+    shown = resolve_config(config, dk, dv, p.q.dtype, windowed=windowed).describe()
     if p.window:
         return (shown, *time_sliding(p, "triton", timer, config))
     block, stride = p.cmp_block, p.cmp_stride

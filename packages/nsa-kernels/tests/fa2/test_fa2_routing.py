@@ -48,11 +48,11 @@ def test_backend_table() -> None:
         ("sliding_attention", "fa2"): 30,
         ("compressed_attention", "fa2"): 30,
         ("compressed_attention", "triton_cmp"): 25,
+        ("sliding_attention", "triton_win"): 25,
         ("sliding_attention", "flex"): 20,
         ("compressed_attention", "flex"): 20,
         ("sliding_attention", "sdpa"): 10,
         ("compressed_attention", "sdpa"): 10,
-        ("sliding_attention", "triton_win"): 5,
     }
     # FA-2 is on by default: where it is installed and declines, the refusal is logged.
     requested = {(b.op, b.name) for b in backends() if b.requested_by(Toggles())}

@@ -7,6 +7,8 @@ TF32). Plain Python and torch: no triton import here.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,3 +38,19 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).multi_processor_count)
     return 4
+
+
+@functools.cache
+def _max_shared_bytes(index: int) -> int:
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(index)["max_shared_mem"])
+
+
+def max_shared_bytes(device: torch.device) -> int | None:
+    """Shared memory one thread block may use on ``device`` (bytes; Triton's own limit, the one
+    its OutOfResources compares against), None off CUDA (the interpreter has no limit)."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _max_shared_bytes(index)

@@ -31,7 +31,13 @@ from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
 from nsa_kernels.common.tile_table import tile_table
 from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
 from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
-from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, dot_precision, num_sms
+from nsa_kernels.common.triton_inputs import (
+    check_dtype,
+    check_head_dims,
+    dot_precision,
+    max_shared_bytes,
+    num_sms,
+)
 from nsa_kernels.compressed.triton_bwd import (
     cmp_bwd_dkv_kernel,
     cmp_bwd_dq_kernel,
@@ -44,6 +50,9 @@ _P = ParamSpec("_P")
 DKV_PROGRAMS_PER_SM = 4
 # Fewest query rows one dk/dv program takes when a key tile is split over several programs.
 MIN_SEGMENT_ROWS = 512
+# Shared memory the 16-bit D <= 128 forward asks at three stages when compiled for sm_89 (Triton
+# 3.6, ci/compile_triton.py; 99 KiB there); a device with less per block runs it at two.
+FWD_THREE_STAGE_BYTES = 114_688
 
 
 @dataclass(frozen=True)
@@ -88,17 +97,36 @@ def parse_config(text: str) -> CmpConfig:
 _TILE_FIELDS = ("block_m", "block_n", "dq_block_m", "dq_block_n", "dkv_block_n", "dkv_block_m")
 
 
-def resolve_config(config: CmpConfig | None, dk: int, dv: int, dtype: torch.dtype) -> CmpConfig:
+def resolve_config(
+    config: CmpConfig | None,
+    dk: int,
+    dv: int,
+    dtype: torch.dtype,
+    *,
+    windowed: bool = False,
+    shared_bytes: int | None = None,
+) -> CmpConfig:
     """Fill the zeros of ``config`` with the defaults for head dims dk, dv and ``dtype``.
 
     Defaults (D = next power of two of max(dk, dv)), chosen so that no kernel spills registers
-    on SM 9.0 (ptxas) and every launch fits 227 KiB of shared memory:
+    on SM 9.0 (ptxas) and every launch fits 227 KiB of shared memory; ``windowed``: the sliding
+    branch (l = d = 1 and a window), whose dk/dv programs walk a few hundred rows each:
 
     | case | forward (rows x blocks, warps, stages) | dq | dk/dv (blocks x rows) |
     |---|---|---|---|
-    | 16-bit, D <= 128 | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 32, 8, 2 |
+    | 16-bit, D <= 128 | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 64, 8, 2 |
+    | 16-bit, D <= 128, windowed | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 32, 8, 3 |
     | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 32 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
+
+    The 16-bit D <= 128 rows are the fastest of sweeps at T = 64k, HQ = 64, H = 4, d = 128 on
+    an H200 (docs/results/2026-11-26-h100-h200.md): the compressed branch's backward 67.0 ->
+    40.2 ms on 128-block key tiles, 35.5 ms with 64-row steps; the sliding branch's (w = 512)
+    forward+backward 20.4 -> 17.8 ms with three dk/dv stages.
+
+    ``shared_bytes``: the device's shared memory per block (:func:`max_shared_bytes`; None: no
+    limit). Where it is below FWD_THREE_STAGE_BYTES (sm_86 and sm_89 have 99 KiB), the
+    16-bit D <= 128 forward takes two stages: three ask 112 KiB there.
     """
     cfg = config or CmpConfig()
     check_pow2_tiles(cfg, _TILE_FIELDS)
@@ -109,9 +137,9 @@ def resolve_config(config: CmpConfig | None, dk: int, dv: int, dtype: torch.dtyp
     elif pow2(max(dk, dv, 16)) > 128:
         table = (128, 64, 8, 2, 64, 32, 8, 3, 32, 32, 8, 2)
     else:
-        # dk/dv on 128-block key tiles: 40 against 67 ms backward at T = 64k, HQ = 64, H = 4,
-        # d = 128 on an H200 (docs/results/2026-11-26-h100-h200.md); the forward is unchanged.
-        table = (128, 64, 8, 3, 128, 64, 8, 2, 128, 32, 8, 2)
+        fwd_stages = 3 if shared_bytes is None or shared_bytes >= FWD_THREE_STAGE_BYTES else 2
+        dkv = (128, 32, 8, 3) if windowed else (128, 64, 8, 2)
+        table = (128, 64, 8, fwd_stages, 128, 64, 8, 2, *dkv)
     names = (
         "block_m", "block_n", "fwd_warps", "fwd_stages",
         "dq_block_m", "dq_block_n", "dq_warps", "dq_stages",
@@ -225,7 +253,7 @@ def _prepare(
         q, k_cmp, v_cmp, scale, q_start, cu_seqlens,
         cmp_block=cmp_block, cmp_stride=cmp_stride, cmp_cu=cmp_cu,
     )  # fmt: skip
-    return info, resolve_config(config, dk, dv, q.dtype)
+    return info, resolve_config(config, dk, dv, q.dtype, shared_bytes=max_shared_bytes(q.device))
 
 
 def _query_tiles(info: _Launch, tokens: int, device: torch.device) -> tuple[torch.Tensor, int]:

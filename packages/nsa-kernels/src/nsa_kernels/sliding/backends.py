@@ -7,11 +7,17 @@ serves the call; whatever all of them decline falls to nsa-core's reference (pri
 |---|---|---|
 | 30 | ``fa2`` | NSA_WIN_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_WIN_FA2_MIN_LEN tokens |
+| 25 | ``triton_win`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 |
 | 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA, when none of the above accepted |
-| 5 | ``triton_win`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256; not yet timed against |
-| | | Flex and FA-2, so it serves only when pinned: ``NSA_WIN_BACKEND=triton_win`` |
+
+``triton_win`` sits above Flex as ``triton_cmp`` does in the compressed branch: at HQ = 64,
+H = 4, d = 128, w = 512, bf16 on an H200 it took 1.58 / 2.87 / 5.22 / 10.48 ms forward and
+5.67 / 10.68 / 20.42 / 40.29 ms forward+backward at T = 16k / 32k / 64k / 128k against Flex's
+2.06 / 4.14 / 5.30 / 15.06 and 8.08 / 15.56 / 20.80 / 59.81 ms; at 8k the two were within 5%
+(docs/results/2026-11-26-h100-h200.md). It serves any G, needs no compile step, and its
+backward is deterministic. FA-2 stays above it where flash_attn is installed.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 from nsa_kernels.sliding.fa2 import sliding_attention_fa2
 
 OP = "sliding_attention"
-# Below SDPA, which accepts every CUDA call, until a GPU bench shows where it is faster.
-TRITON_PRIORITY = 5
+# Above Flex, below FA-2 (the docstring's table says why).
+TRITON_PRIORITY = 25
 
 
 def triton_win_supports(ctx: OpContext, toggles: Toggles) -> str | None:

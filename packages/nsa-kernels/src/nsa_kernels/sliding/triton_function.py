@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from nsa_core.checks import check_sliding_attention
-from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims
+from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
 from nsa_kernels.compressed.triton_function import (
     CmpConfig,
     _Launch,
@@ -54,7 +54,9 @@ def sliding_attention_triton(
         q, k, v, scale, q_start, cu_seqlens, cmp_block=1, cmp_stride=1, cmp_cu=cu_seqlens,
         window=int(window) if window < k.shape[1] else 0,
     )  # fmt: skip
-    o, _ = attend_with_lse(q, k, v, info, resolve_config(config, dk, dv, q.dtype))
+    shared = max_shared_bytes(q.device)
+    cfg = resolve_config(config, dk, dv, q.dtype, windowed=info.windowed, shared_bytes=shared)
+    o, _ = attend_with_lse(q, k, v, info, cfg)
     return o
 
 
