@@ -322,7 +322,7 @@ def replace_segment(cfg: CmpConfig, rows: int) -> CmpConfig:
 
 
 def test_default_tiles_follow_the_branch_and_the_device() -> None:
-    from nsa_kernels.compressed.triton_function import FWD_THREE_STAGE_BYTES, resolve_config
+    from nsa_kernels.compressed.triton_function import resolve_config
 
     def tiles(cfg: CmpConfig) -> tuple[int, ...]:
         return (cfg.fwd_stages, cfg.dkv_block_n, cfg.dkv_block_m, cfg.dkv_stages)
@@ -332,13 +332,8 @@ def test_default_tiles_follow_the_branch_and_the_device() -> None:
     # dk/dv walks take 32-row steps on three stages.
     assert tiles(resolve_config(None, 128, 128, bf16)) == (3, 128, 64, 2)
     assert tiles(resolve_config(None, 128, 128, bf16, windowed=True)) == (3, 128, 32, 3)
-    # A device with 99 KiB per block (sm_89) runs the forward on two stages; an H100 on three.
-    rtx = resolve_config(None, 128, 128, bf16, shared_bytes=101_376)
-    assert rtx.fwd_stages == 2
-    h100 = resolve_config(None, 128, 128, bf16, shared_bytes=232_448)
-    assert h100.fwd_stages == 3
-    assert FWD_THREE_STAGE_BYTES <= 232_448
-    # A field the caller set is kept; D = 256 and float32 keep their own rows.
+    # A device with 99 KiB per block (sm_89) runs the forward on two stages
+    # (tests/test_small_shared_memory.py); a field the caller set is kept.
     assert (
         resolve_config(CmpConfig(fwd_stages=3), 128, 128, bf16, shared_bytes=101_376).fwd_stages
         == 3

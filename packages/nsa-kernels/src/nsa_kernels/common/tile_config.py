@@ -9,7 +9,7 @@ reach the kernels only as ``config=`` arguments; benches and tests write them as
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TypeVar
 
 ConfigT = TypeVar("ConfigT", bound="TileConfig")
@@ -58,3 +58,18 @@ def check_pow2_tiles(config: TileConfig, names: Iterable[str]) -> None:
         value = getattr(config, name)
         if value and (value < 16 or value & (value - 1)):
             raise ValueError(f"{name}={value} must be 0 or a power of two >= 16")
+
+
+def stages_within(wanted: int, needs: Mapping[int, int], shared_bytes: int | None) -> int:
+    """The most pipeline stages <= ``wanted`` whose shared memory fits ``shared_bytes``.
+
+    ``needs`` maps a stage count to the bytes a launch asks at it (measured by compiling it,
+    ci/compile_triton.py); counts it does not list fit. ``shared_bytes`` None (the interpreter,
+    or no limit known): ``wanted``. Never below 1.
+    """
+    if shared_bytes is None:
+        return wanted
+    for stages in range(wanted, 1, -1):
+        if needs.get(stages, 0) <= shared_bytes:
+            return stages
+    return 1

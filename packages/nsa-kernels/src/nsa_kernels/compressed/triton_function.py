@@ -27,7 +27,7 @@ import torch
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
-from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
+from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
 from nsa_kernels.common.tile_table import tile_table
 from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
 from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
@@ -50,9 +50,12 @@ _P = ParamSpec("_P")
 DKV_PROGRAMS_PER_SM = 4
 # Fewest query rows one dk/dv program takes when a key tile is split over several programs.
 MIN_SEGMENT_ROWS = 512
-# Shared memory the 16-bit D <= 128 forward asks at three stages when compiled for sm_89 (Triton
-# 3.6, ci/compile_triton.py; 99 KiB there); a device with less per block runs it at two.
-FWD_THREE_STAGE_BYTES = 114_688
+# Shared memory (bytes) the 16-bit default tiles ask per stage count where it is the binding
+# limit, compiled for sm_89 (99 KiB per block; Triton 3.6, ci/compile_triton.py): a device with
+# less per block takes fewer stages (:func:`resolve_config`).
+FWD_STAGE_BYTES_D128 = {3: 114_688}
+FWD_STAGE_BYTES_D256 = {2: 131_072}
+DQ_STAGE_BYTES_D256 = {3: 102_400}
 
 
 @dataclass(frozen=True)
@@ -125,8 +128,9 @@ def resolve_config(
     forward+backward 20.4 -> 17.8 ms with three dk/dv stages.
 
     ``shared_bytes``: the device's shared memory per block (:func:`max_shared_bytes`; None: no
-    limit). Where it is below FWD_THREE_STAGE_BYTES (sm_86 and sm_89 have 99 KiB), the
-    16-bit D <= 128 forward takes two stages: three ask 112 KiB there.
+    limit). The 16-bit stage counts above are the most; a device with less shared memory
+    (sm_86, sm_89: 99 KiB) takes fewer (the ``*_STAGE_BYTES`` tables): at D <= 128 a
+    two-stage forward, at D = 256 a one-stage forward and a two-stage dq.
     """
     cfg = config or CmpConfig()
     check_pow2_tiles(cfg, _TILE_FIELDS)
@@ -135,9 +139,11 @@ def resolve_config(
     if dtype == torch.float32:
         table = (32, 16, 8, 2, 32, 16, 8, 2, 16, 16, 8, 2)
     elif pow2(max(dk, dv, 16)) > 128:
-        table = (128, 64, 8, 2, 64, 32, 8, 3, 32, 32, 8, 2)
+        fwd_stages = stages_within(2, FWD_STAGE_BYTES_D256, shared_bytes)
+        dq_stages = stages_within(3, DQ_STAGE_BYTES_D256, shared_bytes)
+        table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, 32, 32, 8, 2)
     else:
-        fwd_stages = 3 if shared_bytes is None or shared_bytes >= FWD_THREE_STAGE_BYTES else 2
+        fwd_stages = stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes)
         dkv = (128, 32, 8, 3) if windowed else (128, 64, 8, 2)
         table = (128, 64, 8, fwd_stages, 128, 64, 8, 2, *dkv)
     names = (

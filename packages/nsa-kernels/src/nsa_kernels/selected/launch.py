@@ -20,12 +20,16 @@ from nsa_core.checks import (
     check_q_start,
 )
 from nsa_core.toggles import Toggles, get_toggles
-from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
+from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
 from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
 from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
-from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims
+from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
 from nsa_kernels.common.triton_inputs import dot_precision as dot_precision
 from nsa_kernels.common.triton_inputs import num_sms as num_sms
+
+# Shared memory (bytes) the 16-bit dq kernel asks at three stages with dk over 128 (one 256-wide
+# tile), compiled for sm_89 (Triton 3.6, ci/compile_triton.py); two stages ask 63,488.
+DQ_STAGE_BYTES_D256 = {3: 112_640}
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,8 @@ def resolve_config(
     dv: int,
     sel_block: int,
     toggles: Toggles | None = None,
+    *,
+    shared_bytes: int | None = None,
 ) -> SelConfig:
     """Fill the zeros of ``config`` with the defaults (``toggles`` default: :func:`get_toggles`).
 
@@ -91,6 +97,9 @@ def resolve_config(
     one head per program); forward: 4 warps, 2 pipeline stages (more stages cost occupancy);
     dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
     ``tma`` stays 0 here: the launch decides it from the device (:func:`use_tma`).
+    ``shared_bytes``: the device's shared memory per block (None: no limit); with dk over 128
+    a device with less than DQ_STAGE_BYTES_D256 asks (sm_86, sm_89: 99 KiB) runs dq on two
+    stages.
     """
     cfg = config or SelConfig()
     toggles = get_toggles() if toggles is None else toggles
@@ -100,6 +109,8 @@ def resolve_config(
     check_pow2_tiles(cfg, ("block_l", "block_d", "block_dv"))
     heads = min(cfg.heads_per_prog, group)
     rows = max(32, pow2(min(group, 64)))
+    wide = pow2(max(dk, 16)) > 128
+    dq_stages = stages_within(3, DQ_STAGE_BYTES_D256 if wide else {}, shared_bytes)
     return replace(
         cfg,
         block_l=cfg.block_l or max(16, min(64, pow2(sel_block))),
@@ -109,7 +120,7 @@ def resolve_config(
         fwd_warps=cfg.fwd_warps or 4,
         fwd_stages=cfg.fwd_stages or 2,
         dq_warps=cfg.dq_warps or 4,
-        dq_stages=cfg.dq_stages or 3,
+        dq_stages=cfg.dq_stages or dq_stages,
         dkv_warps=cfg.dkv_warps or 4,
         dkv_stages=cfg.dkv_stages or 2,
         dkv_rows=max(cfg.dkv_rows or rows, pow2(max(group, 16))),
@@ -189,7 +200,9 @@ def prepare(
     check_block_indices(block_indices, batch, tq, h, num_blocks, q.device, check_range=strict)
     return Launch(
         sel_block=sel_block,
-        cfg=resolve_config(config, hq // h, dk, dv, sel_block, toggles),
+        cfg=resolve_config(
+            config, hq // h, dk, dv, sel_block, toggles, shared_bytes=max_shared_bytes(q.device)
+        ),
         batch=batch,
         tq=tq,
         hq=hq,
