@@ -2,7 +2,8 @@
 
 The 16-bit defaults at the paper's shapes ask more than that on sm_89 in some kernels (the
 compressed forward: 114,688 B at dk = 128, 131,072 B at dk = 192), so each ``resolve_config``
-takes fewer pipeline stages where its ``shared_bytes`` argument says the device has less. These
+takes fewer pipeline stages (and, at dk > 128, smaller dk/dv tiles) where its ``shared_bytes``
+argument says the device has less. These
 tests pin the rule and run the kernels on those tiles in float16 against the reference (the
 spec's float16 bounds). Under TRITON_INTERPRET=1 in the CI's interpreter tier they record their
 launches, which ci/compile_triton.py then compiles for sm_89 and sm_90: the proof that the tiles
@@ -44,6 +45,12 @@ def test_resolve_configs_fit_a_99_kib_device() -> None:
     assert (small.fwd_stages, small.dq_stages) == (2, 2)
     wide = cmp_config(None, 192, 128, half, shared_bytes=SM89_SHARED)
     assert (wide.fwd_stages, wide.dq_stages) == (1, 2)
+    assert (wide.dkv_block_n, wide.dkv_block_m) == (64, 32)
+    sliding = cmp_config(None, 192, 128, half, windowed=True, shared_bytes=SM89_SHARED)
+    assert (sliding.dkv_block_n, sliding.dkv_block_m) == (64, 32)
+    # An A100 (163 KiB per block) keeps the fastest dk/dv tiles.
+    a100 = cmp_config(None, 192, 128, half, shared_bytes=166_912)
+    assert (a100.dkv_block_n, a100.dkv_block_m, a100.fwd_stages) == (128, 64, 2)
     for dk in (128, 192):
         big = cmp_config(None, dk, 128, half, shared_bytes=H100_SHARED)
         assert big == cmp_config(None, dk, 128, half)  # nothing to cut on an H100

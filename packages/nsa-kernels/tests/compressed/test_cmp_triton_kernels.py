@@ -338,5 +338,6 @@ def test_default_tiles_follow_the_branch_and_the_device() -> None:
         resolve_config(CmpConfig(fwd_stages=3), 128, 128, bf16, shared_bytes=101_376).fwd_stages
         == 3
     )
-    assert tiles(resolve_config(None, 192, 128, bf16, windowed=True)) == (2, 32, 32, 2)
+    assert tiles(resolve_config(None, 192, 128, bf16)) == (2, 128, 64, 2)
+    assert tiles(resolve_config(None, 192, 128, bf16, windowed=True)) == (2, 128, 32, 2)
     assert tiles(resolve_config(None, 128, 128, torch.float32, windowed=True)) == (2, 16, 16, 2)

@@ -56,6 +56,13 @@ MIN_SEGMENT_ROWS = 512
 FWD_STAGE_BYTES_D128 = {3: 114_688}
 FWD_STAGE_BYTES_D256 = {2: 131_072}
 DQ_STAGE_BYTES_D256 = {3: 102_400}
+# dk/dv tiles (key blocks, query rows per step) at D = 256 in 16 bits, fastest first, each with
+# the shared memory it asks compiled for sm_80 and sm_89 (sm_90 asks more, within its 227 KiB).
+# T = 64k, dk = 192, dv = 128 on an H200: the compressed backward took 92.6 / 103.5 / 105.6 /
+# 117.4 ms on these (180.4 on 32 x 32); the sliding forward+backward 36.7 ms on 128 x 32, 37.8
+# on 64 x 64, 42.8 on 64 x 32 (54.2 on 32 x 32).
+DKV_TILES_D256 = ((128, 64, 164_352), (128, 32, 131_328), (64, 64, 107_008), (64, 32, 78_080))
+DKV_TILES_D256_WINDOWED = DKV_TILES_D256[1:]
 
 
 @dataclass(frozen=True)
@@ -119,18 +126,20 @@ def resolve_config(
     |---|---|---|---|
     | 16-bit, D <= 128 | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 64, 8, 2 |
     | 16-bit, D <= 128, windowed | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 32, 8, 3 |
-    | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 32 x 32, 8, 2 |
+    | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 64, 8, 2 |
+    | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
 
     The 16-bit D <= 128 rows are the fastest of sweeps at T = 64k, HQ = 64, H = 4, d = 128 on
     an H200 (docs/results/2026-11-26-h100-h200.md): the compressed branch's backward 67.0 ->
     40.2 ms on 128-block key tiles, 35.5 ms with 64-row steps; the sliding branch's (w = 512)
-    forward+backward 20.4 -> 17.8 ms with three dk/dv stages.
+    forward+backward 20.4 -> 17.8 ms with three dk/dv stages; at dk = 192 see DKV_TILES_D256.
 
     ``shared_bytes``: the device's shared memory per block (:func:`max_shared_bytes`; None: no
-    limit). The 16-bit stage counts above are the most; a device with less shared memory
-    (sm_86, sm_89: 99 KiB) takes fewer (the ``*_STAGE_BYTES`` tables): at D <= 128 a
-    two-stage forward, at D = 256 a one-stage forward and a two-stage dq.
+    limit). The 16-bit stage counts and D = 256 dk/dv tiles above are the most; a device with
+    less shared memory (sm_86, sm_89: 99 KiB) takes fewer stages (the ``*_STAGE_BYTES`` tables)
+    and the fastest dk/dv tile that fits (``DKV_TILES_D256``): at D <= 128 a two-stage
+    forward; at D = 256 a one-stage forward, a two-stage dq and 64 x 32 dk/dv tiles.
     """
     cfg = config or CmpConfig()
     check_pow2_tiles(cfg, _TILE_FIELDS)
@@ -141,7 +150,10 @@ def resolve_config(
     elif pow2(max(dk, dv, 16)) > 128:
         fwd_stages = stages_within(2, FWD_STAGE_BYTES_D256, shared_bytes)
         dq_stages = stages_within(3, DQ_STAGE_BYTES_D256, shared_bytes)
-        table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, 32, 32, 8, 2)
+        tiles = DKV_TILES_D256_WINDOWED if windowed else DKV_TILES_D256
+        fits = [(n, m) for n, m, need in tiles if shared_bytes is None or need <= shared_bytes]
+        dkv_n, dkv_m = fits[0] if fits else (32, 32)
+        table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, dkv_n, dkv_m, 8, 2)
     else:
         fwd_stages = stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes)
         dkv = (128, 32, 8, 3) if windowed else (128, 64, 8, 2)
