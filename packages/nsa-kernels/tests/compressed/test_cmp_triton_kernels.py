@@ -313,6 +313,16 @@ def test_segment_rows_splits_long_problems_only() -> None:
     assert 8192 <= long <= 32768
     assert segment_rows(launch(400), cfg, 2, 132) == 400, "a short problem is not split"
     assert segment_rows(launch(65536), replace_segment(cfg, 100), 2, 132) == 100
+    # The sliding branch (l = d = 1, a window) never splits by default: a key tile meets at most
+    # dkv_block_n + w - 1 rows, and a split would allocate partials for every (tile, segment).
+    windowed = _Launch(
+        batch=1, tq=131072, hq=64, h=4, dk=128, dv=128, num_blocks=131072, cmp_block=1,
+        cmp_stride=1, q_start=0, scale=1.0, cu_seqlens=None, cmp_cu=None, window=512,
+    )  # fmt: skip
+    assert windowed.windowed
+    win_cfg = resolve_config(None, 128, 128, torch.bfloat16, windowed=True)
+    assert segment_rows(windowed, win_cfg, 2, 132) == 131072
+    assert segment_rows(windowed, replace_segment(win_cfg, 640), 2, 132) == 640
 
 
 def replace_segment(cfg: CmpConfig, rows: int) -> CmpConfig:

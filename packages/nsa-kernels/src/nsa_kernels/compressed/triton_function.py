@@ -347,7 +347,8 @@ def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, num_sms: int) -> in
     """Query rows per dk/dv program: cfg.dkv_segment, or from the work and the SM count.
 
     Without a setting: the (query row, key tile) pairs over DKV_PROGRAMS_PER_SM * num_sms
-    programs, a multiple of ``tokens`` (rows per step), at least MIN_SEGMENT_ROWS.
+    programs, a multiple of ``tokens`` (rows per step), at least MIN_SEGMENT_ROWS; in windowed
+    mode (the sliding branch) no split: every tile's rows, the whole sequence.
 
     The work is the number of (query row, key tile) pairs of one sequence of ``tq`` rows (for
     packed sequences an overestimate: it treats them as one sequence, which splits less).
@@ -356,6 +357,12 @@ def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, num_sms: int) -> in
         return cfg.dkv_segment
     bn = cfg.dkv_block_n
     rows = info.tq
+    if info.windowed:
+        # A windowed key tile meets at most bn + w - 1 rows, and T / bn tiles share the work
+        # evenly. Segments are absolute row ranges, so a split would allocate float32 partials
+        # for every (tile, segment) pair, most never met (13.5 GiB at T = 128k, HQ = 64, H = 4,
+        # d = 128, w = 512 on 132 SMs), and launch as many programs, most loading K/V for nothing.
+        return max(rows, 1)
     pairs = 0
     for tile in range(-(-info.num_blocks // bn)):
         first = tile * bn * info.cmp_stride + info.cmp_block - 1 - info.q_start
