@@ -57,6 +57,23 @@ def test_resolve_configs_fit_a_99_kib_device() -> None:
     assert sel_config(None, 16, 192, 128, 64, shared_bytes=SM89_SHARED).dq_stages == 2
     assert sel_config(None, 16, 128, 128, 64, shared_bytes=SM89_SHARED).dq_stages == 3
     assert sel_config(None, 16, 192, 128, 64, shared_bytes=H100_SHARED).dq_stages == 3
+    # float32 asks twice the bytes: three dq stages at dk = 192 do not fit an A100 (163 KiB).
+    fp32_a100 = sel_config(None, 16, 192, 128, 64, shared_bytes=166_912, dtype=torch.float32)
+    assert fp32_a100.dq_stages == 2
+    assert sel_config(None, 16, 192, 128, 64, shared_bytes=166_912).dq_stages == 3
+    from nsa_kernels.scoring.function import phase_weights
+    from nsa_kernels.scoring.function import resolve_config as score_config
+
+    def score_stages(dtype: torch.dtype, shared: int | None) -> int:
+        geometry = phase_weights(32, 16, 64)
+        return score_config(
+            None, group=16, num_selected=16, weights=geometry, tq=4096, dtype=dtype,
+            head_dim=192, shared_bytes=shared,
+        ).stages  # fmt: skip
+
+    assert score_stages(torch.float32, SM89_SHARED) == 1
+    assert score_stages(torch.float32, H100_SHARED) == 2
+    assert score_stages(torch.bfloat16, SM89_SHARED) == 2
 
 
 @pytest.mark.triton

@@ -130,10 +130,11 @@ def resolve_config(
     | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
 
-    The 16-bit D <= 128 rows are the fastest of sweeps at T = 64k, HQ = 64, H = 4, d = 128 on
-    an H200 (docs/results/2026-11-26-h100-h200.md): the compressed branch's backward 67.0 ->
-    40.2 ms on 128-block key tiles, 35.5 ms with 64-row steps; the sliding branch's (w = 512)
-    forward+backward 20.4 -> 17.8 ms with three dk/dv stages; at dk = 192 see DKV_TILES_D256.
+    The 16-bit rows are the fastest of sweeps at T = 64k, HQ = 64, H = 4 on an H200
+    (docs/results/2026-11-26-h100-h200.md, docs/results/2026-11-26-h200-layer.md): at d = 128
+    the compressed branch's backward 67.0 -> 40.2 ms on 128-block key tiles, 35.5 ms with 64-row
+    steps; the sliding branch's (w = 512) forward+backward 20.4 -> 17.8 ms with three dk/dv
+    stages; at dk = 192 see DKV_TILES_D256.
 
     ``shared_bytes``: the device's shared memory per block (:func:`max_shared_bytes`; None: no
     limit). The 16-bit stage counts and D = 256 dk/dv tiles above are the most; a device with

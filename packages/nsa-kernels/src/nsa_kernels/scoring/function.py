@@ -24,14 +24,22 @@ import triton.language as tl
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_select_blocks
-from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2
+from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
 from nsa_kernels.common.tile_table import tile_table
-from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM, check_dtype, dot_precision
+from nsa_kernels.common.triton_inputs import (
+    MAX_HEAD_DIM,
+    check_dtype,
+    dot_precision,
+    max_shared_bytes,
+)
 from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from nsa_kernels.scoring.kernels import LOG2E, score_topn_kernel
 
 # Shifts of block scores by tl.gather need Triton >= 3.2; older ones take a one-hot contraction.
 HAS_GATHER = hasattr(tl, "gather")
+# Shared memory (bytes) the float32 kernel asks at two stages with dk = 192, G = 16, compiled
+# for sm_89 (99 KiB per block; Triton 3.6, ci/compile_triton.py); one stage fits there.
+STAGE_BYTES_FP32_WIDE = {2: 123_904}
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ def resolve_config(
     tq: int,
     dtype: torch.dtype,
     head_dim: int,
+    shared_bytes: int | None = None,
 ) -> ScoreConfig:
     """Fill the zeros of ``config`` with the defaults, raised to what the kernel needs.
 
@@ -119,7 +128,8 @@ def resolve_config(
     blocks per tile of the normaliser pass; 8 warps at 128 rows and more (4 below); 2 stages.
     Whatever the request, block_rows holds the padded group, and block_sel is at least 16,
     pow2(n) (the running top-n merges NP-wide chunks of a tile) and pow2(Q) (a spill reaches
-    one tile back at most).
+    one tile back at most). ``shared_bytes`` (the device's per block, None: no limit): float32
+    at dk > 128 takes one stage where two ask more (STAGE_BYTES_FP32_WIDE; sm_86, sm_89).
     """
     cfg = config or ScoreConfig()
     check_pow2_tiles(cfg, ("block_rows", "block_sel", "block_lse"))
@@ -135,12 +145,13 @@ def resolve_config(
     # (docs/results/2026-11-26-h100-h200.md); at dk = 192 that alone is slower.
     columns = 64 if head_dim <= 128 else 128 if head_dim <= 192 else 64
     sel = cfg.block_sel or min(max(16, columns // pow2(weights.ratio)), max(16, 1024 // tokens))
+    stage_needs = STAGE_BYTES_FP32_WIDE if dtype == torch.float32 and head_dim > 128 else {}
     return ScoreConfig(
         block_rows=rows,
         block_sel=max(sel, pow2(num_selected), pow2(weights.reach)),
         block_lse=cfg.block_lse or 64,
         warps=cfg.warps or (8 if rows >= 128 else 4),
-        stages=cfg.stages or 2,
+        stages=cfg.stages or stages_within(2, stage_needs, shared_bytes),
         shift=cfg.shift or (1 if HAS_GATHER else 2),
     )
 
@@ -245,6 +256,7 @@ def select_blocks_triton(
         tq=tq,
         dtype=q.dtype,
         head_dim=dk,
+        shared_bytes=max_shared_bytes(q.device),
     )
     heads = pow2(group)
     tokens = cfg.block_rows // heads

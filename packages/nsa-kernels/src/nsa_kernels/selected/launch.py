@@ -27,9 +27,11 @@ from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_s
 from nsa_kernels.common.triton_inputs import dot_precision as dot_precision
 from nsa_kernels.common.triton_inputs import num_sms as num_sms
 
-# Shared memory (bytes) the 16-bit dq kernel asks at three stages with dk over 128 (one 256-wide
-# tile), compiled for sm_89 (Triton 3.6, ci/compile_triton.py); two stages ask 63,488.
+# Shared memory (bytes) the dq kernel asks at three stages with dk over 128 (one 256-wide tile),
+# G = 16, compiled for sm_89 (Triton 3.6, ci/compile_triton.py): 16-bit and float32. Two stages
+# ask 63,488 and 126,976 B.
 DQ_STAGE_BYTES_D256 = {3: 112_640}
+DQ_STAGE_BYTES_D256_FP32 = {3: 225_280}
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ def resolve_config(
     toggles: Toggles | None = None,
     *,
     shared_bytes: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> SelConfig:
     """Fill the zeros of ``config`` with the defaults (``toggles`` default: :func:`get_toggles`).
 
@@ -98,8 +101,8 @@ def resolve_config(
     dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
     ``tma`` stays 0 here: the launch decides it from the device (:func:`use_tma`).
     ``shared_bytes``: the device's shared memory per block (None: no limit); with dk over 128
-    a device with less than DQ_STAGE_BYTES_D256 asks (sm_86, sm_89: 99 KiB) runs dq on two
-    stages.
+    a device with less than the DQ_STAGE_BYTES_D256 tables ask for ``dtype`` runs dq on two
+    stages (16-bit on sm_86 and sm_89, 99 KiB; float32 on an A100, 163 KiB).
     """
     cfg = config or SelConfig()
     toggles = get_toggles() if toggles is None else toggles
@@ -109,8 +112,8 @@ def resolve_config(
     check_pow2_tiles(cfg, ("block_l", "block_d", "block_dv"))
     heads = min(cfg.heads_per_prog, group)
     rows = max(32, pow2(min(group, 64)))
-    wide = pow2(max(dk, 16)) > 128
-    dq_stages = stages_within(3, DQ_STAGE_BYTES_D256 if wide else {}, shared_bytes)
+    wide_needs = DQ_STAGE_BYTES_D256_FP32 if dtype == torch.float32 else DQ_STAGE_BYTES_D256
+    dq_stages = stages_within(3, wide_needs if pow2(max(dk, 16)) > 128 else {}, shared_bytes)
     return replace(
         cfg,
         block_l=cfg.block_l or max(16, min(64, pow2(sel_block))),
@@ -201,7 +204,14 @@ def prepare(
     return Launch(
         sel_block=sel_block,
         cfg=resolve_config(
-            config, hq // h, dk, dv, sel_block, toggles, shared_bytes=max_shared_bytes(q.device)
+            config,
+            hq // h,
+            dk,
+            dv,
+            sel_block,
+            toggles,
+            shared_bytes=max_shared_bytes(q.device),
+            dtype=q.dtype,
         ),
         batch=batch,
         tq=tq,

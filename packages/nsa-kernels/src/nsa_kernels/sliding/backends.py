@@ -16,7 +16,7 @@ serves the call; whatever all of them decline falls to nsa-core's reference (pri
 H = 4, d = 128, w = 512, bf16 on an H200 it took 1.58 / 2.87 / 5.22 / 10.48 ms forward and
 5.67 / 10.68 / 20.42 / 40.29 ms forward+backward at T = 16k / 32k / 64k / 128k against Flex's
 2.06 / 4.14 / 5.30 / 15.06 and 8.08 / 15.56 / 20.80 / 59.81 ms; at 8k the two were within 5%
-(docs/results/2026-11-26-h100-h200.md). It serves any G, needs no compile step, and its
+(docs/results/2026-11-26-h200-layer.md). It serves any G, needs no compile step, and its
 backward is deterministic. FA-2 stays above it where flash_attn is installed.
 """
 
