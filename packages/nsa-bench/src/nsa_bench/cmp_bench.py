@@ -137,6 +137,7 @@ Timer = Callable[[Callable[[], object]], float]
 
 def time_triton(p: CmpProblem, config_text: str, timer: Timer) -> tuple[str, float, float, float]:
     """(resolved config, forward, backward alone, forward+backward) ms of the Triton kernels."""
+    from nsa_kernels.common.triton_inputs import max_shared_bytes
     from nsa_kernels.compressed.triton_function import (
         compressed_attention_bwd,
         compressed_attention_fwd,
@@ -147,9 +148,12 @@ def time_triton(p: CmpProblem, config_text: str, timer: Timer) -> tuple[str, flo
 
     config = parse_config(config_text)
     dk, dv = p.q.shape[-1], p.v.shape[-1]
-    # The sliding kernels' own defaults where the window bounds anything (as the op picks them).
-    windowed = 0 < p.window < p.q.shape[1]
-    shown = resolve_config(config, dk, dv, p.q.dtype, windowed=windowed).describe()
+    # The tiles the op resolves: the sliding kernels' own where the window bounds anything,
+    # and fewer stages or smaller tiles where the device has less shared memory.
+    shown = resolve_config(
+        config, dk, dv, p.q.dtype,
+        windowed=0 < p.window < p.q.shape[1], shared_bytes=max_shared_bytes(p.q.device),
+    ).describe()  # fmt: skip
     if p.window:
         return (shown, *time_sliding(p, "triton", timer, config))
     block, stride = p.cmp_block, p.cmp_stride
@@ -287,12 +291,9 @@ def run(args: argparse.Namespace) -> int:
                     except OutOfResources as exc:
                         # One entry of a tile sweep that this GPU cannot hold: say so, go on.
                         print(f"T={seq_len} config {config_text!r}: not run: {exc}", flush=True)
-            elif method == "flex":
+            elif args.window and (method == "flex" or seq_len <= args.baseline_max_t):
                 timed.append((method, "", *time_sliding(p, method, timer)))
             elif seq_len <= args.baseline_max_t:
-                if args.window:
-                    timed.append((method, "", *time_sliding(p, method, timer)))
-                    continue
                 fwd_ms, both_ms = time_peer(method, p, timer)
                 timed.append((method, "", fwd_ms, math.nan, both_ms))
         for method, shown, fwd_ms, bwd_ms, both_ms in timed:
