@@ -26,6 +26,7 @@ import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
+from nsa_kernels.common.finite_flag import all_finite_flag
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
 from nsa_kernels.common.tile_table import tile_table
@@ -326,8 +327,20 @@ def _fwd(
     tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
     cu, cmp_cu = _varlen_args(info, q.device)
     grid = (num_tiles * info.h * layout.chunks,)
+    finite = all_finite_flag(v)
+    # Two launches, one of which returns at once: see cmp_fwd_kernel.
+    for contain in (False, True):
+        _fwd_launch(q, k, v, o, lse, finite, tiles, cu, cmp_cu, info, cfg, layout, grid, contain)
+    return o, lse
+
+
+def _fwd_launch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    finite: torch.Tensor, tiles: torch.Tensor, cu: torch.Tensor, cmp_cu: torch.Tensor,
+    info: _Launch, cfg: CmpConfig, layout: RowTiles, grid: tuple[int], contain: bool,
+) -> None:  # fmt: skip
     cmp_fwd_kernel[grid](
-        q, k, v, o, lse, tiles, cu, cmp_cu,
+        q, k, v, o, lse, finite, tiles, cu, cmp_cu,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -337,11 +350,10 @@ def _fwd(
         G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
         DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
         LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
-        VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed,
+        VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed, CONTAIN=contain,
         DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )  # fmt: skip
-    return o, lse
 
 
 def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, num_sms: int) -> int:

@@ -142,6 +142,7 @@ def _fwd_key_tile(
     BV: tl.constexpr,
     BN: tl.constexpr,
     MASK: tl.constexpr,
+    CONTAIN: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -149,7 +150,8 @@ def _fwd_key_tile(
 
     MASK: some row does not see every block of the tile (per-row prefix ``nvis``, from ``nlo``
     on when WINDOWED, and blocks at or past ``n_hi`` do not exist for any row); without it every
-    block is visible to every row.
+    block is visible to every row. CONTAIN (with MASK): the values may hold a non-finite one,
+    which must not reach the rows that do not see it.
     """
     offs_n = tl.arange(0, BN)
     blocks = n0 + offs_n
@@ -165,17 +167,18 @@ def _fwd_key_tile(
     # m_i starts finite (-1e30), so a row that sees nothing keeps p = exp2(-inf) = 0, alpha = 1.
     m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
     vt = load_key_rows(v_head, k_rows, stride_vt, live, DV, BV, MASK)
-    if MASK:
+    if CONTAIN:
         # A row meets the values of blocks it does not see with p = 0, and 0 x NaN = NaN: the
         # dot takes finite values only, and a channel whose visible values hold a non-finite
-        # one becomes NaN (docs/spec.md, "Non-finite values").
+        # one becomes NaN (docs/spec.md, "Non-finite values"). It costs the tile a second dot
+        # and a trip of V through registers: only calls whose values are not all finite pay it.
         finite = (vt == vt) & (vt != float("inf")) & (vt != float("-inf"))
         sees = seen.to(vt.dtype)
         hits = tl.dot(sees, (~finite).to(vt.dtype), input_precision=DOT_PREC)
         vt = tl.where(finite, vt, 0.0)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(vt.dtype), vt, acc, input_precision=DOT_PREC)
-    if MASK:
+    if CONTAIN:
         acc = tl.where(hits > 0.0, float("nan"), acc)
     return m_new, l_i, acc
 
@@ -187,6 +190,7 @@ def cmp_fwd_kernel(
     v_ptr,
     o_ptr,
     lse_ptr,
+    finite_ptr,
     tiles_ptr,
     cu_ptr,
     cmp_cu_ptr,
@@ -224,13 +228,23 @@ def cmp_fwd_kernel(
     BN: tl.constexpr,
     VARLEN: tl.constexpr,
     WINDOWED: tl.constexpr,
+    CONTAIN: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     """o [BM, DV] and lse [BM] of one query tile of one kv head (head chunk).
 
     q [B, Tq, HQ, DK], k [B, N, H, DK], v [B, N, H, DV], o [B, Tq, HQ, DV], lse [B, Tq, HQ].
     Grid: that of :func:`query_tile_rows`.
+
+    A call launches the kernel twice, and exactly one launch does the work, as finite [1] int32
+    (nonzero: every value of v is finite) says: CONTAIN=False for finite values, CONTAIN=True
+    (the masked tiles contain non-finite values) otherwise; the other one's programs return at
+    once. Containment in the same kernel behind a branch would cost every call: its registers
+    (a second accumulator and V in registers) took the kernel to 255 registers and spills on
+    sm_90, against 242 and none without it.
     """
+    if (tl.load(finite_ptr) != 0) == CONTAIN:
+        return
     b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo, n_start, n_open = (
         query_tile_rows(
             tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads, window,
@@ -252,7 +266,8 @@ def cmp_fwd_kernel(
                 m_i, l_i, acc = _fwd_key_tile(
                     q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
                     stride_kt, stride_vt, qk_scale,
-                    DK, BK, DV, BV, BN, stretch != 1, WINDOWED, DOT_PREC,
+                    DK, BK, DV, BV, BN, stretch != 1, CONTAIN and stretch != 1, WINDOWED,
+                    DOT_PREC,
                 )  # fmt: skip
 
     seen = l_i > 0.0

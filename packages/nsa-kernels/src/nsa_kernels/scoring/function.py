@@ -125,7 +125,10 @@ def resolve_config(
     compressed blocks at 128 < dk <= 192 (32 selection blocks at l' = 4d), 64 at dk <= 128
     (faster) and for dk > 192 (so that q and two stages of keys fit in shared memory), with at
     most 1024 (token, block) scores per tile (the running top-n sorts them in registers); 64
-    blocks per tile of the normaliser pass; 8 warps at 128 rows and more (4 below); 2 stages.
+    blocks per tile of the normaliser pass; 4 warps, 8 above 128 rows or at dk > 128 (4 warps
+    spill there); 2 stages. At dk = 128 four warps (163 registers a thread, three programs per
+    SM) took the 64k scoring from 9.99 to 7.41 ms on an H200, together with the NaN flags read
+    off the scores (docs/results/2026-11-26-h200-layer-2.md).
     Whatever the request, block_rows holds the padded group, and block_sel is at least 16,
     pow2(n) (the running top-n merges NP-wide chunks of a tile) and pow2(Q) (a spill reaches
     one tile back at most). ``shared_bytes`` (the device's per block, None: no limit): float32
@@ -150,7 +153,7 @@ def resolve_config(
         block_rows=rows,
         block_sel=max(sel, pow2(num_selected), pow2(weights.reach)),
         block_lse=cfg.block_lse or 64,
-        warps=cfg.warps or (8 if rows >= 128 else 4),
+        warps=cfg.warps or (8 if rows > 128 or head_dim > 128 else 4),
         stages=cfg.stages or stages_within(2, stage_needs, shared_bytes),
         shift=cfg.shift or (1 if HAS_GATHER else 2),
     )

@@ -36,7 +36,10 @@ wherever they sit. A score and its block pack into one int64 key
 descending orders by score, ties to the lower j. A NaN or +inf score gets the high half 0.
 A NaN logit among the blocks a row sees makes every score of its group NaN (the softmax's
 denominator is NaN): such a token keeps its forced blocks and takes the lowest valid j for the
-rest, whatever the normaliser (the lse argument, or the first pass) says.
+rest, whatever the normaliser (the lse argument, or the first pass) says. The kernel reads such
+a logit off the token's scores: whatever the normaliser, it makes the score of the block that
+owns it NaN (padding heads and padded phases, which may meet 0 x inf in a dot, are kept out of
+the sums).
 """
 
 from __future__ import annotations
@@ -197,7 +200,8 @@ def _score_tile(
     j0,
     run,
     p_prev,
-    nan_rows,
+    nan_tok,
+    real_rows,
     q1,
     q2,
     k_head,
@@ -217,6 +221,7 @@ def _score_tile(
     RP: tl.constexpr,
     REACH: tl.constexpr,
     BT: tl.constexpr,
+    G: tl.constexpr,
     GP: tl.constexpr,
     BS: tl.constexpr,
     NP: tl.constexpr,
@@ -233,9 +238,9 @@ def _score_tile(
     previous tile carries into this one (its blocks spill into this tile's first ones): for
     Q <= 1 its spill sums [BT, BS] (the weights w[1] applied), else its group-summed
     probabilities [BT, RP, BS]. lse2 [BM]: base-2 normalisers, +inf on rows that must give
-    p = 0. nan_rows [BM] int32: 1 on rows with a NaN logit among the blocks they saw so far.
-    MASKED: some row does not see some block of the tile. Returns (run, the carry, nan_rows),
-    each updated with this tile.
+    p = 0. nan_tok [BT, BS] int32: 1 where a token has had a NaN score so far (reduced at
+    the end). real_rows [BM]: rows of a real head (g < G). MASKED: some row does not see some
+    block of the tile. Returns (run, the carry, nan_tok), each updated with this tile.
     """
     cols = tl.arange(0, RP * BS)
     col_m = cols // BS
@@ -243,18 +248,18 @@ def _score_tile(
     load_ok = (col_m < R) & (blk < n_vis)
     k_rows = k_head + blk.to(tl.int64) * stride_kt
     s = _tile_logits(q1, q2, k_rows, load_ok, DK, BK1, BK2, MASKED or RP > R, DOT_PREC)
-    # Padded phases (m >= r) read zero keys, so their p is finite; their weights are 0.
     p = tl.exp2(s * qk_scale - lse2[:, None])
     if MASKED:
         last = blk * CMP_STRIDE + CMP_BLOCK - 1
         seen = load_ok[None, :] & (last[None, :] <= t_row[:, None])
         p = tl.where(seen, p, 0.0)
-    else:
-        seen = (col_m < R)[None, :]
-    # A NaN logit among the blocks a row sees makes its softmax's denominator NaN: every
-    # probability of the row, hence every score of its group, is NaN (docs/spec.md,
-    # "Non-finite values"). Flagged here, applied to the top-n at the end.
-    nan_rows = tl.maximum(nan_rows, tl.max(((s != s) & seen).to(tl.int32), axis=1))
+    elif RP > R:
+        # Padded phases (m >= r) read zero keys and weigh 0, but a non-finite q makes their
+        # logit NaN, and NaN x 0 = NaN: only real blocks may reach the scores.
+        p = tl.where((col_m < R)[None, :], p, 0.0)
+    if GP > G:
+        # Padding heads read q = 0, and 0 x inf = NaN in a dot: keep them out of the sums.
+        p = tl.where(real_rows[:, None], p, 0.0)
     p4 = tl.reshape(p, (BT, GP, RP, BS))
     L: tl.constexpr = CMP_BLOCK // CMP_STRIDE
     w_own = _phase_weights(0, R, RP, L)[None, None, :, None]
@@ -277,6 +282,13 @@ def _score_tile(
             spill_prev = tl.sum(p_prev * w_q, axis=1)
             score += _shift_blocks(spill_cur, spill_prev, q, BS, USE_GATHER)
 
+    # A NaN logit among the blocks a row sees makes its softmax's denominator NaN: every
+    # probability of the row, hence every score of its group, is NaN (docs/spec.md,
+    # "Non-finite values"). Whatever the normaliser, such a logit makes p, and so the score
+    # of the block that owns it (a positive weight), NaN here: flagged per token, applied to
+    # the top-n at the end. Elementwise, so that a tile pays no reduction for it.
+    nan_tok = tl.maximum(nan_tok, (score != score).to(tl.int32))
+
     # Candidates: valid (j <= jt), not forced (0, jt - 1, jt): 1 <= j <= jt - 2.
     j = j0 + tl.arange(0, BS)
     cand = tok_ok[:, None] & (j >= 1)[None, :] & (j[None, :] <= jt[:, None] - 2)
@@ -295,7 +307,7 @@ def _score_tile(
         # run is descending, top ascending: their elementwise max holds the NP largest of
         # both and is bitonic, so one merge sorts it.
         run = _bitonic(tl.maximum(run, top), LOG_BT, LOG_NP, 1, True)
-    return run, carry, nan_rows
+    return run, carry, nan_tok
 
 
 @triton.jit
@@ -455,18 +467,19 @@ def score_topn_kernel(
     # Selection tiles whose owned blocks every row sees, then the rest up to the last jt.
     seen_by_all = n_vis_first // R // BS * BS
     sel_end = tl.where(n_rows > 0, t_last // SEL + 1, 0)
-    nan_rows = tl.zeros([BM], dtype=tl.int32)
+    nan_tok = tl.zeros([BT, BS], dtype=tl.int32)
+    real_rows = g < G
     for j0 in range(0, seen_by_all, BS):
-        run, p_prev, nan_rows = _score_tile(
-            j0, run, p_prev, nan_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt,
-            n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
-            LOG_BT, LOG_BS, LOG_NP, False, USE_GATHER, DOT_PREC,
+        run, p_prev, nan_tok = _score_tile(
+            j0, run, p_prev, nan_tok, real_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok,
+            jt, n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, G, GP, BS,
+            NP, LOG_BT, LOG_BS, LOG_NP, False, USE_GATHER, DOT_PREC,
         )  # fmt: skip
     for j0 in range(seen_by_all, sel_end, BS):
-        run, p_prev, nan_rows = _score_tile(
-            j0, run, p_prev, nan_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok, jt,
-            n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, GP, BS, NP,
-            LOG_BT, LOG_BS, LOG_NP, True, USE_GATHER, DOT_PREC,
+        run, p_prev, nan_tok = _score_tile(
+            j0, run, p_prev, nan_tok, real_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok,
+            jt, n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, G, GP, BS,
+            NP, LOG_BT, LOG_BS, LOG_NP, True, USE_GATHER, DOT_PREC,
         )  # fmt: skip
 
     # Forced blocks {0, jt - 1, jt} as a set (jt = 0: {0}; jt = 1: {0, 1}); the first
@@ -479,8 +492,8 @@ def score_topn_kernel(
     run_j = ((run & _LOW) ^ _LOW).to(tl.int32)
     # A token whose group has a row with a NaN normaliser scores NaN on every block: the
     # non-finite rule ranks them by ascending j, so its free slots take the lowest candidates
-    # 1, 2, ..., jt - 2 (padding rows, which read zeros for q, are left out).
-    nan_tok = tl.max(tl.reshape(tl.where(row_ok, nan_rows, 0), (BT, GP)), axis=1) > 0
+    # 1, 2, ..., jt - 2.
+    nan_tok = tl.max(nan_tok, axis=1) > 0
     lowest = rank + 1
     from_lowest = (rank < free[:, None]) & (lowest <= jt[:, None] - 2)
     from_run = tl.where(nan_tok[:, None], from_lowest, from_run)
