@@ -340,8 +340,15 @@ def test_default_tiles_follow_the_branch_and_the_device() -> None:
     bf16 = torch.bfloat16
     # The compressed branch: 128-block dk/dv tiles on 64-row steps; the sliding branch's short
     # dk/dv walks take 32-row steps on three stages.
-    assert tiles(resolve_config(None, 128, 128, bf16)) == (3, 128, 64, 2)
+    assert tiles(resolve_config(None, 128, 128, bf16)) == (2, 128, 64, 2)
     assert tiles(resolve_config(None, 128, 128, bf16, windowed=True)) == (3, 128, 32, 3)
+    # The compressed forward's 128-block key tiles where their two stages fit (Hopper), 64
+    # blocks on three stages on an A100; the sliding branch always walks 64-key tiles.
+    assert resolve_config(None, 128, 128, bf16).block_n == 128
+    assert resolve_config(None, 128, 128, bf16, shared_bytes=232_448).block_n == 128
+    a100 = resolve_config(None, 128, 128, bf16, shared_bytes=166_912)
+    assert (a100.block_n, a100.fwd_stages) == (64, 3)
+    assert resolve_config(None, 128, 128, bf16, windowed=True).block_n == 64
     # A device with 99 KiB per block (sm_89) runs the forward on two stages
     # (tests/test_small_shared_memory.py); a field the caller set is kept.
     assert (

@@ -98,10 +98,14 @@ def test_resolve_config_defaults_and_floors() -> None:
     paper = phase_weights(32, 16, 64)
     cfg = _resolve(None, 16, 16, paper, 65536)
     # dk = 128: 64 dot columns, 16 selection blocks at l' = 4d (measured faster than 32).
-    # Four warps at dk <= 128 (three programs an SM); eight at dk = 192, where four spill.
+    # Four warps on a 128 x 64 dot at dk <= 128 (three programs an SM); eight on a wider dot
+    # or at dk = 192, where four spill.
     assert (cfg.block_rows, cfg.block_sel, cfg.block_lse, cfg.warps) == (128, 16, 64, 4)
     wide = _resolve(None, 16, 16, paper, 65536, head_dim=192)
     assert (wide.block_sel, wide.warps) == (32, 8)
+    assert _resolve(ScoreConfig(block_sel=64), 16, 16, paper, 65536).warps == 8
+    assert _resolve(ScoreConfig(block_rows=256), 16, 16, paper, 65536).warps == 8
+    assert _resolve(ScoreConfig(block_rows=64), 16, 16, paper, 65536).warps == 4
     assert _resolve(None, 16, 16, paper, 65536, head_dim=256).block_sel == 16
     # float32 dots run on CUDA cores: smaller row tiles.
     assert _resolve(None, 16, 16, paper, 65536, torch.float32).block_rows == 32

@@ -55,6 +55,10 @@ MIN_SEGMENT_ROWS = 512
 # limit, compiled for sm_89 (99 KiB per block; Triton 3.6, ci/compile_triton.py): a device with
 # less per block takes fewer stages (:func:`resolve_config`).
 FWD_STAGE_BYTES_D128 = {3: 114_688}
+# The compressed forward's 128-block key tile on two stages (16 bits, D <= 128) asks this much
+# compiled for sm_90 (its containing variant; the finite one asks 163,840 B): Hopper's 227 KiB
+# hold it, an A100's 163 KiB do not (on sm_80 and sm_89 it spills besides).
+FWD_WIDE_TILE_BYTES = 196_608
 FWD_STAGE_BYTES_D256 = {2: 131_072}
 DQ_STAGE_BYTES_D256 = {3: 102_400}
 # dk/dv tiles (key blocks, query rows per step) at D = 256 in 16 bits, fastest first, each with
@@ -125,13 +129,17 @@ def resolve_config(
 
     | case | forward (rows x blocks, warps, stages) | dq | dk/dv (blocks x rows) |
     |---|---|---|---|
-    | 16-bit, D <= 128 | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 64, 8, 2 |
+    | 16-bit, D <= 128 | 128 x 128, 8, 2 (128 x 64, 8, 3) | 128 x 64, 8, 2 | 128 x 64, 8, 2 |
     | 16-bit, D <= 128, windowed | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 32, 8, 3 |
     | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 64, 8, 2 |
     | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
 
-    The 16-bit rows are the fastest of sweeps at T = 64k, HQ = 64, H = 4 on an H200
+    The compressed forward at D <= 128 takes 128-block key tiles where their two stages fit
+    (FWD_WIDE_TILE_BYTES: Hopper), else the bracketed 64-block tiles: 10.38 -> 9.94 ms at
+    T = 64k on an H200 (docs/results/2026-11-26-h200-layer-2.md); the sliding branch's short
+    walks keep 64 (4.31 ms against 3.98 on 128). The 16-bit rows are the fastest of sweeps at
+    T = 64k, HQ = 64, H = 4 on an H200
     (docs/results/2026-11-26-h100-h200.md, docs/results/2026-11-26-h200-layer.md): at d = 128
     the compressed branch's backward 67.0 -> 40.2 ms on 128-block key tiles, 35.5 ms with 64-row
     steps; the sliding branch's (w = 512) forward+backward 20.4 -> 17.8 ms with three dk/dv
@@ -157,9 +165,10 @@ def resolve_config(
         dkv_n, dkv_m = fits[0] if fits else (32, 32)
         table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, dkv_n, dkv_m, 8, 2)
     else:
-        fwd_stages = stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes)
+        wide = not windowed and (shared_bytes is None or shared_bytes >= FWD_WIDE_TILE_BYTES)
+        fwd = (128, 2) if wide else (64, stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes))
         dkv = (128, 32, 8, 3) if windowed else (128, 64, 8, 2)
-        table = (128, 64, 8, fwd_stages, 128, 64, 8, 2, *dkv)
+        table = (128, fwd[0], 8, fwd[1], 128, 64, 8, 2, *dkv)
     names = (
         "block_m", "block_n", "fwd_warps", "fwd_stages",
         "dq_block_m", "dq_block_n", "dq_warps", "dq_stages",

@@ -125,10 +125,11 @@ def resolve_config(
     compressed blocks at 128 < dk <= 192 (32 selection blocks at l' = 4d), 64 at dk <= 128
     (faster) and for dk > 192 (so that q and two stages of keys fit in shared memory), with at
     most 1024 (token, block) scores per tile (the running top-n sorts them in registers); 64
-    blocks per tile of the normaliser pass; 4 warps, 8 above 128 rows or at dk > 128 (4 warps
-    spill there); 2 stages. At dk = 128 four warps (163 registers a thread, three programs per
-    SM) took the 64k scoring from 9.99 to 7.41 ms on an H200, together with the NaN flags read
-    off the scores (docs/results/2026-11-26-h200-layer-2.md).
+    blocks per tile of the normaliser pass; 4 warps on dots of at most 128 x 64 at dk <= 128,
+    else 8 (4 warps spill on a wider dot or at dk = 192); 2 stages. At dk = 128 four warps
+    (163 registers a thread, three programs per SM) took the 64k scoring from 9.99 to 7.41 ms
+    on an H200, together with the NaN flags read off the scores; at dk = 192 they are slower
+    (16.9 against 12.7 ms; docs/results/2026-11-26-h200-layer-2.md).
     Whatever the request, block_rows holds the padded group, and block_sel is at least 16,
     pow2(n) (the running top-n merges NP-wide chunks of a tile) and pow2(Q) (a spill reaches
     one tile back at most). ``shared_bytes`` (the device's per block, None: no limit): float32
@@ -149,11 +150,13 @@ def resolve_config(
     columns = 64 if head_dim <= 128 else 128 if head_dim <= 192 else 64
     sel = cfg.block_sel or min(max(16, columns // pow2(weights.ratio)), max(16, 1024 // tokens))
     stage_needs = STAGE_BYTES_FP32_WIDE if dtype == torch.float32 and head_dim > 128 else {}
+    block_sel = max(sel, pow2(num_selected), pow2(weights.reach))
+    dot_elements = rows * block_sel * pow2(weights.ratio)
     return ScoreConfig(
         block_rows=rows,
-        block_sel=max(sel, pow2(num_selected), pow2(weights.reach)),
+        block_sel=block_sel,
         block_lse=cfg.block_lse or 64,
-        warps=cfg.warps or (8 if rows > 128 or head_dim > 128 else 4),
+        warps=cfg.warps or (4 if dot_elements <= 128 * 64 and head_dim <= 128 else 8),
         stages=cfg.stages or stages_within(2, stage_needs, shared_bytes),
         shift=cfg.shift or (1 if HAS_GATHER else 2),
     )
