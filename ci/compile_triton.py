@@ -7,11 +7,14 @@ architectures through Triton's own JIT (its ``warmup`` entry: specialization, co
 launch) behind a driver that only names the target. A launch fails when Triton cannot compile it
 or when it asks for more shared memory than one SM of that architecture has.
 
-    python ci/compile_triton.py DIR [--arch 90 --arch 80]
+    python ci/compile_triton.py DIR [--arch 90 --arch 80] [--resources]
 
 Prints one line per kernel (variants compiled, the most shared memory any asks for) and every
 failure with its message; exits 1 on any failure not in KNOWN_FAILURES, and on a known failure
-that now compiles (so the list cannot go stale).
+that now compiles (so the list cannot go stale). ``--resources`` also prints, per launch, the
+registers a thread and the bytes spilled to local memory that ``ptxas -v`` (CUDA's assembler,
+on PATH) reports for the PTX Triton made: a spill or a register count that holds one program
+per SM shows here before any GPU run does (ci/paper_launches.py records the paper's shapes).
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ import argparse
 import contextlib
 import importlib
 import json
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,15 +150,52 @@ def compile_only_target(arch: int) -> Iterator[None]:
         driver._active = previous
 
 
+@dataclass(frozen=True)
+class Resources:
+    """What ``ptxas -v`` reports for one compiled launch."""
+
+    registers: int
+    spill_stores: int
+    spill_loads: int
+
+
+def ptxas_resources(ptx: str) -> Resources | None:
+    """Registers and spill bytes of the PTX's kernel, assembled for its own target; None when
+    ptxas is not on PATH."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    target = re.search(r"^\.target\s+(sm_\w+)", ptx, re.M)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        arch = target.group(1) if target else "sm_90a"
+        done = subprocess.run(
+            [ptxas, f"-arch={arch}", "-v", str(path), "-o", str(Path(tmp) / "kernel.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    report = done.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return Resources(
+        registers=int(registers.group(1)) if registers else 0,
+        spill_stores=int(spills.group(1)) if spills else 0,
+        spill_loads=int(spills.group(2)) if spills else 0,
+    )
+
+
 @dataclass
 class Outcome:
     launch: Launch
     shared: int | None
     error: str | None
     known: KnownFailure | None
+    resources: Resources | None = None
 
 
-def compile_launch(launch: Launch, arch: int) -> Outcome:
+def compile_launch(launch: Launch, arch: int, resources: bool = False) -> Outcome:
     kernel = getattr(importlib.import_module(launch.module), launch.kernel)
     options = {name: decode(value) for name, value in launch.options}
     constexprs = {name: value[1] for name, value in launch.options if value[0] == "value"}
@@ -162,14 +206,33 @@ def compile_launch(launch: Launch, arch: int) -> Outcome:
         message = (str(err).strip().splitlines() or [type(err).__name__])[-1]
         return Outcome(launch, None, f"{type(err).__name__}: {message[:300]}", known)
     shared = int(compiled.metadata.shared)
+    used = ptxas_resources(compiled.asm["ptx"]) if resources else None
     limit = MAX_SHARED_BYTES[arch]
     if shared > limit:
         too_much = f"needs {shared} B of shared memory, sm_{arch} has {limit} B"
-        return Outcome(launch, shared, too_much, known)
-    return Outcome(launch, shared, None, known)
+        return Outcome(launch, shared, too_much, known, used)
+    return Outcome(launch, shared, None, known, used)
 
 
-def run(folder: Path, archs: Sequence[int]) -> int:
+def print_resources(outcomes: Sequence[Outcome], arch: int) -> None:
+    """One line per compiled launch: registers, spill bytes, shared memory, its constexprs."""
+    rows = [o for o in outcomes if o.resources is not None]
+    if not rows:
+        print(f"\nsm_{arch}: no register report (ptxas is not on PATH)")
+        return
+    print(f"\nsm_{arch} resources (ptxas -v)")
+    print(f"{'kernel':<24} {'regs':>4} {'spill st/ld B':>13} {'shared B':>9}  launch")
+    for o in sorted(rows, key=lambda o: o.launch.kernel):
+        assert o.resources is not None
+        used = o.resources
+        opts = " ".join(
+            f"{k}={v[1]}" for k, v in o.launch.options if v[0] == "value" and v[1] is not None
+        )
+        spills = f"{used.spill_stores}/{used.spill_loads}"
+        print(f"{o.launch.kernel:<24} {used.registers:>4} {spills:>13} {o.shared or 0:>9}  {opts}")
+
+
+def run(folder: Path, archs: Sequence[int], resources: bool = False) -> int:
     launches = load_launches(folder)
     kernels = sorted({launch.kernel for launch in launches})
     print(f"[compile] {len(launches)} distinct launches of {len(kernels)} kernels from {folder}")
@@ -180,7 +243,7 @@ def run(folder: Path, archs: Sequence[int]) -> int:
         outcomes: list[Outcome] = []
         with compile_only_target(arch):
             for i, launch in enumerate(launches, 1):
-                outcomes.append(compile_launch(launch, arch))
+                outcomes.append(compile_launch(launch, arch, resources))
                 if i % 25 == 0 or i == len(launches):
                     print(f"[compile] sm_{arch}: {i}/{len(launches)}", flush=True)
         seconds = time.perf_counter() - t0
@@ -189,6 +252,8 @@ def run(folder: Path, archs: Sequence[int]) -> int:
             mine = [o for o in outcomes if o.launch.kernel == name]
             shared = max((o.shared or 0 for o in mine), default=0)
             print(f"{name:<24} {len(mine):>8} {shared:>13}")
+        if resources:
+            print_resources(outcomes, arch)
         for o in outcomes:
             opts = ", ".join(f"{k}={v[1]}" for k, v in o.launch.options if v[0] == "value")
             where = f"{o.launch.module}.{o.launch.kernel} ({opts})"
@@ -219,8 +284,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sorted(MAX_SHARED_BYTES),
         help="CUDA compute capability x10 to compile for (repeatable; default 90)",
     )
+    parser.add_argument(
+        "--resources",
+        action="store_true",
+        help="also print each launch's registers and spills (ptxas -v)",
+    )
     args = parser.parse_args(argv)
-    return run(args.folder, args.arch or [90])
+    return run(args.folder, args.arch or [90], args.resources)
 
 
 if __name__ == "__main__":
