@@ -339,30 +339,22 @@ def _fwd(
     finite = all_finite_flag(v)
     # Two launches, one of which returns at once: see cmp_fwd_kernel.
     for contain in (False, True):
-        _fwd_launch(q, k, v, o, lse, finite, tiles, cu, cmp_cu, info, cfg, layout, grid, contain)
+        cmp_fwd_kernel[grid](
+            q, k, v, o, lse, finite, tiles, cu, cmp_cu,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            lse.stride(0), lse.stride(1),
+            info.batch, info.tq, info.q_start, info.h, info.window, info.scale * LOG2E,
+            G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
+            DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
+            LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
+            VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed, CONTAIN=contain,
+            DOT_PREC=dot_precision(q.dtype),
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        )  # fmt: skip
     return o, lse
-
-
-def _fwd_launch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    finite: torch.Tensor, tiles: torch.Tensor, cu: torch.Tensor, cmp_cu: torch.Tensor,
-    info: _Launch, cfg: CmpConfig, layout: RowTiles, grid: tuple[int], contain: bool,
-) -> None:  # fmt: skip
-    cmp_fwd_kernel[grid](
-        q, k, v, o, lse, finite, tiles, cu, cmp_cu,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        info.batch, info.tq, info.q_start, info.h, info.window, info.scale * LOG2E,
-        G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
-        DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
-        LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
-        VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed, CONTAIN=contain,
-        DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-    )  # fmt: skip
 
 
 def segment_rows(info: _Launch, cfg: CmpConfig, tokens: int, num_sms: int) -> int:
