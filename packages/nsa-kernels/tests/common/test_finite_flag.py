@@ -39,3 +39,16 @@ def test_an_overflowing_sum_reads_zero() -> None:
 
 def test_empty_tensor_reads_one() -> None:
     assert all_finite_flag(torch.empty(0, 4)).item() == 1
+
+
+def test_several_tensors_read_one_only_when_all_are_finite() -> None:
+    k, v = torch.randn(3, 5), torch.randn(3, 7).bfloat16()
+    assert all_finite_flag(k, v).item() == 1
+    v[2, 6] = float("nan")
+    assert all_finite_flag(k, v).item() == 0
+    assert all_finite_flag(k).item() == 1
+
+
+def test_no_tensor_is_an_error() -> None:
+    with pytest.raises(ValueError, match="at least one tensor"):
+        all_finite_flag()

@@ -217,3 +217,55 @@ def test_out_of_range_indices_select_nothing_unless_checked(
     finally:
         monkeypatch.delenv("NSA_SEL_CHECK_INDICES")
         reload_toggles()
+
+
+@_NO_TMA
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_tma_loads_fall_back_to_masked_loads_on_non_finite_keys_and_values(
+    where: str, value: float, request: pytest.FixtureRequest
+) -> None:
+    """With TMA (tma=1), whole K/V tiles serve finite keys and values only: a non-finite one
+    sends the forward's V loads and dq's K/V loads down the masked path (tma=2), bit for bit."""
+    assert DEVICE is not None
+    case = Case("tma_fallback", batch=2, tq=40, h=2, group=3, n=3, indices="random")
+    gen = _gen(request)
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    inputs = {"q": q, "k": k, "v": v}
+    # A key both selected and masked out for some rows: the last token of block 0 (always
+    # selected by the random rows at some query) is past t for the rows before it.
+    inputs[where][1, case.sel_block - 1, 1, 3] = value
+    do = torch.randn((*q.shape[:3], case.dv), generator=gen).to(DEVICE)
+    results = []
+    for tma in (1, 2):
+        leaves = [inputs[n].clone().requires_grad_() for n in "qkv"]
+        tiles = {**case.config, "tma": tma}
+        o = selected_attention_triton(*leaves, idx, case.sel_block, config=SelConfig(**tiles))
+        o.backward(do)
+        results.append([o.detach(), *(t.grad for t in leaves)])
+    for name, via_tma, masked in zip(["o", "dq", "dk", "dv"], *results, strict=True):
+        assert via_tma is not None
+        assert masked is not None
+        torch.testing.assert_close(via_tma, masked, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
+@_NO_TMA
+def test_tma_and_masked_loads_agree_bit_for_bit_on_finite_inputs(
+    request: pytest.FixtureRequest,
+) -> None:
+    """Keys the row cannot see weigh exactly 0 in o and every gradient, loaded or not."""
+    assert DEVICE is not None
+    case = Case("tma_finite", batch=2, tq=40, h=2, group=3, n=3, indices="random")
+    gen = _gen(request)
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    do = torch.randn((*q.shape[:3], case.dv), generator=gen).to(DEVICE)
+    results = []
+    for tma in (1, 2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = selected_attention_triton(*leaves, idx, case.sel_block, config=SelConfig(tma=tma))
+        o.backward(do)
+        results.append([o.detach(), *(t.grad for t in leaves)])
+    for name, via_tma, masked in zip(["o", "dq", "dk", "dv"], *results, strict=True):
+        assert via_tma is not None
+        assert masked is not None
+        assert torch.equal(via_tma, masked), name

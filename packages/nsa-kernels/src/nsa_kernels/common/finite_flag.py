@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 
 
-def all_finite_flag(x: torch.Tensor) -> torch.Tensor:
-    """int32 [1] on x's device: 1 when every element of ``x`` is finite, else 0.
+def all_finite_flag(*xs: torch.Tensor) -> torch.Tensor:
+    """int32 [1] on the tensors' device: 1 when every element of every ``xs`` is finite, else 0.
 
-    One float32 sum, read by kernels that take a faster path for finite inputs: a sum that meets
-    a NaN or an infinity is not finite. A sum of finite values that overflows float32 also reads
-    0; that only sends the kernel down its slower path, which is correct for any input.
+    One float32 sum per tensor, read by kernels that take a faster path for finite inputs: a sum
+    that meets a NaN or an infinity is not finite. A sum of finite values that overflows float32
+    also reads 0; that only sends the kernel down its slower path, which is correct for any input.
     """
-    return torch.isfinite(x.sum(dtype=torch.float32)).to(torch.int32).reshape(1)
+    if not xs:
+        raise ValueError("all_finite_flag needs at least one tensor")
+    total = xs[0].sum(dtype=torch.float32)
+    for x in xs[1:]:
+        total = total + x.sum(dtype=torch.float32)
+    return torch.isfinite(total).to(torch.int32).reshape(1)

@@ -14,20 +14,26 @@
 
 # No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
 # annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_kernels.common.finite_flag import all_finite_flag
 from nsa_kernels.common.key_rows import store_key_grads
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected import csr as block_csr
+from nsa_kernels.selected.forward import kv_descriptor
 from nsa_kernels.selected.launch import (
     Launch,
     SelConfig,
     dot_precision,
     kv_hint,
     num_sms,
+    use_tma,
+    values_fit_tma,
     varlen_args,
 )
 from nsa_kernels.selected.row_walk import LOG2E, LOG2E_CONST, query_row, selected_tile
@@ -36,6 +42,7 @@ from nsa_kernels.selected.row_walk import LOG2E, LOG2E_CONST, query_row, selecte
 @triton.jit
 def sel_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
+    finite_ptr, k_desc, v_desc,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -43,18 +50,27 @@ def sel_bwd_dq_kernel(
     stride_db, stride_dt, stride_dh,
     stride_lb, stride_lt,
     stride_ib, stride_it, stride_ih,
-    n_rows, tq, q_start, nsel, qk_scale, scale,
+    n_rows, tq, tk, q_start, nsel, qk_scale, scale,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
-    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
 ):  # fmt: skip
     """dq [BG, BK] and delta [BG] of one query row for HPP heads of one kv head's group.
 
     q, dq [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o, do [B, Tq, HQ, dv],
     lse, delta [B, Tq, HQ], idx [B, Tq, H, n]. ``q``/``dq`` share strides, as do ``o``/``do``,
     and ``lse``/``delta``. Grid: (ceil(rows / RPP), H * NCH).
+
+    KV_TMA (BK == DK, BV == DV): K and V tiles come whole through tensor descriptors over k and v
+    viewed as [B * Tk, H * d], keys the row cannot see included: they meet p = 0 in ds and dq,
+    exact only where every key and value is finite. So the call launches the kernel twice, KV_TMA
+    and not, and finite [1] int32 (nonzero: every element of k and v is finite) picks the launch
+    that works; the other one's programs return at once. A call without TMA launches it once,
+    with masked pointer loads and a zero flag.
     """
+    if (tl.load(finite_ptr) != 0) != KV_TMA:
+        return
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
@@ -87,20 +103,25 @@ def sel_bwd_dq_kernel(
 
         dq = tl.zeros([BG, BK], dtype=tl.float32)
         for it in range(nsel * NSUB):
-            pos, live, _ = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
-            pos64 = pos.to(tl.int64)
-            kt = tl.load(
-                k_head + pos64[:, None] * stride_kt + offs_k[None, :],
-                mask=live[:, None] & k_mask[None, :],
-                other=0.0,
-                eviction_policy=KV_HINT,
-            )
-            vt = tl.load(
-                v_head + pos64[:, None] * stride_vt + offs_v[None, :],
-                mask=live[:, None] & v_mask[None, :],
-                other=0.0,
-                eviction_policy=KV_HINT,
-            )
+            pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
+            if KV_TMA:
+                kv_row = (b * tk + tok0 + first).to(tl.int32)
+                kt = k_desc.load([kv_row, (h * DK).to(tl.int32)])
+                vt = v_desc.load([kv_row, (h * DV).to(tl.int32)])
+            else:
+                pos64 = pos.to(tl.int64)
+                kt = tl.load(
+                    k_head + pos64[:, None] * stride_kt + offs_k[None, :],
+                    mask=live[:, None] & k_mask[None, :],
+                    other=0.0,
+                    eviction_policy=KV_HINT,
+                )
+                vt = tl.load(
+                    v_head + pos64[:, None] * stride_vt + offs_v[None, :],
+                    mask=live[:, None] & v_mask[None, :],
+                    other=0.0,
+                    eviction_policy=KV_HINT,
+                )
             s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
             p = tl.where(live[None, :], tl.exp2(s - lse2[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
@@ -287,23 +308,34 @@ def backward(
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
     delta = torch.empty_like(lse)
-    sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
-        q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        lse.stride(0), lse.stride(1),
-        idx.stride(0), idx.stride(1), idx.stride(2),
-        info.rows, info.tq, info.q_start, info.n, info.scale * LOG2E, info.scale,
-        G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
-        DK=info.dk, BK=bk, DV=info.dv, BV=bv,
-        SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
-        RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
-        VARLEN=info.seq_ids is not None, DOT_PREC=prec,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-    )  # fmt: skip
+    # K and V through TMA where the forward takes TMA K loads and dv fits one tile too: two
+    # launches, one per kind of keys and values (see sel_bwd_dq_kernel).
+    kv_tma = use_tma(cfg, info, q.device) and info.dk == bk and values_fit_tma(bv, info)
+    if kv_tma:
+        k_desc: Any = kv_descriptor(k, cfg.block_l)
+        v_desc: Any = kv_descriptor(v, cfg.block_l)
+        finite = all_finite_flag(k, v)
+    else:
+        k_desc, v_desc = k, v
+        finite = torch.zeros(1, dtype=torch.int32, device=q.device)
+    for kv_path in (True, False) if kv_tma else (False,):
+        sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
+            q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            lse.stride(0), lse.stride(1),
+            idx.stride(0), idx.stride(1), idx.stride(2),
+            info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E, info.scale,
+            G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
+            DK=info.dk, BK=bk, DV=info.dv, BV=bv,
+            SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
+            RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
+            VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )  # fmt: skip
     reverse = block_csr.build_block_csr(
         idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens
     )

@@ -17,16 +17,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_kernels.common.finite_flag import all_finite_flag
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected.launch import (
     Launch,
-    SelConfig,
     dot_precision,
     kv_hint,
     tma_misfit,
     use_tma,
+    values_fit_tma,
     varlen_args,
 )
 from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_tile
@@ -34,7 +35,7 @@ from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_
 
 @triton.jit
 def sel_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, k_desc,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -46,6 +47,7 @@ def sel_fwd_kernel(
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    V_TMA: tl.constexpr,
 ):  # fmt: skip
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
@@ -57,10 +59,16 @@ def sel_fwd_kernel(
 
     TMA (NK == 1, BK == DK): K tiles come through a tensor descriptor over k viewed as
     [B * Tk, H * dk]; a tile is loaded whole (the visibility mask applies to s), rows past the end
-    read as 0. V always comes through masked pointer loads: a whole V tile would hold the rows the
-    query cannot see, whose weight 0 times a NaN there is NaN (docs/spec.md, "Non-finite
-    values"), and zeroing them with a select costs the tile a round trip through shared memory.
+    read as 0. V_TMA (BV == DV): V tiles come whole through a descriptor over v as well. A whole
+    V tile holds rows the query cannot see, whose weight 0 times a NaN there is NaN (docs/spec.md,
+    "Non-finite values"), and zeroing them with a select costs the tile a round trip through
+    shared memory; so V_TMA serves values that are all finite only: the call launches the kernel
+    twice, V_TMA and not, and finite [1] int32 (nonzero: every value of v is finite) picks the
+    launch that works; the other one's programs return at once. A call without V_TMA launches it
+    once, with masked V loads and a zero flag.
     """
+    if (tl.load(finite_ptr) != 0) != V_TMA:
+        return
     pid_v = tl.program_id(2)
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
@@ -88,8 +96,8 @@ def sel_fwd_kernel(
         for it in range(nsel * NSUB):
             pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
+            kv_row = (b * tk + tok0 + first).to(tl.int32)
             if TMA:
-                kv_row = (b * tk + tok0 + first).to(tl.int32)
                 kt = k_desc.load([kv_row, (h * DK).to(tl.int32)])
                 s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC)
             elif NK == 1:
@@ -117,12 +125,15 @@ def sel_fwd_kernel(
                     s += tl.dot(qc, tl.trans(kc_t), input_precision=DOT_PREC)
             s = tl.where(live[None, :], s * qk_scale, float("-inf"))
             m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
-            vt = tl.load(
-                v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
-                mask=live[:, None] & v_mask[None, :],
-                other=0.0,
-                eviction_policy=KV_HINT,
-            )
+            if V_TMA:
+                vt = v_desc.load([kv_row, (h * DV).to(tl.int32)])
+            else:
+                vt = tl.load(
+                    v_head + pos.to(tl.int64)[:, None] * stride_vt + offs_v[None, :],
+                    mask=live[:, None] & v_mask[None, :],
+                    other=0.0,
+                    eviction_policy=KV_HINT,
+                )
             acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
             m_i = m_new
 
@@ -142,15 +153,13 @@ def sel_fwd_kernel(
             tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
 
 
-def k_descriptor(k: torch.Tensor, cfg: SelConfig, info: Launch) -> Any:
-    """The TMA descriptor over k [B, Tk, H, dk] as [B * Tk, H * dk] with [block_l, dk] boxes."""
+def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
+    """The TMA descriptor over x [B, Tk, H, D] (k or v) as [B * Tk, H * D] with [block_l, D]
+    boxes; the caller has checked that D is one power-of-two tile (:func:`tma_misfit`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    misfit = tma_misfit(cfg, info)
-    if misfit:
-        raise ValueError(misfit)
-    flat = k.reshape(k.shape[0] * k.shape[1], k.shape[2] * info.dk)
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [cfg.block_l, info.dk])
+    flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3])
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_l, x.shape[3]])
 
 
 def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple[Tensor, Tensor]:
@@ -169,22 +178,31 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
     nsub = -(-sel_block // cfg.block_l)
     grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
     tma = use_tma(cfg, info, q.device)
-    k_desc: Any = k_descriptor(k, cfg, info) if tma else k
-    sel_fwd_kernel[grid](
-        q, k, v, o, lse, idx, seq_ids, cu, k_desc,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        idx.stride(0), idx.stride(1), idx.stride(2),
-        info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
-        G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
-        DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
-        DV=info.dv, BV=cfg.block_dv,
-        SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
-        RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
-        VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
-        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-    )  # fmt: skip
+    if tma and (misfit := tma_misfit(cfg, info)):
+        raise ValueError(misfit)
+    k_desc: Any = kv_descriptor(k, cfg.block_l) if tma else k
+    # V through TMA too where its tile is whole: two launches, one per kind of values (see
+    # sel_fwd_kernel), else one with masked V loads.
+    v_tma = tma and values_fit_tma(cfg.block_dv, info)
+    v_desc: Any = kv_descriptor(v, cfg.block_l) if v_tma else v
+    finite = all_finite_flag(v) if v_tma else torch.zeros(1, dtype=torch.int32, device=q.device)
+    for v_path in (True, False) if v_tma else (False,):
+        sel_fwd_kernel[grid](
+            q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            lse.stride(0), lse.stride(1),
+            idx.stride(0), idx.stride(1), idx.stride(2),
+            info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
+            G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
+            DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
+            DV=info.dv, BV=cfg.block_dv,
+            SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
+            RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
+            VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
+            V_TMA=v_path,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        )  # fmt: skip
     return o, lse

@@ -3,7 +3,7 @@
 :class:`SelConfig` holds the tiles and launch parameters (0 = choose), :func:`resolve_config`
 fills them in, :func:`prepare` validates a call like the reference op and collects the
 :class:`Launch` facts every kernel of the call shares, and :func:`use_tma` decides the
-forward's K/V loads. Plain Python and torch: no triton import here.
+K/V loads of forward and dq. Plain Python and torch: no triton import here.
 """
 
 from __future__ import annotations
@@ -53,10 +53,12 @@ class SelConfig(TileConfig):
             their forced blocks, found in L1 by the later rows).
         kv_hint: L2 eviction hint of the K/V loads of forward and dq: 1 "evict_last" (keep K/V
             over the streamed q and o), 2 none.
-        tma: forward K loads: 1 through a TMA tensor descriptor (dk a power of two in one tile),
-            2 pointer loads; 0 chooses TMA on GPUs with SM >= 9.0 where it applies
-            (docs/selection.md). V always takes masked pointer loads (``sel_fwd_kernel`` in
-            :mod:`nsa_kernels.selected.forward` says why).
+        tma: K/V loads of the forward and dq: 1 through TMA tensor descriptors (dk a power of
+            two in one tile), 2 pointer loads; 0 chooses TMA on GPUs with SM >= 9.0 where it
+            applies (docs/selection.md). With TMA, the forward loads K whole, and V whole too
+            where dv is one power-of-two tile and every value is finite; dq loads both whole
+            where every key and value is finite (``sel_fwd_kernel`` and ``sel_bwd_dq_kernel``
+            say why), else through masked pointer loads.
     """
 
     block_l: int = 0
@@ -269,3 +271,9 @@ def tma_misfit(cfg: SelConfig, info: Launch) -> str | None:
     if info.dk != cfg.block_d or info.dk & (info.dk - 1):
         return f"tma=1 needs dk a power of two in one tile, got dk={info.dk}"
     return None
+
+
+def values_fit_tma(block_dv: int, info: Launch) -> bool:
+    """Whether V tiles can come whole through a TMA descriptor: dv a power of two in one
+    ``block_dv`` tile (TMA K loads decided by :func:`use_tma` come first)."""
+    return info.dv == block_dv and info.dv & (info.dv - 1) == 0
