@@ -81,3 +81,44 @@ def test_unique_block_rows_of_no_rows_or_no_slots(shape: tuple[int, ...]) -> Non
     out = unique_block_rows(torch.zeros(shape, dtype=torch.int32, device=DEVICE))
     assert out.shape == shape
     assert out.dtype == torch.int32
+
+
+def test_resolve_config_without_a_gpu_takes_pointer_loads_and_the_plain_forward() -> None:
+    from nsa_kernels.selected.launch import resolve_config
+
+    cfg = resolve_config(None, 16, 128, 128, 64, device=torch.device("cpu"))
+    assert cfg.tma == 2
+    assert (cfg.fwd_block_l, cfg.fwd_warps, cfg.fwd_stages) == (64, 4, 2)
+    assert cfg.block_l == 64
+
+
+@pytest.mark.parametrize(
+    ("group", "warps"),
+    # One warp while it holds every row of the program (BG <= 32 rows), else four.
+    [(1, 1), (4, 1), (16, 1), (32, 1), (64, 4)],
+)
+def test_resolve_config_with_tma_runs_the_forward_one_warp_per_program(
+    group: int, warps: int
+) -> None:
+    from nsa_kernels.selected.launch import resolve_config, tma_available
+
+    if not tma_available():
+        pytest.skip("this triton has no triton.tools.tensor_descriptor (< 3.4)")
+    cfg = resolve_config(SelConfig(tma=1), group, 128, 128, 64)
+    assert cfg.tma == 1
+    assert (cfg.fwd_block_l, cfg.fwd_warps, cfg.fwd_stages) == (32, warps, 3)
+    # dq and dk/dv keep 64-key tiles: 32 cost the backward a third (docs/selection.md).
+    assert cfg.block_l == 64
+    assert resolve_config(SelConfig(tma=1, fwd_warps=4), group, 128, 128, 64).fwd_warps == 4
+
+
+def test_resolve_config_refuses_tma_where_it_cannot_serve() -> None:
+    from nsa_kernels.selected.launch import resolve_config, tma_available
+
+    with pytest.raises(ValueError, match="tma must be 0"):
+        resolve_config(SelConfig(tma=3), 16, 128, 128, 64)
+    if tma_available():
+        with pytest.raises(ValueError, match="power of two in one tile"):
+            resolve_config(SelConfig(tma=1), 16, 192, 128, 64)
+    # dk = 192 chooses pointer loads by itself, on any device.
+    assert resolve_config(None, 16, 192, 128, 64).tma == 2

@@ -32,7 +32,6 @@ from nsa_kernels.selected.launch import (
     dot_precision,
     kv_hint,
     num_sms,
-    use_tma,
     values_fit_tma,
     varlen_args,
 )
@@ -311,7 +310,7 @@ def backward(
     delta = torch.empty_like(lse)
     # K and V through TMA where the forward takes TMA K loads and dv fits one tile too: two
     # launches, one per kind of keys and values (see sel_bwd_dq_kernel).
-    kv_tma = use_tma(cfg, info, q.device) and info.dk == bk and values_fit_tma(bv, info)
+    kv_tma = cfg.tma == 1 and info.dk == bk and values_fit_tma(bv, info)
     if kv_tma:
         k_desc: Any = kv_descriptor(k, cfg.block_l)
         v_desc: Any = kv_descriptor(v, cfg.block_l)

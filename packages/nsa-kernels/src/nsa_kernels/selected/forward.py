@@ -25,8 +25,6 @@ from nsa_kernels.selected.launch import (
     Launch,
     dot_precision,
     kv_hint,
-    tma_misfit,
-    use_tma,
     values_fit_tma,
     varlen_args,
 )
@@ -155,7 +153,7 @@ def sel_fwd_kernel(
 
 def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
     """The TMA descriptor over x [B, Tk, H, D] (k or v) as [B * Tk, H * D] with [block_l, D]
-    boxes; the caller has checked that D is one power-of-two tile (:func:`tma_misfit`)."""
+    boxes; the config resolved D to one power-of-two tile (``tma`` = 1, :func:`values_fit_tma`)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3])
@@ -175,16 +173,14 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
     nv = -(-info.dv // cfg.block_dv)
-    nsub = -(-sel_block // cfg.block_l)
+    nsub = -(-sel_block // cfg.fwd_block_l)
     grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch, nv)
-    tma = use_tma(cfg, info, q.device)
-    if tma and (misfit := tma_misfit(cfg, info)):
-        raise ValueError(misfit)
-    k_desc: Any = kv_descriptor(k, cfg.block_l) if tma else k
+    tma = cfg.tma == 1
+    k_desc: Any = kv_descriptor(k, cfg.fwd_block_l) if tma else k
     # V through TMA too where its tile is whole: two launches, one per kind of values (see
     # sel_fwd_kernel), else one with masked V loads.
     v_tma = tma and values_fit_tma(cfg.block_dv, info)
-    v_desc: Any = kv_descriptor(v, cfg.block_l) if v_tma else v
+    v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
     finite = all_finite_flag(v) if v_tma else torch.zeros(1, dtype=torch.int32, device=q.device)
     for v_path in (True, False) if v_tma else (False,):
         sel_fwd_kernel[grid](
@@ -199,7 +195,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
             G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
             DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
             DV=info.dv, BV=cfg.block_dv,
-            SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
+            SEL=sel_block, BL=cfg.fwd_block_l, NSUB=nsub,
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
             V_TMA=v_path,

@@ -2,8 +2,9 @@
 
 :class:`SelConfig` holds the tiles and launch parameters (0 = choose), :func:`resolve_config`
 fills them in, :func:`prepare` validates a call like the reference op and collects the
-:class:`Launch` facts every kernel of the call shares, and :func:`use_tma` decides the
-K/V loads of forward and dq. Plain Python and torch: no triton import here.
+:class:`Launch` facts every kernel of the call shares; the resolved config says whether the
+forward and dq load K/V through TMA descriptors (``tma``). Plain Python and torch: no triton
+import here.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ class SelConfig(TileConfig):
     """Tiles and launch parameters; 0 means "choose" (see :func:`resolve_config`).
 
     Attributes:
-        block_l: keys per tile, a power of two >= 16 (a selected block is walked in
-            ceil(l' / block_l) tiles).
+        block_l: keys per tile of dq and dk/dv, a power of two >= 16 (a selected block is
+            walked in ceil(l' / block_l) tiles).
+        fwd_block_l: keys per tile of the forward, as block_l (default: block_l; with TMA at
+            most 32).
         block_d: dk per ``tl.dot`` in the forward (a power of two >= 16; < dk splits q.k).
         block_dv: dv per forward program (< dv splits the output over programs, each reloading K).
         heads_per_prog: query heads one program serves (default: the whole group, G).
@@ -55,13 +58,15 @@ class SelConfig(TileConfig):
             over the streamed q and o), 2 none.
         tma: K/V loads of the forward and dq: 1 through TMA tensor descriptors (dk a power of
             two in one tile), 2 pointer loads; 0 chooses TMA on GPUs with SM >= 9.0 where it
-            applies (docs/selection.md). With TMA, the forward loads K whole, and V whole too
-            where dv is one power-of-two tile and every value is finite; dq loads both whole
-            where every key and value is finite (``sel_fwd_kernel`` and ``sel_bwd_dq_kernel``
-            say why), else through masked pointer loads.
+            applies (docs/selection.md); :func:`resolve_config` resolves it to 1 or 2. With
+            TMA, the forward loads K whole, and V whole too where dv is one power-of-two tile
+            and every value is finite; dq loads both whole where every key and value is finite
+            (``sel_fwd_kernel`` and ``sel_bwd_dq_kernel`` say why), else through masked
+            pointer loads.
     """
 
     block_l: int = 0
+    fwd_block_l: int = 0
     block_d: int = 0
     block_dv: int = 0
     heads_per_prog: int = 0
@@ -93,6 +98,7 @@ def resolve_config(
     *,
     shared_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | None = None,
 ) -> SelConfig:
     """Fill the zeros of ``config`` with the defaults (``toggles`` default: :func:`get_toggles`).
 
@@ -101,7 +107,11 @@ def resolve_config(
     one tile (next power of two, masked), the whole group per program (NSA_SEL_TRITON_GROUP=0:
     one head per program); forward: 4 warps, 2 pipeline stages (more stages cost occupancy);
     dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
-    ``tma`` stays 0 here: the launch decides it from the device (:func:`use_tma`).
+    ``tma``: 1 where :func:`device_takes_tma` says so for ``device`` and dk is one power-of-two
+    tile, else 2. With TMA the forward takes other defaults (measured on an H200 at the paper's
+    shapes, docs/selection.md): one warp per program where it serves at most 32 rows (a warp then
+    owns every key column of its rows, so p reaches the second dot without a trip through shared
+    memory), 32-key tiles, 3 stages.
     ``shared_bytes``: the device's shared memory per block (None: no limit); with dk over 128
     a device with less than the DQ_STAGE_BYTES_D256 tables ask for ``dtype`` runs dq on two
     stages (16-bit on sm_86 and sm_89, 99 KiB; float32 on an A100, 163 KiB).
@@ -111,19 +121,27 @@ def resolve_config(
     cfg = replace(
         cfg, heads_per_prog=cfg.heads_per_prog or (group if toggles.sel_triton_group else 1)
     )
-    check_pow2_tiles(cfg, ("block_l", "block_d", "block_dv"))
+    check_pow2_tiles(cfg, ("block_l", "fwd_block_l", "block_d", "block_dv"))
     heads = min(cfg.heads_per_prog, group)
     rows = max(32, pow2(min(group, 64)))
+    block_d = min(cfg.block_d or pow2(max(dk, 16)), pow2(max(dk, 16)))
+    tma = resolve_tma(cfg.tma, dk, block_d, device)
+    block_l = cfg.block_l or max(16, min(64, pow2(sel_block)))
+    if tma == 1:
+        fwd_block_l, fwd_warps, fwd_stages = min(32, block_l), (1 if pow2(heads) <= 32 else 4), 3
+    else:
+        fwd_block_l, fwd_warps, fwd_stages = block_l, 4, 2
     wide_needs = DQ_STAGE_BYTES_D256_FP32 if dtype == torch.float32 else DQ_STAGE_BYTES_D256
     dq_stages = stages_within(3, wide_needs if pow2(max(dk, 16)) > 128 else {}, shared_bytes)
     return replace(
         cfg,
-        block_l=cfg.block_l or max(16, min(64, pow2(sel_block))),
-        block_d=min(cfg.block_d or pow2(max(dk, 16)), pow2(max(dk, 16))),
+        block_l=block_l,
+        fwd_block_l=cfg.fwd_block_l or fwd_block_l,
+        block_d=block_d,
         block_dv=min(cfg.block_dv or pow2(max(dv, 16)), pow2(max(dv, 16))),
         heads_per_prog=heads,
-        fwd_warps=cfg.fwd_warps or 4,
-        fwd_stages=cfg.fwd_stages or 2,
+        fwd_warps=cfg.fwd_warps or fwd_warps,
+        fwd_stages=cfg.fwd_stages or fwd_stages,
         dq_warps=cfg.dq_warps or 4,
         dq_stages=cfg.dq_stages or dq_stages,
         dkv_warps=cfg.dkv_warps or 4,
@@ -131,6 +149,7 @@ def resolve_config(
         dkv_rows=max(cfg.dkv_rows or rows, pow2(max(group, 16))),
         rows_per_prog=cfg.rows_per_prog or 1,
         kv_hint=cfg.kv_hint or 1,
+        tma=tma,
     )
 
 
@@ -214,6 +233,7 @@ def prepare(
             toggles,
             shared_bytes=max_shared_bytes(q.device),
             dtype=q.dtype,
+            device=q.device,
         ),
         batch=batch,
         tq=tq,
@@ -240,24 +260,36 @@ def varlen_args(info: Launch, device: torch.device) -> tuple[torch.Tensor, torch
     return info.seq_ids, info.cu_seqlens
 
 
-def use_tma(cfg: SelConfig, info: Launch, device: torch.device) -> bool:
-    """cfg.tma, or for 0 whether TMA serves this call (Hopper or newer, dk one pow-2 tile)."""
-    if cfg.tma not in (0, 1, 2):
-        raise ValueError(
-            f"tma must be 0 (choose), 1 (TMA loads) or 2 (pointer loads), got {cfg.tma}"
-        )
-    if cfg.tma == 1 and not tma_available():
-        raise RuntimeError(
-            "tma=1 asks for TMA loads, but this triton has no triton.tools.tensor_descriptor "
-            "(it arrived in triton 3.4)"
-        )
-    if cfg.tma:
-        return cfg.tma == 1
+def resolve_tma(tma: int, dk: int, block_d: int, device: torch.device | None) -> int:
+    """``tma`` (0 = choose) resolved to 1 (TMA K/V loads) or 2 (pointer loads).
+
+    0 chooses TMA where :func:`device_takes_tma` and dk is one power-of-two tile (``block_d``);
+    1 on a triton without descriptors or a dk that does not fit is an error.
+    """
+    if tma not in (0, 1, 2):
+        raise ValueError(f"tma must be 0 (choose), 1 (TMA loads) or 2 (pointer loads), got {tma}")
+    misfit = tma_misfit(dk, block_d)
+    if tma == 1:
+        if not tma_available():
+            raise RuntimeError(
+                "tma=1 asks for TMA loads, but this triton has no triton.tools.tensor_descriptor "
+                "(it arrived in triton 3.4)"
+            )
+        if misfit:
+            raise ValueError(misfit)
+        return 1
+    if tma == 2:
+        return 2
+    return 1 if device is not None and device_takes_tma(device) and misfit is None else 2
+
+
+def device_takes_tma(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU with SM >= 9.0 (Hopper or newer) and triton has host-side
+    tensor descriptors: there TMA K/V loads are the default."""
     return (
         device.type == "cuda"
         and tma_available()
         and torch.cuda.get_device_capability(device)[0] >= 9
-        and tma_misfit(cfg, info) is None
     )
 
 
@@ -266,14 +298,14 @@ def tma_available() -> bool:
     return importlib.util.find_spec("triton.tools.tensor_descriptor") is not None
 
 
-def tma_misfit(cfg: SelConfig, info: Launch) -> str | None:
+def tma_misfit(dk: int, block_d: int) -> str | None:
     """Why TMA K loads cannot serve this head dim and tile, or None when they can."""
-    if info.dk != cfg.block_d or info.dk & (info.dk - 1):
-        return f"tma=1 needs dk a power of two in one tile, got dk={info.dk}"
+    if dk != block_d or dk & (dk - 1):
+        return f"tma=1 needs dk a power of two in one tile, got dk={dk}"
     return None
 
 
 def values_fit_tma(block_dv: int, info: Launch) -> bool:
     """Whether V tiles can come whole through a TMA descriptor: dv a power of two in one
-    ``block_dv`` tile (TMA K loads decided by :func:`use_tma` come first)."""
+    ``block_dv`` tile (where the config's ``tma`` is 1)."""
     return info.dv == block_dv and info.dv & (info.dv - 1) == 0
