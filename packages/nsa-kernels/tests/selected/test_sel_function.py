@@ -89,16 +89,17 @@ def test_resolve_config_without_a_gpu_takes_pointer_loads_and_the_plain_forward(
     cfg = resolve_config(None, 16, 128, 128, 64, device=torch.device("cpu"))
     assert cfg.tma == 2
     assert (cfg.fwd_block_l, cfg.fwd_warps, cfg.fwd_stages) == (64, 4, 2)
-    assert cfg.block_l == 64
+    assert (cfg.block_l, cfg.dq_warps) == (64, 4)
 
 
 @pytest.mark.parametrize(
-    ("group", "warps"),
-    # One warp while it holds every row of the program (BG <= 32 rows), else four.
-    [(1, 1), (4, 1), (16, 1), (32, 1), (64, 4)],
+    ("group", "warps", "dq_warps"),
+    # The forward: one warp while it holds every row of the program (BG <= 32 rows), else
+    # four; dq: two warps up to 16 rows.
+    [(1, 1, 2), (4, 1, 2), (16, 1, 2), (32, 1, 4), (64, 4, 4)],
 )
 def test_resolve_config_with_tma_runs_the_forward_one_warp_per_program(
-    group: int, warps: int
+    group: int, warps: int, dq_warps: int
 ) -> None:
     from nsa_kernels.selected.launch import resolve_config, tma_available
 
@@ -107,6 +108,7 @@ def test_resolve_config_with_tma_runs_the_forward_one_warp_per_program(
     cfg = resolve_config(SelConfig(tma=1), group, 128, 128, 64)
     assert cfg.tma == 1
     assert (cfg.fwd_block_l, cfg.fwd_warps, cfg.fwd_stages) == (32, warps, 3)
+    assert cfg.dq_warps == dq_warps
     # dq and dk/dv keep 64-key tiles: 32 cost the backward a third (docs/selection.md).
     assert cfg.block_l == 64
     assert resolve_config(SelConfig(tma=1, fwd_warps=4), group, 128, 128, 64).fwd_warps == 4

@@ -111,7 +111,7 @@ def resolve_config(
     tile, else 2. With TMA the forward takes other defaults (measured on an H200 at the paper's
     shapes, docs/selection.md): one warp per program where it serves at most 32 rows (a warp then
     owns every key column of its rows, so p reaches the second dot without a trip through shared
-    memory), 32-key tiles, 3 stages.
+    memory), 32-key tiles, 3 stages; dq on 2 warps where it serves at most 16 rows.
     ``shared_bytes``: the device's shared memory per block (None: no limit); with dk over 128
     a device with less than the DQ_STAGE_BYTES_D256 tables ask for ``dtype`` runs dq on two
     stages (16-bit on sm_86 and sm_89, 99 KiB; float32 on an A100, 163 KiB).
@@ -129,8 +129,9 @@ def resolve_config(
     block_l = cfg.block_l or max(16, min(64, pow2(sel_block)))
     if tma == 1:
         fwd_block_l, fwd_warps, fwd_stages = min(32, block_l), (1 if pow2(heads) <= 32 else 4), 3
+        dq_warps = 2 if pow2(heads) <= 16 else 4
     else:
-        fwd_block_l, fwd_warps, fwd_stages = block_l, 4, 2
+        fwd_block_l, fwd_warps, fwd_stages, dq_warps = block_l, 4, 2, 4
     wide_needs = DQ_STAGE_BYTES_D256_FP32 if dtype == torch.float32 else DQ_STAGE_BYTES_D256
     dq_stages = stages_within(3, wide_needs if pow2(max(dk, 16)) > 128 else {}, shared_bytes)
     return replace(
@@ -142,7 +143,7 @@ def resolve_config(
         heads_per_prog=heads,
         fwd_warps=cfg.fwd_warps or fwd_warps,
         fwd_stages=cfg.fwd_stages or fwd_stages,
-        dq_warps=cfg.dq_warps or 4,
+        dq_warps=cfg.dq_warps or dq_warps,
         dq_stages=cfg.dq_stages or dq_stages,
         dkv_warps=cfg.dkv_warps or 4,
         dkv_stages=cfg.dkv_stages or 2,
