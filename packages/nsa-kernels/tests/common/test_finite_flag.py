@@ -52,3 +52,16 @@ def test_several_tensors_read_one_only_when_all_are_finite() -> None:
 def test_no_tensor_is_an_error() -> None:
     with pytest.raises(ValueError, match="at least one tensor"):
         all_finite_flag()
+
+
+def test_finite_path_launches_two_paths_behind_the_flag_or_one_general_path() -> None:
+    from nsa_kernels.common.finite_flag import finite_path_launches
+
+    k, v = torch.randn(3, 5), torch.randn(3, 7)
+    flag, paths = finite_path_launches(True, k, v)
+    assert (flag.item(), paths) == (1, (True, False))
+    v[0, 0] = float("inf")
+    assert finite_path_launches(True, k, v)[0].item() == 0
+    flag, paths = finite_path_launches(False, k, v)
+    # Without the faster path the flag is 0, so the one launch (path False) works.
+    assert (flag.item(), paths) == (0, (False,))

@@ -18,3 +18,16 @@ def all_finite_flag(*xs: torch.Tensor) -> torch.Tensor:
     for x in xs[1:]:
         total = total + x.sum(dtype=torch.float32)
     return torch.isfinite(total).to(torch.int32).reshape(1)
+
+
+def finite_path_launches(fast: bool, *xs: torch.Tensor) -> tuple[torch.Tensor, tuple[bool, ...]]:
+    """(flag, paths) of a kernel with a faster path that holds only where every ``xs`` is finite.
+
+    ``fast``: the call may take that path. Then the flag is :func:`all_finite_flag` of ``xs``
+    and the kernel is launched once per path, (True, False): the launch of path ``p`` works
+    where ``(flag != 0) == p`` and its programs return at once otherwise, so exactly one launch
+    works, with no host sync. Else the flag is 0 and one launch takes the general path (False).
+    """
+    if fast:
+        return all_finite_flag(*xs), (True, False)
+    return torch.zeros(1, dtype=torch.int32, device=xs[0].device), (False,)

@@ -26,7 +26,7 @@ import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
-from nsa_kernels.common.finite_flag import all_finite_flag
+from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
 from nsa_kernels.common.tile_table import tile_table
@@ -336,9 +336,10 @@ def _fwd(
     tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
     cu, cmp_cu = _varlen_args(info, q.device)
     grid = (num_tiles * info.h * layout.chunks,)
-    finite = all_finite_flag(v)
-    # Two launches, one of which returns at once: see cmp_fwd_kernel.
-    for contain in (False, True):
+    # Two launches, one of which returns at once: see cmp_fwd_kernel (the finite path does not
+    # contain non-finite values).
+    finite, finite_paths = finite_path_launches(True, v)
+    for finite_path in finite_paths:
         cmp_fwd_kernel[grid](
             q, k, v, o, lse, finite, tiles, cu, cmp_cu,
             q.stride(0), q.stride(1), q.stride(2),
@@ -350,7 +351,7 @@ def _fwd(
             G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
             DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
             LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
-            VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed, CONTAIN=contain,
+            VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed, CONTAIN=not finite_path,
             DOT_PREC=dot_precision(q.dtype),
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip

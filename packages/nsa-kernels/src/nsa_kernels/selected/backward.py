@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_kernels.common.finite_flag import all_finite_flag
+from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.key_rows import store_key_grads
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected import csr as block_csr
@@ -311,14 +311,10 @@ def backward(
     # K and V through TMA where the forward takes TMA K loads and dv fits one tile too: two
     # launches, one per kind of keys and values (see sel_bwd_dq_kernel).
     kv_tma = cfg.tma == 1 and info.dk == bk and values_fit_tma(bv, info)
-    if kv_tma:
-        k_desc: Any = kv_descriptor(k, cfg.block_l)
-        v_desc: Any = kv_descriptor(v, cfg.block_l)
-        finite = all_finite_flag(k, v)
-    else:
-        k_desc, v_desc = k, v
-        finite = torch.zeros(1, dtype=torch.int32, device=q.device)
-    for kv_path in (True, False) if kv_tma else (False,):
+    k_desc: Any = kv_descriptor(k, cfg.block_l) if kv_tma else k
+    v_desc: Any = kv_descriptor(v, cfg.block_l) if kv_tma else v
+    finite, kv_paths = finite_path_launches(kv_tma, k, v)
+    for kv_path in kv_paths:
         sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
             q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2),

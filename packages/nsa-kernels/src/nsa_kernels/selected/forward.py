@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_kernels.common.finite_flag import all_finite_flag
+from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
@@ -181,8 +181,8 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
     # sel_fwd_kernel), else one with masked V loads.
     v_tma = tma and values_fit_tma(cfg.block_dv, info)
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
-    finite = all_finite_flag(v) if v_tma else torch.zeros(1, dtype=torch.int32, device=q.device)
-    for v_path in (True, False) if v_tma else (False,):
+    finite, v_paths = finite_path_launches(v_tma, v)
+    for v_path in v_paths:
         sel_fwd_kernel[grid](
             q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2),
