@@ -341,14 +341,18 @@ def test_default_tiles_follow_the_branch_and_the_device() -> None:
     # The compressed branch: 128-block dk/dv tiles on 64-row steps; the sliding branch's short
     # dk/dv walks take 32-row steps on three stages.
     assert tiles(resolve_config(None, 128, 128, bf16)) == (2, 128, 64, 2)
-    assert tiles(resolve_config(None, 128, 128, bf16, windowed=True)) == (3, 128, 32, 3)
+    assert tiles(resolve_config(None, 128, 128, bf16, windowed=True)) == (2, 128, 32, 3)
     # The compressed forward's 128-block key tiles where their two stages fit (Hopper), 64
     # blocks on three stages on an A100; the sliding branch always walks 64-key tiles.
     assert resolve_config(None, 128, 128, bf16).block_n == 128
     assert resolve_config(None, 128, 128, bf16, shared_bytes=232_448).block_n == 128
     a100 = resolve_config(None, 128, 128, bf16, shared_bytes=166_912)
     assert (a100.block_n, a100.fwd_stages) == (64, 3)
-    assert resolve_config(None, 128, 128, bf16, windowed=True).block_n == 64
+    # The sliding forward walks w + a few keys per tile: 64-row tiles on one warp group, on
+    # every device (two stages ask 80 KiB).
+    for shared in (None, 101_376):
+        win = resolve_config(None, 128, 128, bf16, windowed=True, shared_bytes=shared)
+        assert (win.block_m, win.block_n, win.fwd_warps, win.fwd_stages) == (64, 64, 4, 2)
     # A device with 99 KiB per block (sm_89) runs the forward on two stages
     # (tests/test_small_shared_memory.py); a field the caller set is kept.
     assert (

@@ -60,6 +60,11 @@ FWD_STAGE_BYTES_D128 = {3: 114_688}
 # hold it, an A100's 163 KiB do not (on sm_80 and sm_89 it spills besides).
 FWD_WIDE_TILE_BYTES = 196_608
 FWD_STAGE_BYTES_D256 = {2: 131_072}
+# The sliding forward at D <= 128 in 16 bits (rows, keys, warps, stages): each query tile walks
+# only the w + TPP - 1 keys of its window, so smaller tiles (4 tokens x 16 heads) on one warp
+# group fill the SMs better. T = 64k, w = 512 on an H100: 4.02 ms on (128, 64, 8, 3), 3.65 on
+# these (docs/results/2026-11-26-h200-layer-4.md). Two stages ask 80 KiB: every device fits.
+WINDOWED_FWD_D128 = (64, 64, 4, 2)
 DQ_STAGE_BYTES_D256 = {3: 102_400}
 # dk/dv tiles (key blocks, query rows per step) at D = 256 in 16 bits, fastest first, each with
 # the shared memory it asks compiled for sm_80 and sm_89 (sm_90 asks more, within its 227 KiB).
@@ -130,7 +135,7 @@ def resolve_config(
     | case | forward (rows x blocks, warps, stages) | dq | dk/dv (blocks x rows) |
     |---|---|---|---|
     | 16-bit, D <= 128 | 128 x 128, 8, 2 (128 x 64, 8, 3) | 128 x 64, 8, 2 | 128 x 64, 8, 2 |
-    | 16-bit, D <= 128, windowed | 128 x 64, 8, 3 | 128 x 64, 8, 2 | 128 x 32, 8, 3 |
+    | 16-bit, D <= 128, windowed | 64 x 64, 4, 2 | 128 x 64, 8, 2 | 128 x 32, 8, 3 |
     | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 64, 8, 2 |
     | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
@@ -138,8 +143,8 @@ def resolve_config(
     The compressed forward at D <= 128 takes 128-block key tiles where their two stages fit
     (FWD_WIDE_TILE_BYTES: Hopper), else the bracketed 64-block tiles: 10.38 -> 9.94 ms at
     T = 64k on an H200 (docs/results/2026-11-26-h200-layer-2.md); the sliding branch's short
-    walks keep 64 (4.31 ms against 3.98 on 128). The 16-bit rows are the fastest of sweeps at
-    T = 64k, HQ = 64, H = 4 on an H200
+    walks keep 64 (4.31 ms against 3.98 on 128), on 64-row tiles (WINDOWED_FWD_D128). The
+    16-bit rows are the fastest of sweeps at T = 64k, HQ = 64, H = 4 on an H200
     (docs/results/2026-11-26-h100-h200.md, docs/results/2026-11-26-h200-layer.md): at d = 128
     the compressed branch's backward 67.0 -> 40.2 ms on 128-block key tiles, 35.5 ms with 64-row
     steps; the sliding branch's (w = 512) forward+backward 20.4 -> 17.8 ms with three dk/dv
@@ -164,11 +169,12 @@ def resolve_config(
         fits = [(n, m) for n, m, need in tiles if shared_bytes is None or need <= shared_bytes]
         dkv_n, dkv_m = fits[0] if fits else (32, 32)
         table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, dkv_n, dkv_m, 8, 2)
+    elif windowed:
+        table = (*WINDOWED_FWD_D128, 128, 64, 8, 2, 128, 32, 8, 3)
     else:
-        wide = not windowed and (shared_bytes is None or shared_bytes >= FWD_WIDE_TILE_BYTES)
+        wide = shared_bytes is None or shared_bytes >= FWD_WIDE_TILE_BYTES
         fwd = (128, 2) if wide else (64, stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes))
-        dkv = (128, 32, 8, 3) if windowed else (128, 64, 8, 2)
-        table = (128, fwd[0], 8, fwd[1], 128, 64, 8, 2, *dkv)
+        table = (128, fwd[0], 8, fwd[1], 128, 64, 8, 2, 128, 64, 8, 2)
     names = (
         "block_m", "block_n", "fwd_warps", "fwd_stages",
         "dq_block_m", "dq_block_n", "dq_warps", "dq_stages",
