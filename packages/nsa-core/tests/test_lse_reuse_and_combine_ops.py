@@ -1,5 +1,6 @@
-"""The attention core hands the compressed branch's log-sum-exp to block scoring, and the
-gated combine is a registry op like the others (NSA_COMBINE_BACKEND)."""
+"""The attention core hands the compressed branch's log-sum-exp to block scoring, the gated
+combine is a registry op like the others (NSA_COMBINE_BACKEND), and where no gradient is needed
+the selected branch's backend may sum the three branches in its own step (``fn_gated``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import nsa_core
 from nsa_core import NSAConfig, ops, registry
 from nsa_core.reference import compressed_attention as reference_compressed_attention
 from nsa_core.reference.combine import gated_combine as reference_gated_combine
+from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
+from nsa_core.reference.selected_attention import selected_attention_impl
 from nsa_core.registry import Backend, OpContext, register_backend
 from nsa_core.toggles import Toggles, reload_toggles
 
@@ -255,3 +258,76 @@ def test_gated_combine_checks_its_arguments(gen: torch.Generator) -> None:
         ops.gated_combine(o_cmp, o_slc, o_win, gates[..., :2])
     with pytest.raises(TypeError, match="dtype"):
         ops.gated_combine(o_cmp, o_slc.float(), o_win, gates)
+
+
+class GatedSpy:
+    """A selected backend whose ``fn_gated`` sums the three branches (the reference ops), and a
+    combine backend that is not the reference, so the core may take the one-step sum."""
+
+    def __init__(self) -> None:
+        self.gated_calls = 0
+        self.combine_calls = 0
+
+    def gated(
+        self, *args: Any, o_cmp: Any, o_win: Any, gates: Any, toggles: Toggles, **kwargs: Any
+    ) -> Any:
+        self.gated_calls += 1
+        o_slc = selected_attention_impl(*args, **kwargs)
+        return gated_combine_impl(o_cmp, o_slc, o_win, gates)
+
+    def combine(self, *args: Any, toggles: Toggles, **kwargs: Any) -> Any:
+        self.combine_calls += 1
+        return gated_combine_impl(*args, **kwargs)
+
+    def register(self) -> None:
+        register_backend(
+            Backend(
+                "selected_attention",
+                "sel_spy",
+                lambda *a, toggles, **k: selected_attention_impl(*a, **k),
+                accept,
+                priority=5,
+                fn_gated=self.gated,
+            )
+        )
+        register_backend(Backend("gated_combine", "combine_spy", self.combine, accept, priority=5))
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_core_sums_the_branches_in_the_selected_step_when_no_gradient_is_needed(
+    gen: torch.Generator,
+) -> None:
+    q, k, v = _inputs(gen)
+    gates = torch.rand(1, q.shape[1], 4, 3, generator=gen, dtype=torch.float64)
+    want = nsa_core.nsa_attention(q, k, v, gates, CONFIG)  # all reference
+    spy = GatedSpy()
+    spy.register()
+    with torch.no_grad():
+        out = nsa_core.nsa_attention(q, k, v, gates, CONFIG)
+    assert (spy.gated_calls, spy.combine_calls) == (1, 0)
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
+    # A gradient is needed: the selected step and the combine run apart.
+    again = nsa_core.nsa_attention(q, k, v, gates, CONFIG)
+    assert (spy.gated_calls, spy.combine_calls) == (1, 1)
+    assert again.requires_grad
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+@pytest.mark.parametrize(
+    "env", [{"NSA_COMBINE_BACKEND": "reference"}, {"NSA_DEBUG_SHAPES": "1"}], ids=str
+)
+def test_no_one_step_sum_under_a_pinned_reference_combine_or_a_debug_hook(
+    gen: torch.Generator, restore_toggles: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    spy = GatedSpy()
+    spy.register()
+    for name, value in env.items():
+        restore_toggles.setenv(name, value)
+    reload_toggles()
+    q, k, v = _inputs(gen)
+    gates = torch.rand(1, q.shape[1], 4, 3, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        out = nsa_core.nsa_attention(q, k, v, gates, CONFIG)
+    assert spy.gated_calls == 0
+    assert out.shape == (1, q.shape[1], 4, 8)

@@ -102,8 +102,67 @@ def branch_outputs(
     Block scoring takes the compressed branch's log-sum-exp when its backend yields one
     (:func:`nsa_core.ops.compressed_attention_with_lse`), detached.
     """
+    o_cmp, indices = _compressed_and_indices(
+        config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    o_slc = ops.selected_attention(
+        q, k_slc, v_slc, indices, config.sel_block, config.softmax_scale,
+        q_start=q_start, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
+    return o_cmp, o_slc, o_win, indices
+
+
+def gated_output(
+    config: NSAConfig,
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    gates: torch.Tensor,
+    *,
+    q_start: int = 0,
+    win_start: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """o [B, Tq, HQ, dv]: :func:`branch_outputs` summed by :func:`nsa_core.ops.gated_combine`.
+
+    Arguments as :func:`branch_outputs`, and gates [B, Tq, HQ, 3]. Where no gradient is needed
+    and the selected branch's backend sums the three terms in its own launch
+    (:func:`nsa_core.ops.selected_attention_gated`), the selected branch runs last and does so:
+    its output never goes to memory and the combine's pass over the three outputs is saved.
+    """
+    scale = config.softmax_scale
+    o_cmp, indices = _compressed_and_indices(
+        config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
+    o = ops.selected_attention_gated(
+        q, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=o_cmp, o_win=o_win,
+        gates=gates, q_start=q_start, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
+    if o is not None:
+        return o
+    o_slc = ops.selected_attention(
+        q, k_slc, v_slc, indices, config.sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    return ops.gated_combine(o_cmp, o_slc, o_win, gates)
+
+
+def _compressed_and_indices(
+    config: NSAConfig,
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    *,
+    q_start: int,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_cmp [B, Tq, HQ, dv] and the selected block indices [B, Tq, H, n]."""
     cfg = config
-    scale = cfg.softmax_scale
     # The compressed branch runs first: where its backend yields the softmax's log-sum-exp,
     # block scoring reuses it instead of recomputing the normaliser (same q, k_cmp and scale).
     o_cmp, lse = ops.compressed_attention_with_lse(
@@ -112,7 +171,7 @@ def branch_outputs(
         v_cmp,
         cfg.cmp_block,
         cfg.cmp_stride,
-        scale,
+        cfg.softmax_scale,
         q_start=q_start,
         cu_seqlens=cu_seqlens,
     )
@@ -123,24 +182,33 @@ def branch_outputs(
         cfg.cmp_stride,
         cfg.sel_block,
         cfg.num_selected,
-        scale,
+        cfg.softmax_scale,
         q_start=q_start,
         cu_seqlens=cu_seqlens,
         lse=lse,
     )
-    o_slc = ops.selected_attention(
-        q, k_slc, v_slc, indices, cfg.sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    o_win = ops.sliding_attention(
+    return o_cmp, indices
+
+
+def _sliding(
+    config: NSAConfig,
+    q: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    q_start: int,
+    win_start: int | None,
+    cu_seqlens: torch.Tensor | None,
+) -> torch.Tensor:
+    """o_win [B, Tq, HQ, dv] (``win_start`` as :func:`branch_outputs` takes it)."""
+    return ops.sliding_attention(
         q,
         k_win,
         v_win,
-        cfg.window,
-        scale,
+        config.window,
+        config.softmax_scale,
         q_start=q_start if win_start is None else win_start,
         cu_seqlens=cu_seqlens,
     )
-    return o_cmp, o_slc, o_win, indices
 
 
 def _with_layer_config(
@@ -233,7 +301,7 @@ def nsa_attention(
     ks, vs = check_nsa_attention(q, k, v, gates, config, phi_k, phi_v, cu_seqlens)
     k_cmp = compress(ks["cmp"], config.cmp_block, config.cmp_stride, phi_k, cu_seqlens=cu_seqlens)
     v_cmp = compress(vs["cmp"], config.cmp_block, config.cmp_stride, phi_v, cu_seqlens=cu_seqlens)
-    o_cmp, o_slc, o_win, _ = branch_outputs(
+    return gated_output(
         config,
         q,
         k_cmp,
@@ -242,9 +310,9 @@ def nsa_attention(
         vs["slc"],
         ks["win"],
         vs["win"],
+        gates,
         cu_seqlens=cu_seqlens,
     )
-    return ops.gated_combine(o_cmp, o_slc, o_win, gates)
 
 
 class NSAAttention(nn.Module):
@@ -318,6 +386,7 @@ class NSAAttention(nn.Module):
         return k_cmp, v_cmp
 
     branch_outputs = _with_layer_config(branch_outputs)
+    gated_output = _with_layer_config(gated_output)
 
     # ----------------------------------------------------------------------------- entry points
 
@@ -343,7 +412,7 @@ class NSAAttention(nn.Module):
         positions = positions_of(x.shape[1], cu_seqlens, x.device)
         inp = self.branch_inputs(x, positions)
         k_cmp, v_cmp = self.compress_kv(inp.k["cmp"], inp.v["cmp"], cu_seqlens)
-        o_cmp, o_slc, o_win, _ = self.branch_outputs(
+        o = self.gated_output(
             inp.q,
             k_cmp,
             v_cmp,
@@ -351,9 +420,9 @@ class NSAAttention(nn.Module):
             inp.v["slc"],
             inp.k["win"],
             inp.v["win"],
+            inp.gates,
             cu_seqlens=cu_seqlens,
         )
-        o = ops.gated_combine(o_cmp, o_slc, o_win, inp.gates)
         y: torch.Tensor = self.o_proj(o.flatten(2))
         return y
 
@@ -366,10 +435,10 @@ class NSAAttention(nn.Module):
         positions = torch.arange(t, device=x.device)
         inp = self.branch_inputs(x, positions)
         k_cmp, v_cmp = self.compress_kv(inp.k["cmp"], inp.v["cmp"])
-        o_cmp, o_slc, o_win, _ = self.branch_outputs(
-            inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"]
+        o = self.gated_output(
+            inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.gates
         )
-        y = self.o_proj(ops.gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
+        y = self.o_proj(o.flatten(2))
         cache = NSACache.empty(
             cfg, batch, capacity=max(capacity, t), device=x.device, dtype=x.dtype
         )

@@ -28,7 +28,7 @@ from nsa_core.checks import (
     check_sliding_attention,
 )
 from nsa_core.op_context import OpContext, op_context
-from nsa_core.registry import resolve_fn, resolve_fn_with_lse
+from nsa_core.registry import resolve, resolve_fn, resolve_fn_gated, resolve_fn_with_lse
 from nsa_core.toggles import get_toggles
 
 P = ParamSpec("P")
@@ -41,6 +41,7 @@ __all__ = [
     "op_context",
     "select_blocks",
     "selected_attention",
+    "selected_attention_gated",
     "sliding_attention",
 ]
 
@@ -125,3 +126,44 @@ compressed_attention_with_lse.__doc__ = """:func:`compressed_attention` and, whe
         None when the chosen backend has no ``fn_with_lse`` (or a debug hook is on). Meant for
         :func:`select_blocks`'s ``lse``, with the same q, k_cmp, scale, q_start and cu_seqlens.
     """
+
+
+def selected_attention_gated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: int,
+    scale: float | None = None,
+    *,
+    o_cmp: torch.Tensor,
+    o_win: torch.Tensor,
+    gates: torch.Tensor,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """``gated_combine(o_cmp, selected_attention(...), o_win, gates)`` in one step, or None.
+
+    Arguments as :func:`selected_attention` and :func:`gated_combine` take them. The step runs
+    where the backend the registry picks for ``selected_attention`` has a ``fn_gated``
+    (:class:`nsa_core.registry.Backend`), no gradient is needed, no debug hook is on, and
+    ``gated_combine`` itself would not run on the reference (a pinned reference combine is
+    honoured). Otherwise it returns None and the caller runs the two ops.
+    """
+    ctx = check_selected_attention(
+        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    combine_ctx = check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    if ctx.requires_grad or combine_ctx.requires_grad:
+        return None
+    toggles = get_toggles()
+    if resolve("gated_combine", combine_ctx, toggles).backend.name == "reference":
+        return None
+    fn_gated = resolve_fn_gated("selected_attention", ctx, toggles)
+    if fn_gated is None:
+        return None
+    o: torch.Tensor = fn_gated(
+        q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
+        q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles,
+    )  # fmt: skip
+    return o

@@ -64,6 +64,12 @@ class Backend:
     ``select_blocks``, which then skips its own normaliser pass (docs/spec.md, "Block scoring on
     a GPU"). ``select_blocks`` backends take the keyword ``lse`` (None or that tensor) and may
     ignore it; selection takes no gradient, so they read q, k_cmp and lse detached.
+
+    ``fn_gated`` (``selected_attention`` only, optional, forward only) takes the same arguments
+    plus the keywords ``o_cmp``, ``o_win`` and ``gates`` and returns the gated combine of the
+    three branches, ``g_cmp * o_cmp + g_slc * fn(...) + g_win * o_win`` (docs/spec.md, "Gated
+    combine"), computed with the selected branch so that its output never goes to memory. The
+    attention core calls it only when no gradient is needed.
     """
 
     op: str
@@ -73,6 +79,7 @@ class Backend:
     priority: int = 0
     requested_by: Callable[[Toggles], bool] = field(default=lambda toggles: False)
     fn_with_lse: Callable[..., Any] | None = None
+    fn_gated: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +171,17 @@ def resolve_fn_with_lse(op: str, ctx: OpContext, toggles: Toggles) -> Callable[.
     if toggles.debug_hooks:
         return None
     return resolve(op, ctx, toggles).backend.fn_with_lse
+
+
+def resolve_fn_gated(op: str, ctx: OpContext, toggles: Toggles) -> Callable[..., Any] | None:
+    """The ``fn_gated`` of the backend :func:`resolve` picks, or None.
+
+    None when that backend has none, and whenever a debug hook is on: the hooks observe ``fn``,
+    so the caller then runs the selected branch and the combine apart.
+    """
+    if toggles.debug_hooks:
+        return None
+    return resolve(op, ctx, toggles).backend.fn_gated
 
 
 def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Resolution:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from nsa_core.debug_log import debug_log
 from nsa_core.registry import Backend, OpContext
-from nsa_core.toggles import Toggles, legacy_sel_tiles
+from nsa_core.toggles import Toggles, get_toggles, legacy_sel_tiles
 from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
 
 OP = "selected_attention"
@@ -188,6 +188,25 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, call: Select
 selected_attention_backend = SelectedBackend(_triton)
 
 
+def selected_attention_gated_backend(
+    q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
+    scale: float | None = None, *, o_cmp: Tensor, o_win: Tensor, gates: Tensor,
+    q_start: int = 0, cu_seqlens: Tensor | None = None, toggles: Toggles | None = None,
+) -> Tensor:  # fmt: skip
+    """The registered ``fn_gated``: :func:`selected_attention_gated_triton` with the routing's
+    toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp and o_win
+    [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] -> o [B, Tq, HQ, dv], forward only."""
+    from nsa_kernels.selected.function import SelConfig, selected_attention_gated_triton
+
+    _log_device(q.device)
+    tiles = legacy_sel_tiles()
+    return selected_attention_gated_triton(
+        q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
+        q_start=q_start, cu_seqlens=cu_seqlens, config=SelConfig(**tiles) if tiles else None,
+        toggles=get_toggles() if toggles is None else toggles,
+    )  # fmt: skip
+
+
 def _requested(toggles: Toggles) -> bool:
     return toggles.sel_triton or toggles.sel_triton_force
 
@@ -202,5 +221,6 @@ def backends() -> list[Backend]:
             supports=supports,
             priority=PRIORITY,
             requested_by=_requested,
+            fn_gated=selected_attention_gated_backend,
         )
     ]

@@ -10,6 +10,7 @@ once for all G heads of the group (rows padded to BG >= 16 for ``tl.dot``).
 
 # No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
 # annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,20 +33,51 @@ from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_
 
 
 @triton.jit
+def _gated_sum(
+    o_slc, cmp_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
+    stride_cb, stride_ct, stride_ch, stride_wb, stride_wt, stride_wh,
+    stride_gb, stride_gt, stride_gh, stride_gc,
+):  # fmt: skip
+    """[BG, BV] float32 ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` at query row r of
+    batch row b, heads ``heads`` [BG] and channels ``offs_v`` [BV]; o_slc [BG, BV] float32.
+
+    o_cmp and o_win are read once and not again: ``evict_first`` keeps K/V in L2 over them.
+    """
+    ok = g_mask[:, None] & v_mask[None, :]
+    o_cmp = tl.load(
+        cmp_ptr + b * stride_cb + r * stride_ct + heads[:, None] * stride_ch + offs_v[None, :],
+        mask=ok, other=0.0, eviction_policy="evict_first",
+    ).to(tl.float32)  # fmt: skip
+    o_win = tl.load(
+        win_ptr + b * stride_wb + r * stride_wt + heads[:, None] * stride_wh + offs_v[None, :],
+        mask=ok, other=0.0, eviction_policy="evict_first",
+    ).to(tl.float32)  # fmt: skip
+    gates = gate_ptr + b * stride_gb + r * stride_gt + heads * stride_gh
+    g_cmp = tl.load(gates, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+    g_slc = tl.load(gates + stride_gc, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+    g_win = tl.load(gates + 2 * stride_gc, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+    return g_cmp * o_cmp + g_slc * o_slc + g_win * o_win
+
+
+@triton.jit
 def sel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
+    cmp_ptr, win_ptr, gate_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
     stride_ib, stride_it, stride_ih,
+    stride_cb, stride_ct, stride_ch,
+    stride_wb, stride_wt, stride_wh,
+    stride_gb, stride_gt, stride_gh, stride_gc,
     n_rows, tq, tk, q_start, nsel, qk_scale,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    V_TMA: tl.constexpr,
+    V_TMA: tl.constexpr, GATED: tl.constexpr,
 ):  # fmt: skip
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
@@ -64,6 +96,11 @@ def sel_fwd_kernel(
     twice, V_TMA and not, and finite [1] int32 (nonzero: every value of v is finite) picks the
     launch that works; the other one's programs return at once. A call without V_TMA launches it
     once, with masked V loads and a zero flag.
+
+    GATED (forward only, :func:`forward`'s ``gated``): o is the gated sum of the three branches,
+    ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` over float32 values (the combine kernel's
+    expression), o_cmp and o_win [B, Tq, HQ, dv] read at the row's heads, gates [B, Tq, HQ, 3]:
+    the combine's pass over the three outputs is saved, and o_slc never goes to memory.
     """
     if (tl.load(finite_ptr) != 0) != V_TMA:
         return
@@ -138,6 +175,12 @@ def sel_fwd_kernel(
         # A row that sees no token keeps l == 0: its output is 0 and its lse is -inf.
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        if GATED:
+            o = _gated_sum(
+                o, cmp_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
+                stride_cb, stride_ct, stride_ch, stride_wb, stride_wt, stride_wh,
+                stride_gb, stride_gt, stride_gh, stride_gc,
+            )  # fmt: skip
         o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         tl.store(
             o_rows + offs_v[None, :],
@@ -160,15 +203,38 @@ def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
     return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_l, x.shape[3]])
 
 
-def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class GatedSum:
+    """What the selected forward sums its output with (docs/spec.md, "Gated combine"): the other
+    two branches o_cmp and o_win [B, Tq, HQ, dv] in q's dtype, and gates [B, Tq, HQ, 3] ordered
+    (cmp, slc, win), on q's device. Forward only: no gradient reaches them."""
+
+    o_cmp: Tensor
+    o_win: Tensor
+    gates: Tensor
+
+
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch, gated: GatedSum | None = None
+) -> tuple[Tensor, Tensor]:
     """o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log, -inf on rows that
-    see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32."""
+    see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32.
+
+    ``gated``: o is the gated sum of the three branches instead (see sel_fwd_kernel's GATED);
+    lse stays the selected branch's own.
+    """
     sel_block, cfg = info.sel_block, info.cfg
     o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if info.rows == 0:
         return o, lse
     if info.n == 0:
-        return no_visible_keys(o, lse)
+        o, lse = no_visible_keys(o, lse)
+        if gated is not None:
+            # o_slc = 0: the sum of the other two terms, in the combine kernel's float32.
+            g = gated.gates.float()
+            total = g[..., 0:1] * gated.o_cmp.float() + g[..., 2:3] * gated.o_win.float()
+            o = total.to(q.dtype)
+        return o, lse
     seq_ids, cu = varlen_args(info, q.device)
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
@@ -182,15 +248,19 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
     v_tma = tma and values_fit_tma(cfg.block_dv, info)
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
     finite, v_paths = finite_path_launches(v_tma, v)
+    # Without a gated sum the kernel never reads these: o stands in for the pointers.
+    parts = (o, o, o) if gated is None else (gated.o_cmp, gated.o_win, gated.gates)
+    part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[2].stride(-1)]
     for v_path in v_paths:
         sel_fwd_kernel[grid](
-            q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc,
+            q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc, *parts,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             o.stride(0), o.stride(1), o.stride(2),
             lse.stride(0), lse.stride(1),
             idx.stride(0), idx.stride(1), idx.stride(2),
+            *part_strides,
             info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
             G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
             DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
@@ -198,7 +268,7 @@ def forward(q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch) -> tuple
             SEL=sel_block, BL=cfg.fwd_block_l, NSUB=nsub,
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
-            V_TMA=v_path,
+            V_TMA=v_path, GATED=gated is not None,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse

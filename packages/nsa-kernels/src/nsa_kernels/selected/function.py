@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from nsa_core.checks import check_gated_combine, check_same_place, shape
 from nsa_core.toggles import Toggles
 from nsa_kernels.selected.backward import backward
-from nsa_kernels.selected.forward import forward
+from nsa_kernels.selected.forward import GatedSum, forward
 from nsa_kernels.selected.indices import unique_block_rows
 from nsa_kernels.selected.launch import (
     Launch,
@@ -58,6 +59,45 @@ def selected_attention_fwd(
     """
     info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
     return forward(*_operands(q, k, v, block_indices, info), info)
+
+
+def selected_attention_gated_triton(
+    q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
+    scale: float | None = None, *, o_cmp: Tensor, o_win: Tensor, gates: Tensor,
+    q_start: int = 0, cu_seqlens: Tensor | None = None,
+    config: SelConfig | None = None, toggles: Toggles | None = None,
+) -> Tensor:  # fmt: skip
+    """The gated combine with the selected branch computed in the same launch, forward only.
+
+    ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` (docs/spec.md, "Gated combine") where o_slc
+    is :func:`selected_attention_triton` of the same arguments: each program sums its rows' three
+    terms before it stores them, so o_slc never goes to memory and the combine's own pass over
+    the three outputs is saved. The sum is the combine kernel's expression over float32 values;
+    o_slc enters it unrounded (the separate ops round it to q's dtype first).
+
+    Args:
+        q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles: as
+            :func:`selected_attention_triton`.
+        o_cmp, o_win: [B, Tq, HQ, dv] the compressed and sliding branches' outputs, q's dtype.
+        gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
+
+    Returns:
+        o [B, Tq, HQ, dv] in q's dtype, not differentiable: a call that would need a gradient
+        (grad mode on and an input that requires one) is refused.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, o_cmp, o_win, gates)):
+        raise RuntimeError(
+            "selected_attention_gated_triton is forward only; for gradients run "
+            "selected_attention_triton and then the gated combine"
+        )
+    check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    expected = (info.batch, info.tq, info.hq, info.dv)
+    if tuple(o_cmp.shape) != expected:
+        raise ValueError(f"o_cmp {shape(o_cmp)} must be [B, Tq, HQ, dv] = {list(expected)}")
+    check_same_place("o_cmp", o_cmp, "q", q)
+    parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
+    return forward(*_operands(q, k, v, block_indices, info), info, parts)[0]
 
 
 def selected_attention_bwd(
@@ -147,6 +187,7 @@ __all__ = [
     "resolve_config",
     "selected_attention_bwd",
     "selected_attention_fwd",
+    "selected_attention_gated_triton",
     "selected_attention_triton",
     "tma_available",
     "unique_block_rows",

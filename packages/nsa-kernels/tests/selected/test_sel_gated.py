@@ -1,0 +1,127 @@
+"""The selected forward that sums the three branches itself (``selected_attention_gated_triton``).
+
+It must give the gated combine (docs/spec.md, "Gated combine") of the other two branches and the
+selected branch's own output: against the float64 reference of both steps, and against the two
+Triton steps run apart (the selected kernel, then the combine kernel), for every kind of row the
+selected kernel serves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testlib import BOUND, DEVICE, INTERPRET, SKIP_REASON, rel_err
+from sel_testlib import Case, make_inputs, reference
+
+pytest.importorskip("triton")
+
+from nsa_core.reference.combine import gated_combine
+from nsa_kernels.combine.function import combine_fwd
+from nsa_kernels.selected.function import (
+    SelConfig,
+    selected_attention_gated_triton,
+    selected_attention_triton,
+)
+
+pytestmark = pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
+BF16_UNDER_INTERPRETER = pytest.mark.skipif(
+    INTERPRET,
+    reason="the Triton interpreter multiplies bfloat16 tl.dot operands wrongly; bfloat16 is "
+    "checked on the GPU",
+)
+
+CASES = [
+    Case("G=1", group=1, tq=37),
+    Case("G=3 empty rows", group=3, tq=29, indices="empty"),
+    Case("G=16 paper l'=64", group=16, h=1, tq=70, dk=32, dv=32, sel_block=64, n=2),
+    Case("q_start>0", group=2, tq=9, q_start=40),
+    Case("varlen with a length-1 sequence", group=2, tq=41, seqlens=[1, 25, 15]),
+    # Two programs per row along dv: each sums its own channels.
+    Case("dv chunks", group=2, tq=19, dv=32, config={"block_dv": 16, "tma": 2}),
+]
+
+
+def other_branches(
+    case: Case, gen: torch.Generator, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """o_cmp, o_win [B, Tq, HQ, dv] and gates [B, Tq, HQ, 3] in (0, 1), drawn in float32."""
+    shape = (case.batch, case.tq, case.hq, case.dv)
+    o_cmp = torch.randn(shape, generator=gen)
+    o_win = torch.randn(shape, generator=gen)
+    gates = torch.sigmoid(torch.randn(*shape[:3], 3, generator=gen))
+    return o_cmp.to(DEVICE, dtype), o_win.to(DEVICE, dtype), gates.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_UNDER_INTERPRETER)],
+)
+def test_gated_forward_is_the_combine_of_the_three_branches(
+    case: Case, dtype: torch.dtype
+) -> None:
+    assert DEVICE is not None
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, idx, cu = make_inputs(case, gen, dtype, DEVICE)
+    o_cmp, o_win, gates = other_branches(case, gen, dtype)
+    cfg = SelConfig(**case.config)
+    out = selected_attention_gated_triton(
+        q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates,
+        q_start=case.q_start, cu_seqlens=cu, config=cfg,
+    )  # fmt: skip
+    assert out.dtype == dtype and out.shape == o_cmp.shape
+    # The spec's bound against the float64 reference of both steps.
+    o_slc64 = reference(q, k, v, idx, case, cu)
+    want64 = gated_combine(o_cmp.double(), o_slc64, o_win.double(), gates.double())
+    assert rel_err(out, want64) < BOUND[dtype]
+    # The two Triton steps apart: the same sum, with o_slc rounded to q's dtype first.
+    o_slc = selected_attention_triton(
+        q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu, config=cfg
+    )
+    apart = combine_fwd(o_cmp, o_slc, o_win, gates)
+    if dtype == torch.float32:
+        assert rel_err(out, apart) < BOUND[dtype]
+    else:
+        # One rounding of o_slc apart: within two units in the last place of the output.
+        ulp = torch.finfo(dtype).eps * apart.float().abs().clamp_min(1.0)
+        assert ((out.float() - apart.float()).abs() <= 2 * ulp).all()
+
+
+def test_gated_forward_refuses_a_call_that_needs_gradients() -> None:
+    assert DEVICE is not None
+    case = Case("grad", group=2, tq=8)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
+    q.requires_grad_()
+    with pytest.raises(RuntimeError, match="forward only"):
+        selected_attention_gated_triton(
+            q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates
+        )
+    with torch.no_grad():
+        out = selected_attention_gated_triton(
+            q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates
+        )
+    assert not out.requires_grad
+
+
+def test_gated_forward_checks_the_other_branches() -> None:
+    assert DEVICE is not None
+    case = Case("shapes", group=2, tq=8)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
+    with pytest.raises(ValueError, match="o_cmp"):
+        selected_attention_gated_triton(
+            q, k, v, idx, case.sel_block, o_cmp=o_cmp[:, :4], o_win=o_win[:, :4],
+            gates=gates[:, :4],
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="gates"):
+        selected_attention_gated_triton(
+            q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates[..., :2]
+        )
+    with pytest.raises(TypeError, match="dtype"):
+        selected_attention_gated_triton(
+            q, k, v, idx, case.sel_block, o_cmp=o_cmp.double(), o_win=o_win.double(),
+            gates=gates.double(),
+        )  # fmt: skip
