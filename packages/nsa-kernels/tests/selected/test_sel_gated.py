@@ -69,7 +69,8 @@ def test_gated_forward_is_the_combine_of_the_three_branches(
         q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates,
         q_start=case.q_start, cu_seqlens=cu, config=cfg,
     )  # fmt: skip
-    assert out.dtype == dtype and out.shape == o_cmp.shape
+    assert out.dtype == dtype
+    assert out.shape == o_cmp.shape
     # The spec's bound against the float64 reference of both steps.
     o_slc64 = reference(q, k, v, idx, case, cu)
     want64 = gated_combine(o_cmp.double(), o_slc64, o_win.double(), gates.double())
