@@ -57,9 +57,7 @@ def other_branches(
     "dtype",
     [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=BF16_UNDER_INTERPRETER)],
 )
-def test_gated_forward_is_the_combine_of_the_three_branches(
-    case: Case, dtype: torch.dtype
-) -> None:
+def test_gated_forward_is_the_combine_of_the_three_branches(case: Case, dtype: torch.dtype) -> None:
     assert DEVICE is not None
     gen = torch.Generator().manual_seed(7)
     q, k, v, idx, cu = make_inputs(case, gen, dtype, DEVICE)
