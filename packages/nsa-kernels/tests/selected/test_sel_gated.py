@@ -124,3 +124,22 @@ def test_gated_forward_checks_the_other_branches() -> None:
             q, k, v, idx, case.sel_block, o_cmp=o_cmp.double(), o_win=o_win.double(),
             gates=gates.double(),
         )  # fmt: skip
+
+
+def test_gated_forward_with_no_index_columns_sums_the_other_two_branches() -> None:
+    # n = 0: no launch; o_slc = 0, and its product is still taken (a NaN gate reaches its row).
+    assert DEVICE is not None
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, 2, 16, generator=gen).to(DEVICE)
+    k = torch.randn(1, 8, 1, 16, generator=gen).to(DEVICE)
+    v = torch.randn(1, 8, 1, 16, generator=gen).to(DEVICE)
+    idx = torch.zeros(1, 8, 1, 0, dtype=torch.int32, device=DEVICE)
+    case = Case("n=0", group=2, h=1, tq=8)
+    o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
+    gates[0, 3, 1, 1] = float("nan")
+    out = selected_attention_gated_triton(q, k, v, idx, 4, o_cmp=o_cmp, o_win=o_win, gates=gates)
+    assert torch.isnan(out[0, 3, 1]).all()
+    want = gates[..., 0:1] * o_cmp + gates[..., 2:3] * o_win
+    finite = ~torch.isnan(out)
+    assert finite.sum() == out.numel() - out.shape[-1]
+    torch.testing.assert_close(out[finite], want[finite], rtol=0, atol=0)

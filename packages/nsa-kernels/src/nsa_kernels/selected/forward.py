@@ -230,10 +230,11 @@ def forward(
     if info.n == 0:
         o, lse = no_visible_keys(o, lse)
         if gated is not None:
-            # o_slc = 0: the sum of the other two terms, in the combine kernel's float32.
-            g = gated.gates.float()
-            total = g[..., 0:1] * gated.o_cmp.float() + g[..., 2:3] * gated.o_win.float()
-            o = total.to(q.dtype)
+            # o_slc = 0, its product still taken (a non-finite gate makes its row non-finite,
+            # docs/spec.md "Output"), in the combine kernel's float32.
+            g, o_slc = gated.gates.float(), o.float()
+            total = g[..., 0:1] * gated.o_cmp.float() + g[..., 1:2] * o_slc
+            o = (total + g[..., 2:3] * gated.o_win.float()).to(q.dtype)
         return o, lse
     seq_ids, cu = varlen_args(info, q.device)
     hpp = cfg.heads_per_prog
