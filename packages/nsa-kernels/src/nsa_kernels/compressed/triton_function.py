@@ -63,7 +63,7 @@ FWD_STAGE_BYTES_D256 = {2: 131_072}
 # The sliding forward at D <= 128 in 16 bits (rows, keys, warps, stages): each query tile walks
 # only the w + TPP - 1 keys of its window, so smaller tiles (4 tokens x 16 heads) on one warp
 # group fill the SMs better. T = 64k, w = 512 on an H100: 4.02 ms on (128, 64, 8, 3), 3.65 on
-# these (docs/results/2026-11-26-h200-layer-4.md). Two stages ask 80 KiB: every device fits.
+# these (docs/results/2026-11-26-h100-layer-4.md). Two stages ask 80 KiB: every device fits.
 WINDOWED_FWD_D128 = (64, 64, 4, 2)
 DQ_STAGE_BYTES_D256 = {3: 102_400}
 # dk/dv tiles (key blocks, query rows per step) at D = 256 in 16 bits, fastest first, each with
