@@ -41,7 +41,7 @@ TESTS="${TESTS:-routes scoring compressed sliding combine decode}"
 [[ " $TESTS " == *" decode "* ]] && run_tests decode packages/nsa-kernels/tests/decode -x
 
 echo "== bench: nsa-bench layer $SEQLENS $HEAD_DIMS" >&2
-timeout "${BENCH_TIMEOUT:-330}" python3 -m nsa_bench.cli layer --seqlens "$SEQLENS" \
+timeout "${BENCH_TIMEOUT:-450}" python3 -m nsa_bench.cli layer --seqlens "$SEQLENS" \
   --head-dims "$HEAD_DIMS" --out "$OUT/layer" ${LAYER_ARGS:-} 2>"$OUT/layer.log"
 echo "bench layer: exit $?" | tee -a "$OUT/summary.txt"
 tail -3 "$OUT/layer.log"

@@ -62,6 +62,18 @@ def clear_grads(tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
     return reset
 
 
+# triton's do_bench times about rep_ms / (its own estimate) runs, so a call longer than rep_ms
+# would be timed once: its "median" would be one sample. Every call is timed at least this often.
+MIN_TIMED_RUNS = 5
+
+
+def repetition_ms(rep_ms: float, estimate_ms: float, min_runs: int = MIN_TIMED_RUNS) -> float:
+    """The ``rep`` to give do_bench so that a call of ``estimate_ms`` runs at least ``min_runs``
+    timed times (do_bench times ``int(rep / estimate)`` runs), and never less than ``rep_ms``."""
+    # 1.25: do_bench re-estimates the call itself (with cache flushes), a little higher.
+    return max(rep_ms, min_runs * estimate_ms * 1.25)
+
+
 def do_bench_median_ms(
     fn: Callable[[], object],
     *,
@@ -72,15 +84,21 @@ def do_bench_median_ms(
     """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (CUDA only).
 
     do_bench runs ``fn`` for about ``warmup_ms``, then times it for about ``rep_ms``, flushing the
-    L2 cache between runs; the ``.grad`` of ``grads`` is reset before each run.
+    L2 cache between runs; the ``.grad`` of ``grads`` is reset before each run. A call too long
+    for ``rep_ms`` to hold MIN_TIMED_RUNS runs gets a longer ``rep`` (:func:`repetition_ms`),
+    from one timed run of its own.
     """
     import triton.testing
 
+    fn()
+    estimate = median_ms(
+        fn, iters=1, warmup=0, device=torch.device("cuda"), setup=clear_grads(grads)
+    )
     return float(
         triton.testing.do_bench(
             fn,
             warmup=warmup_ms,
-            rep=rep_ms,
+            rep=repetition_ms(rep_ms, estimate),
             grad_to_none=list(grads) or None,
             return_mode="median",
         )
