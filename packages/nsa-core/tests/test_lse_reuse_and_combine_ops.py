@@ -4,6 +4,7 @@ the selected branch's backend may sum the three branches in its own step (``fn_g
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -331,3 +332,20 @@ def test_no_one_step_sum_under_a_pinned_reference_combine_or_a_debug_hook(
         out = nsa_core.nsa_attention(q, k, v, gates, CONFIG)
     assert spy.gated_calls == 0
     assert out.shape == (1, q.shape[1], 4, 8)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_routing_report_says_where_the_combine_runs_inside_the_selected_launch() -> None:
+    from nsa_core.registry import routing_report
+
+    GatedSpy().register()
+    ctx = OpContext(
+        device=torch.device("cpu"), dtype=torch.float32, seq_len=13, num_q_heads=4,
+        num_kv_heads=2, head_dim_qk=8, head_dim_v=8, requires_grad=False, varlen=False,
+    )  # fmt: skip
+    note = "summed inside selected_attention's launch"
+    lines = dict(line.split(" -> ", 1) for line in routing_report(ctx).splitlines())
+    assert note in lines["gated_combine".ljust(22)]
+    assert note not in lines["selected_attention".ljust(22)]
+    grad = dataclasses.replace(ctx, requires_grad=True)
+    assert note not in routing_report(grad)

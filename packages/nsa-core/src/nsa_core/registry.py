@@ -198,13 +198,36 @@ def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Res
 
 
 def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
-    """One line per op: the chosen backend and the reasons the preferred ones were passed over."""
+    """One line per op: the chosen backend and the reasons the preferred ones were passed over.
+
+    Where no gradient is needed and the attention core would sum the gated combine inside the
+    selected branch's launch (``fn_gated``: the selected backend has one, the combine's is not
+    the reference, no debug hook is on), the ``gated_combine`` line says so.
+    """
     lines = []
+    chosen = {}
     for op in OPS:
         res = resolve(op, ctx, toggles)
+        chosen[op] = res.backend
         why = "; ".join(f"{name}: {reason}" for name, reason in res.rejected)
-        lines.append(f"{op:22s} -> {res.backend.name}" + (f"   (passed over {why})" if why else ""))
+        line = f"{op:22s} -> {res.backend.name}" + (f"   (passed over {why})" if why else "")
+        if op == "gated_combine" and _combine_in_selected(ctx, toggles, chosen):
+            line += "   (no grad: summed inside selected_attention's launch)"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _combine_in_selected(
+    ctx: OpContext, toggles: Toggles | None, chosen: dict[str, Backend]
+) -> bool:
+    """Whether the core's no-grad call would take the one-step sum (nsa_core.ops rules)."""
+    debug = (get_toggles() if toggles is None else toggles).debug_hooks
+    return (
+        not ctx.requires_grad
+        and not debug
+        and chosen["selected_attention"].fn_gated is not None
+        and chosen["gated_combine"].name != "reference"
+    )
 
 
 def _always(ctx: OpContext, toggles: Toggles) -> str | None:
