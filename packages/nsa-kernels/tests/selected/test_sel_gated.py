@@ -38,6 +38,8 @@ CASES = [
     Case("varlen with a length-1 sequence", group=2, tq=41, seqlens=[1, 25, 15]),
     # Two programs per row along dv: each sums its own channels.
     Case("dv chunks", group=2, tq=19, dv=32, config={"block_dv": 16, "tma": 2}),
+    # dk = 48 in 16-wide chunks (the pointer path of dk = 192).
+    Case("dk chunks", group=2, tq=17, dk=48, config={"block_d": 16, "tma": 2}),
 ]
 
 
