@@ -205,7 +205,7 @@ def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
 
 @dataclass(frozen=True)
 class GatedSum:
-    """What the selected forward sums its output with (docs/spec.md, "Gated combine"): the other
+    """What the selected forward sums its output with (docs/spec.md, "Output"): the other
     two branches o_cmp and o_win [B, Tq, HQ, dv] in q's dtype, and gates [B, Tq, HQ, 3] ordered
     (cmp, slc, win), on q's device. Forward only: no gradient reaches them."""
 
