@@ -23,7 +23,7 @@ from nsa_kernels.selected.function import (
     selected_attention_triton,
 )
 
-pytestmark = pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 BF16_UNDER_INTERPRETER = pytest.mark.skipif(
     INTERPRET,
     reason="the Triton interpreter multiplies bfloat16 tl.dot operands wrongly; bfloat16 is "
