@@ -28,7 +28,7 @@ from nsa_core.checks import (
     check_sliding_attention,
 )
 from nsa_core.op_context import OpContext, op_context
-from nsa_core.registry import resolve, resolve_fn, resolve_fn_gated, resolve_fn_with_lse
+from nsa_core.registry import resolve_fn, resolve_fn_gated, resolve_fn_with_lse
 from nsa_core.toggles import get_toggles
 
 P = ParamSpec("P")
@@ -150,16 +150,16 @@ def selected_attention_gated(
     ``gated_combine`` itself would not run on the reference (a pinned reference combine is
     honoured). Otherwise it returns None and the caller runs the two ops.
     """
+    # The combine's check first: in training o_cmp already needs a gradient, and the caller's
+    # selected_attention then validates its own arguments once.
+    combine_ctx = check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    if combine_ctx.requires_grad:
+        return None
     ctx = check_selected_attention(
         q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )
-    combine_ctx = check_gated_combine(o_cmp, o_cmp, o_win, gates)
-    if ctx.requires_grad or combine_ctx.requires_grad:
-        return None
     toggles = get_toggles()
-    if resolve("gated_combine", combine_ctx, toggles).backend.name == "reference":
-        return None
-    fn_gated = resolve_fn_gated("selected_attention", ctx, toggles)
+    fn_gated = resolve_fn_gated(ctx, combine_ctx, toggles)
     if fn_gated is None:
         return None
     o: torch.Tensor = fn_gated(

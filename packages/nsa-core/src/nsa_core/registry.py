@@ -173,15 +173,21 @@ def resolve_fn_with_lse(op: str, ctx: OpContext, toggles: Toggles) -> Callable[.
     return resolve(op, ctx, toggles).backend.fn_with_lse
 
 
-def resolve_fn_gated(op: str, ctx: OpContext, toggles: Toggles) -> Callable[..., Any] | None:
-    """The ``fn_gated`` of the backend :func:`resolve` picks, or None.
+def resolve_fn_gated(
+    sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles
+) -> Callable[..., Any] | None:
+    """The ``fn_gated`` of the ``selected_attention`` backend :func:`resolve` picks, or None.
 
-    None when that backend has none, and whenever a debug hook is on: the hooks observe ``fn``,
-    so the caller then runs the selected branch and the combine apart.
+    The one rule for the one-step gated sum: None where either call needs a gradient, a debug
+    hook is on (the hooks observe ``fn``), ``gated_combine`` resolves to the reference (a pinned
+    reference combine is honoured) or the selected backend has no ``fn_gated``; the caller then
+    runs the selected branch and the combine apart.
     """
-    if toggles.debug_hooks:
+    if toggles.debug_hooks or sel_ctx.requires_grad or combine_ctx.requires_grad:
         return None
-    return resolve(op, ctx, toggles).backend.fn_gated
+    if resolve("gated_combine", combine_ctx, toggles).backend.name == "reference":
+        return None
+    return resolve("selected_attention", sel_ctx, toggles).backend.fn_gated
 
 
 def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Resolution:
@@ -200,34 +206,20 @@ def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Res
 def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
     """One line per op: the chosen backend and the reasons the preferred ones were passed over.
 
-    Where no gradient is needed and the attention core would sum the gated combine inside the
-    selected branch's launch (``fn_gated``: the selected backend has one, the combine's is not
-    the reference, no debug hook is on), the ``gated_combine`` line says so.
+    Where the attention core would sum the gated combine inside the selected branch's launch
+    (:func:`resolve_fn_gated` gives a ``fn_gated`` for this context), the ``gated_combine`` line
+    says so.
     """
+    toggles = get_toggles() if toggles is None else toggles
     lines = []
-    chosen = {}
     for op in OPS:
         res = resolve(op, ctx, toggles)
-        chosen[op] = res.backend
         why = "; ".join(f"{name}: {reason}" for name, reason in res.rejected)
         line = f"{op:22s} -> {res.backend.name}" + (f"   (passed over {why})" if why else "")
-        if op == "gated_combine" and _combine_in_selected(ctx, toggles, chosen):
+        if op == "gated_combine" and resolve_fn_gated(ctx, ctx, toggles) is not None:
             line += "   (no grad: summed inside selected_attention's launch)"
         lines.append(line)
     return "\n".join(lines)
-
-
-def _combine_in_selected(
-    ctx: OpContext, toggles: Toggles | None, chosen: dict[str, Backend]
-) -> bool:
-    """Whether the core's no-grad call would take the one-step sum (nsa_core.ops rules)."""
-    debug = (get_toggles() if toggles is None else toggles).debug_hooks
-    return (
-        not ctx.requires_grad
-        and not debug
-        and chosen["selected_attention"].fn_gated is not None
-        and chosen["gated_combine"].name != "reference"
-    )
 
 
 def _always(ctx: OpContext, toggles: Toggles) -> str | None:

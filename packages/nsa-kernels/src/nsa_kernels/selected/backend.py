@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -29,6 +29,9 @@ from nsa_core.debug_log import debug_log
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles, get_toggles, legacy_sel_tiles
 from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
+
+if TYPE_CHECKING:
+    from nsa_kernels.selected.function import SelConfig
 
 OP = "selected_attention"
 NAME = "triton_sel"
@@ -165,10 +168,9 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, call: Select
     The deprecated NSA_SEL_TRITON_BLOCK_* tiles (read once by nsa_core.toggles) arrive here as a
     ``SelConfig``.
     """
-    from nsa_kernels.selected.function import SelConfig, selected_attention_triton
+    from nsa_kernels.selected.function import selected_attention_triton
 
     _log_device(q.device)
-    tiles = legacy_sel_tiles()
     return selected_attention_triton(
         q,
         k,
@@ -178,9 +180,18 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, call: Select
         call.scale,
         q_start=call.q_start,
         cu_seqlens=call.cu_seqlens,
-        config=SelConfig(**tiles) if tiles else None,
+        config=_legacy_config(),
         toggles=call.toggles,
     )
+
+
+def _legacy_config() -> SelConfig | None:
+    """The deprecated NSA_SEL_TRITON_BLOCK_* tiles (read once by nsa_core.toggles) as a
+    ``SelConfig``, or None (the defaults)."""
+    from nsa_kernels.selected.function import SelConfig
+
+    tiles = legacy_sel_tiles()
+    return SelConfig(**tiles) if tiles else None
 
 
 # The registered ``fn``: nsa_core's selected_attention on the Triton kernels, with its signature
@@ -196,13 +207,12 @@ def selected_attention_gated_backend(
     """The registered ``fn_gated``: :func:`selected_attention_gated_triton` with the routing's
     toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp and o_win
     [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] -> o [B, Tq, HQ, dv], forward only."""
-    from nsa_kernels.selected.function import SelConfig, selected_attention_gated_triton
+    from nsa_kernels.selected.function import selected_attention_gated_triton
 
     _log_device(q.device)
-    tiles = legacy_sel_tiles()
     return selected_attention_gated_triton(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
-        q_start=q_start, cu_seqlens=cu_seqlens, config=SelConfig(**tiles) if tiles else None,
+        q_start=q_start, cu_seqlens=cu_seqlens, config=_legacy_config(),
         toggles=get_toggles() if toggles is None else toggles,
     )  # fmt: skip
 
