@@ -85,7 +85,9 @@ def _bitonic(
             # Runs of 2^stage alternate ascending / descending, making bitonic runs of 2x; the
             # last stage sorts the whole row one way.
             flip = (pos >> stage) & 1 if stage < LOG_N else DESCENDING
-            h = tl.where((right ^ flip) != 0, tl.maximum(h, partner), tl.minimum(h, partner))
+            # Keep the larger of the pair where (right ^ flip), else the smaller: one comparison
+            # picks between h and its partner (equal values make either choice the same).
+            h = tl.where((h < partner) == ((right ^ flip) != 0), partner, h)
     return tl.reshape(h, x.shape)
 
 
@@ -94,11 +96,23 @@ def _phase_weights(q: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, L: tl.con
     """w[q, :] [RP] float32 of function.phase_weights, from the constexpr geometry.
 
     Compile-time values: in the dot's accumulator the phase index lies in registers, so the
-    products fold (a weight of 0 costs nothing, 1 no multiply).
+    products fold (see :func:`_weigh`).
     """
     m = tl.arange(0, RP)
     w = tl.minimum(R - m, L) if q == 0 else tl.maximum(tl.minimum(m + L - q * R, R), 0)
     return tl.where(m < R, w, 0).to(tl.float32)
+
+
+@triton.jit
+def _weigh(p, w):
+    """p * w for phase weights w (broadcast), with the terms of weight 0 left out of the sums.
+
+    0 * p is not 0 to the compiler (p may be NaN or inf), so a plain product keeps a multiply
+    and an add for every zero weight; -0.0 is the identity of a float sum, so those terms fold
+    away. A NaN in a phase of weight 0 then stays out of that sum: it still reaches the score
+    of the block that owns it (whose weight is positive), which is all the NaN rule reads.
+    """
+    return tl.where(w != 0.0, p * w, -0.0)
 
 
 @triton.jit
@@ -266,20 +280,20 @@ def _score_tile(
     if REACH <= 1:
         # Weigh the phases per head first (in registers), then sum the heads of the two
         # [BT, GP, BS] results; the spill into the next block is carried as is.
-        score = tl.sum(tl.sum(p4 * w_own, axis=2), axis=1)
+        score = tl.sum(tl.sum(_weigh(p4, w_own), axis=2), axis=1)
         carry = score
         if REACH == 1:
             w_next = _phase_weights(1, R, RP, L)[None, None, :, None]
-            carry = tl.sum(tl.sum(p4 * w_next, axis=2), axis=1)
+            carry = tl.sum(tl.sum(_weigh(p4, w_next), axis=2), axis=1)
             score += _shift_blocks(carry, p_prev, 1, BS, USE_GATHER)
     else:
         # [BT, RP, BS]: per token, the group's probability of each owned block; carried.
         carry = tl.sum(p4, axis=1)
-        score = tl.sum(carry * _phase_weights(0, R, RP, L)[None, :, None], axis=1)
+        score = tl.sum(_weigh(carry, _phase_weights(0, R, RP, L)[None, :, None]), axis=1)
         for q in tl.static_range(1, REACH + 1):
             w_q = _phase_weights(q, R, RP, L)[None, :, None]
-            spill_cur = tl.sum(carry * w_q, axis=1)
-            spill_prev = tl.sum(p_prev * w_q, axis=1)
+            spill_cur = tl.sum(_weigh(carry, w_q), axis=1)
+            spill_prev = tl.sum(_weigh(p_prev, w_q), axis=1)
             score += _shift_blocks(spill_cur, spill_prev, q, BS, USE_GATHER)
 
     # A NaN logit among the blocks a row sees makes its softmax's denominator NaN: every
