@@ -7,8 +7,10 @@ With p = exp2(qk_scale * q.k - lse * log2(e)) recomputed from the forward's lse 
 delta = rowsum(o * do):  dv = p^T do,  ds = p * (do v^T - delta),  dq = scale * ds k,
 dk = scale * ds^T q.
 
-- ``cmp_bwd_dq_kernel``: the forward's query tiles; walks the visible key tiles, writes dq and
-  delta (the dk/dv kernel reads delta, so it runs second).
+- ``cmp_bwd_dq_kernel``: the forward's query tiles; walks the visible key tiles, writes dq,
+  delta and lse2, the forward's lse in base 2 as the exponent takes it (the dk/dv kernel reads
+  both, so it runs second: each of its steps loads rows that every key tile loads again, and
+  the conversion would cost each step a multiply, a compare and a select per row and thread).
 - ``cmp_bwd_dkv_kernel``: one program per (key tile of BN blocks, kv head, query segment). The
   queries that see a block are a suffix of its sequence; that suffix is cut into segments of
   ``seg_rows`` rows (absolute row ranges ``[j * seg_rows, (j+1) * seg_rows)``) so that the
@@ -103,6 +105,7 @@ def cmp_bwd_dq_kernel(
     do_ptr,
     lse_ptr,
     delta_ptr,
+    lse2_ptr,
     dq_ptr,
     tiles_ptr,
     cu_ptr,
@@ -144,9 +147,9 @@ def cmp_bwd_dq_kernel(
     WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """dq [BM, DK] and delta [BM] of one query tile (the forward's tiling and grid).
+    """dq [BM, DK], delta and lse2 [BM] of one query tile (the forward's tiling and grid).
 
-    ``q``/``dq`` share strides, as do ``o``/``do`` and ``lse``/``delta`` [B, Tq, HQ].
+    ``q``/``dq`` share strides, as do ``o``/``do`` and ``lse``/``delta``/``lse2`` [B, Tq, HQ].
     """
     b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo, n_start, n_open = (
         query_tile_rows(
@@ -168,6 +171,7 @@ def cmp_bwd_dq_kernel(
     stat = b * stride_lb + rows * stride_lt + heads
     tl.store(delta_ptr + stat, delta, mask=row_ok)
     lse2 = _load_lse2(lse_ptr + stat, row_ok)
+    tl.store(lse2_ptr + stat, lse2, mask=row_ok)
 
     k_head = k_ptr + b * stride_kb + kvh * stride_kh
     v_head = v_ptr + b * stride_vb + kvh * stride_vh
@@ -196,7 +200,7 @@ def _dkv_query_tile(
     blocks,
     q_ptr,
     do_ptr,
-    lse_ptr,
+    lse2_ptr,
     delta_ptr,
     b,
     kvh,
@@ -237,7 +241,8 @@ def _dkv_query_tile(
     qt = load_group_rows(q_ptr, b, rows, heads, row_ok, stride_qb, stride_qt, stride_qh, DK, BK)
     dot_ = load_group_rows(do_ptr, b, rows, heads, row_ok, stride_ob, stride_ot, stride_oh, DV, BV)
     stat = b * stride_lb + rows * stride_lt + heads
-    lse2 = _load_lse2(lse_ptr + stat, row_ok)
+    # +inf on padding rows too: p = exp2(s - lse2) is exactly 0 there.
+    lse2 = tl.load(lse2_ptr + stat, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + stat, mask=row_ok, other=0.0)
 
     st = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC) * qk_scale
@@ -288,7 +293,7 @@ def cmp_bwd_dkv_kernel(
     k_ptr,
     v_ptr,
     do_ptr,
-    lse_ptr,
+    lse2_ptr,
     delta_ptr,
     dk_ptr,
     dv_ptr,
@@ -341,9 +346,10 @@ def cmp_bwd_dkv_kernel(
     """dk [BN, DK], dv [BN, DV] of one key tile of one kv head, over one query segment.
 
     k/dk share strides, as do v/dv, q (its strides also index the query rows of dq's layout),
-    do, and lse/delta. Partials: dk_part [num_tiles * H * num_segs, BN, BK] float32 (dv_part
-    likewise with BV), entry ``(tile * H + kvh) * num_segs + j``. Grid:
-    (num_segs * num_tiles * H,), program p -> kv head ``p % H``, tile ``(p // H) % num_tiles``,
+    do, and lse2/delta (lse2: the dq kernel's, base 2, +inf on rows that see nothing).
+    Partials: dk_part [num_tiles * H * num_segs, BN, BK] float32 (dv_part likewise with BV),
+    entry ``(tile * H + kvh) * num_segs + j``. Grid: (num_segs * num_tiles * H,), program
+    p -> kv head ``p % H``, tile ``(p // H) % num_tiles``,
     segment ``num_segs - 1 - p // (H * num_tiles)`` (the last segments are the fullest).
     """
     pid = tl.program_id(0)
@@ -387,7 +393,7 @@ def cmp_bwd_dkv_kernel(
     dv = tl.zeros([BN, BV], dtype=tl.float32)
     for it in range(0, n_masked * NCH):
         dk, dv = _dkv_query_tile(
-            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse_ptr, delta_ptr,
+            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse2_ptr, delta_ptr,
             b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift, window,
             stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, qk_scale,
@@ -395,7 +401,7 @@ def cmp_bwd_dkv_kernel(
         )  # fmt: skip
     for it in range(n_masked * NCH, n_iter * NCH):
         dk, dv = _dkv_query_tile(
-            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse_ptr, delta_ptr,
+            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse2_ptr, delta_ptr,
             b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift, window,
             stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
             stride_lb, stride_lt, qk_scale,

@@ -413,6 +413,7 @@ def _bwd(
     do = do.contiguous()
     o = o.contiguous()
     delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
     cu, cmp_cu = _varlen_args(info, q.device)
     varlen = info.cu_seqlens is not None
     prec = dot_precision(q.dtype)
@@ -420,7 +421,7 @@ def _bwd(
     layout = row_tiles(info.group, cfg.dq_block_m)
     tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
     cmp_bwd_dq_kernel[(num_tiles * info.h * layout.chunks,)](
-        q, k, v, o, do, lse, delta, dq, tiles, cu, cmp_cu,
+        q, k, v, o, do, lse, delta, lse2, dq, tiles, cu, cmp_cu,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -448,7 +449,7 @@ def _bwd(
         WINDOWED=info.windowed,
     )  # fmt: skip
     cmp_bwd_dkv_kernel[(num_segs * num_tiles * info.h,)](
-        q, k, v, do, lse, delta, dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
+        q, k, v, do, lse2, delta, dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
