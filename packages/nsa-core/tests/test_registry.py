@@ -14,6 +14,7 @@ import torch
 from nsa_core import registry
 from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
+from nsa_core.reference.rope import apply_rope_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
 from nsa_core.reference.sliding_attention import sliding_attention_impl
 from nsa_core.registry import (
@@ -30,6 +31,7 @@ from nsa_core.toggles import Toggles
 
 # The reference bodies each op's "reference" backend runs (after the public op validated).
 REFERENCE_FNS: dict[str, Callable[..., Any]] = {
+    "apply_rope": apply_rope_impl,
     # select_blocks_impl behind the keyword lse, which the reference does not read.
     "select_blocks": registry.select_blocks_reference,
     "compressed_attention": compressed_attention_impl,
@@ -299,7 +301,8 @@ def test_module_routes_through_registry() -> None:
     )
     layer = NSAAttention(cfg, 8)
     layer(torch.randn(1, 10, 8))
-    assert sorted(called) == sorted(OPS)
+    # Each op once, and rotary embedding for q and for each of the three branches' k.
+    assert sorted(called) == sorted([*OPS, *["apply_rope"] * 3])
 
 
 @pytest.mark.usefixtures("isolated_registry")

@@ -21,6 +21,7 @@ from nsa_core.toggles import (
 
 # The documented table of toggles (module docstring of nsa_core.toggles): name -> default.
 DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
+    "NSA_ROPE_BACKEND": "auto",
     "NSA_SCORE_BACKEND": "auto",
     "NSA_CMP_BACKEND": "auto",
     "NSA_CMP_FA2": True,
@@ -70,7 +71,7 @@ BLOCK_TOGGLES = {
     "NSA_SEL_TRITON_BLOCK_L": "block_l",
     "NSA_SEL_TRITON_BLOCK_DV": "block_dv",
 }
-STEPS = ("SCORE", "CMP", "SEL", "WIN", "COMBINE", "DECODE", "DEBUG")
+STEPS = ("ROPE", "SCORE", "CMP", "SEL", "WIN", "COMBINE", "DECODE", "DEBUG")
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from nsa_kernels.common.triton_routing import TritonFn
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 REFERENCE = {
+    "apply_rope": reference.apply_rope,
     "select_blocks": reference.select_blocks,
     "compressed_attention": reference.compressed_attention,
     "selected_attention": reference.selected_attention,

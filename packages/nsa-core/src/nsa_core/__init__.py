@@ -11,6 +11,7 @@ from nsa_core.blocks import cmp_block_overlap, cmp_cu_seqlens, num_cmp_blocks, n
 from nsa_core.cache import NSACache
 from nsa_core.config import NSAConfig
 from nsa_core.ops import (
+    apply_rope,
     compressed_attention,
     compressed_attention_with_lse,
     gated_combine,
@@ -28,7 +29,6 @@ from nsa_core.reference import (
     topn_blocks,
 )
 from nsa_core.registry import register_reference_backends
-from nsa_core.rope import apply_rope
 from nsa_core.toggles import Toggles, get_toggles
 
 register_reference_backends()

@@ -26,7 +26,6 @@ from nsa_core.reads import expected_reads
 from nsa_core.reference.compress import CompressMLP, compress
 from nsa_core.reference.compressed_attention import cmp_visible
 from nsa_core.reference.selected_attention import selected_visibility
-from nsa_core.rope import apply_rope
 
 BRANCHES = ("cmp", "slc", "win")
 
@@ -360,11 +359,11 @@ class NSAAttention(nn.Module):
         cfg = self.config
         batch, t, _ = x.shape
         hq, h = cfg.num_q_heads, cfg.num_kv_heads
-        q = apply_rope(
+        q = ops.apply_rope(
             self.q_proj(x).view(batch, t, hq, cfg.head_dim_qk), positions, cfg.rope_theta
         )
         k = {
-            b: apply_rope(
+            b: ops.apply_rope(
                 self.k_proj[b](x).view(batch, t, h, cfg.head_dim_qk), positions, cfg.rope_theta
             )
             for b in BRANCHES

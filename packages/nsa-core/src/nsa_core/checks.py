@@ -443,6 +443,46 @@ def check_compress(
         check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
 
 
+def check_apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: object) -> OpContext:
+    """x [B, T, H, D] floating point with D even; positions [T] or [B | 1, T] integers on x's
+    device; theta a finite real number > 0.
+
+    Returns the call's routing context: rotary embedding has one kind of head and one head dim,
+    so it says HQ = H and dk = dv = D.
+    """
+    check_rank("x", x, 4, "[B, T, H, D]")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.shape[-1] % 2 != 0:
+        raise ValueError(f"rotary head_dim must be even, got x {shape(x)}")
+    if not isinstance(positions, torch.Tensor):
+        kind = type(positions).__name__
+        raise TypeError(f"positions must be a torch.Tensor [T] or [B, T], got {kind}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"positions must hold integers, got {positions.dtype}")
+    if positions.dim() not in (1, 2) or positions.shape[-1] != x.shape[1]:
+        raise ValueError(f"positions {list(positions.shape)} do not match x's T={x.shape[1]}")
+    if positions.dim() == 2 and positions.shape[0] not in (1, x.shape[0]):
+        raise ValueError(f"positions {list(positions.shape)} must have 1 or B={x.shape[0]} rows")
+    if positions.device != x.device:
+        raise ValueError(f"positions is on {positions.device} but x is on {x.device}")
+    if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
+        raise TypeError(f"theta must be a float, got {type(theta).__name__} {theta!r}")
+    if not math.isfinite(float(theta)) or float(theta) <= 0:
+        raise ValueError(f"theta must be finite and > 0, got {theta}")
+    return OpContext(
+        device=x.device,
+        dtype=x.dtype,
+        seq_len=x.shape[1],
+        num_q_heads=x.shape[2],
+        num_kv_heads=x.shape[2],
+        head_dim_qk=x.shape[3],
+        head_dim_v=x.shape[3],
+        requires_grad=torch.is_grad_enabled() and x.requires_grad,
+        varlen=False,
+    )
+
+
 def check_gated_combine(
     o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
 ) -> OpContext:

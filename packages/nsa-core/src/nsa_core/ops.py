@@ -21,6 +21,7 @@ import torch
 
 from nsa_core import reference
 from nsa_core.checks import (
+    check_apply_rope,
     check_compressed_attention,
     check_gated_combine,
     check_select_blocks,
@@ -35,6 +36,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 __all__ = [
+    "apply_rope",
     "compressed_attention",
     "compressed_attention_with_lse",
     "gated_combine",
@@ -95,6 +97,7 @@ def public_op_with_lse(
     return call
 
 
+apply_rope = public_op("apply_rope", reference.apply_rope.body, check_apply_rope)
 compressed_attention = public_op(
     "compressed_attention", reference.compressed_attention.body, check_compressed_attention
 )

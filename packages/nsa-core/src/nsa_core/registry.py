@@ -30,12 +30,14 @@ from nsa_core.debug_log import debug_log, log_once, reset_log_state
 from nsa_core.op_context import OpContext as OpContext  # re-exported: the registry API names it
 from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
+from nsa_core.reference.rope import apply_rope_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
 from nsa_core.reference.selection import select_blocks_impl
 from nsa_core.reference.sliding_attention import sliding_attention_impl
 from nsa_core.toggles import BACKEND_TOGGLE, Toggles, get_toggles, pinned_backend
 
 OPS = (
+    "apply_rope",
     "select_blocks",
     "compressed_attention",
     "selected_attention",
@@ -244,6 +246,7 @@ select_blocks_reference = select_blocks_impl
 def register_reference_backends() -> None:
     """Register nsa-core's reference bodies (priority 0, accept every call)."""
     for op, fn in (
+        ("apply_rope", apply_rope_impl),
         ("select_blocks", select_blocks_reference),
         ("compressed_attention", compressed_attention_impl),
         ("selected_attention", selected_attention_impl),

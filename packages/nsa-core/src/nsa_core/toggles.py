@@ -1,11 +1,12 @@
 """The one place that reads the ``NSA_*`` environment toggles.
 
-Every toggle is named ``NSA_<STEP>_<KNOB>`` with STEP one of SCORE, CMP, SEL, WIN, COMBINE,
+Every toggle is named ``NSA_<STEP>_<KNOB>`` with STEP one of ROPE, SCORE, CMP, SEL, WIN, COMBINE,
 DECODE, DEBUG, parsed here, typed, and documented; a malformed value raises ``ValueError`` naming
 the toggle. Other modules call :func:`get_toggles` and never read ``os.environ``.
 
 | toggle | type | default | meaning |
 |---|---|---|---|
+| NSA_ROPE_BACKEND | str | auto | rotary embedding of q and k: ``auto`` or a backend name |
 | NSA_SCORE_BACKEND | str | auto | block scoring and top-n: ``auto`` or a backend name |
 | NSA_CMP_BACKEND | str | auto | compressed branch: ``auto`` or a backend name |
 | NSA_CMP_FA2 | bool | 1 | FlashAttention-2 for the compressed branch, if installed |
@@ -141,6 +142,7 @@ def env_name(field_name: str) -> str:
 class Toggles:
     """Parsed ``NSA_*`` toggles; field ``foo_bar`` is read from ``NSA_FOO_BAR``."""
 
+    rope_backend: str = "auto"
     score_backend: str = "auto"
     cmp_backend: str = "auto"
     cmp_fa2: bool = True
@@ -282,6 +284,7 @@ def toggles_overridden(**changes: Any) -> Iterator[Toggles]:
 
 # The toggle that pins each op's backend (docs: NSA_<STEP>_BACKEND).
 BACKEND_TOGGLE = {
+    "apply_rope": "rope_backend",
     "select_blocks": "score_backend",
     "compressed_attention": "cmp_backend",
     "selected_attention": "sel_backend",

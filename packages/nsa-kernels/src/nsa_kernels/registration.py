@@ -4,6 +4,7 @@ One folder per NSA step, each with one table of its backends and their prioritie
 
 | step | op | table |
 |---|---|---|
+| rotary embedding of q and k | ``apply_rope`` | :mod:`nsa_kernels.rope.backends` |
 | block scoring and top-n | ``select_blocks`` | :mod:`nsa_kernels.scoring.backends` |
 | compressed branch | ``compressed_attention`` | :mod:`nsa_kernels.compressed.backends` |
 | selected branch | ``selected_attention`` | :mod:`nsa_kernels.selected.backends` |
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from nsa_core.registry import Backend
 
 STEP_TABLES = (
+    "nsa_kernels.rope.backends",
     "nsa_kernels.scoring.backends",
     "nsa_kernels.compressed.backends",
     "nsa_kernels.selected.backends",

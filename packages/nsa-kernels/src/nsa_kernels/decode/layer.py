@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa_core import NSAAttention
-from nsa_core.rope import apply_rope
+from nsa_core.reference.rope import apply_rope
 from nsa_kernels.decode.graph import capture_decode_step
 from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
 from nsa_kernels.decode.step import (

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.checks import check_rank
+from nsa_core.checks import check_apply_rope
+from nsa_core.reference.common import validated_by
 
 
 def rope_angles(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., D/2] for integer ``positions`` [...]; frequency i is theta^(-2i/D)."""
+    """cos, sin [..., D/2] for integer ``positions`` [...]; frequency i is theta^(-2i/D).
+
+    float32 (float64 for float64 ``dtype``): every backend rotates by these values.
+    """
     if head_dim % 2 != 0:
         raise ValueError(f"rotary head_dim must be even, got {head_dim}")
     work = torch.float64 if dtype == torch.float64 else torch.float32
@@ -21,18 +25,22 @@ def rope_angles(
     return torch.cos(angles), torch.sin(angles)
 
 
+@validated_by(check_apply_rope)
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by the position of each token, positions [T] or [B, T] (int).
+    """Rotate x [B, T, H, D] by the position of each token, positions [T] or [B | 1, T] (int).
 
-    Channel pairs (c, c + D/2) rotate by angle ``position * theta^(-2c/D)``.
+    Channel pairs (c, c + D/2) rotate by angle ``position * theta^(-2c/D)``:
+    ``(x_c cos - x_{c+D/2} sin, x_{c+D/2} cos + x_c sin)``, computed in float32 (float64 for
+    float64 x) and rounded once to x's dtype.
     """
-    check_rank("x", x, 4, "[B, T, H, D]")
     if positions.dim() == 1:
         positions = positions.unsqueeze(0)
-    if positions.shape[-1] != x.shape[1]:
-        raise ValueError(f"positions {list(positions.shape)} do not match x's T={x.shape[1]}")
     cos, sin = rope_angles(positions, x.shape[-1], theta, x.dtype)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B|1, T, 1, D/2]
     x1, x2 = x.float().chunk(2, dim=-1) if x.dtype != torch.float64 else x.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
     return out.to(x.dtype)
+
+
+# The body without the checks: the registry's reference backend (ValidatedOp).
+apply_rope_impl = apply_rope.body

@@ -1,0 +1,1 @@
+"""Rotary position embedding on Triton (``apply_rope``): one pass over x, forward and backward."""
