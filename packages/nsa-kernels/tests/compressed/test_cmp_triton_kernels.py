@@ -353,6 +353,8 @@ def test_default_tiles_follow_the_branch_and_the_device() -> None:
     for shared in (None, 101_376):
         win = resolve_config(None, 128, 128, bf16, windowed=True, shared_bytes=shared)
         assert (win.block_m, win.block_n, win.fwd_warps, win.fwd_stages) == (64, 64, 4, 2)
+        # Its dq too: 64 rows x 64 keys on one warp group, two stages.
+        assert (win.dq_block_m, win.dq_block_n, win.dq_warps, win.dq_stages) == (64, 64, 4, 2)
     # A device with 99 KiB per block (sm_89) runs the forward on two stages
     # (tests/test_small_shared_memory.py); a field the caller set is kept.
     assert (

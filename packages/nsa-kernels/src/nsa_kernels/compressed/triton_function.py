@@ -65,6 +65,10 @@ FWD_STAGE_BYTES_D256 = {2: 131_072}
 # group fill the SMs better. T = 64k, w = 512 on an H100: 4.02 ms on (128, 64, 8, 3), 3.65 on
 # these (docs/results/2026-11-26-h100-layer-4.md). Two stages ask 80 KiB: every device fits.
 WINDOWED_FWD_D128 = (64, 64, 4, 2)
+# Its dq likewise (rows, keys, warps, stages): 64-row tiles on one warp group. T = 64k, w = 512
+# on an H100, the sliding forward+backward against 128 x 64 on 8 warps: 15.92 / 16.75 ms and
+# 16.01 / 16.33 (two interleaved sweeps, docs/results/2026-11-26-h100-layer-5.md).
+WINDOWED_DQ_D128 = (64, 64, 4, 2)
 DQ_STAGE_BYTES_D256 = {3: 102_400}
 # dk/dv tiles (key blocks, query rows per step) at D = 256 in 16 bits, fastest first, each with
 # the shared memory it asks compiled for sm_80 and sm_89 (sm_90 asks more, within its 227 KiB).
@@ -135,7 +139,7 @@ def resolve_config(
     | case | forward (rows x blocks, warps, stages) | dq | dk/dv (blocks x rows) |
     |---|---|---|---|
     | 16-bit, D <= 128 | 128 x 128, 8, 2 (128 x 64, 8, 3) | 128 x 64, 8, 2 | 128 x 64, 8, 2 |
-    | 16-bit, D <= 128, windowed | 64 x 64, 4, 2 | 128 x 64, 8, 2 | 128 x 32, 8, 3 |
+    | 16-bit, D <= 128, windowed | 64 x 64, 4, 2 | 64 x 64, 4, 2 | 128 x 32, 8, 3 |
     | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 64, 8, 2 |
     | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
@@ -170,7 +174,7 @@ def resolve_config(
         dkv_n, dkv_m = fits[0] if fits else (32, 32)
         table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, dkv_n, dkv_m, 8, 2)
     elif windowed:
-        table = (*WINDOWED_FWD_D128, 128, 64, 8, 2, 128, 32, 8, 3)
+        table = (*WINDOWED_FWD_D128, *WINDOWED_DQ_D128, 128, 32, 8, 3)
     else:
         wide = shared_bytes is None or shared_bytes >= FWD_WIDE_TILE_BYTES
         fwd = (128, 2) if wide else (64, stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes))
