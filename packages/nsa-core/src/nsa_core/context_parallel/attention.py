@@ -11,8 +11,9 @@ the gates (and its share of phi's parameters). Per call, in this order:
    branch shares the selected branch's K/V tensors its halos are read from that exchange;
 2. each chunk compresses the blocks whose last token it holds, and one all-gather shares the
    compressed blocks (N_cmp(T) of them, T/d);
-3. each chunk runs nsa_core's public ops (:func:`nsa_core.attention.branch_outputs`, then
-   :func:`nsa_core.ops.gated_combine`) with ``q_start`` = its offset in its sequence, so the
+3. each chunk runs nsa_core's public ops (:func:`nsa_core.attention.gated_output`: the three
+   branches and their gated combine, summed inside the selected branch's launch where no
+   gradient is needed) with ``q_start`` = its offset in its sequence, so the
    backends the registry picks serve all the local work.
 
 docs/context_parallel.md gives the volumes per rank.
@@ -27,8 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nsa_core import ops
-from nsa_core.attention import BRANCHES, branch_outputs, check_nsa_attention
+from nsa_core.attention import BRANCHES, check_nsa_attention, gated_output
 from nsa_core.checks import check_cu_seqlens, shape
 from nsa_core.config import NSAConfig
 from nsa_core.context_parallel.exchange import (
@@ -209,7 +209,7 @@ def context_parallel_nsa_attention(
             )
             cmp_rows = (seg.cmp_start, seg.cmp_end - seg.cmp_start)
             (slc_k, slc_v), (win_k, win_v) = sources["slc"], sources["win"]
-            o_cmp, o_slc, o_win, _ = branch_outputs(
+            o = gated_output(
                 config,
                 q.narrow(1, *rows),
                 k_cmp.narrow(1, *cmp_rows),
@@ -218,11 +218,12 @@ def context_parallel_nsa_attention(
                 slc_v.tokens(index, seg.seq_start, seg.end),
                 win_k.tokens(index, seg.win_start, seg.end),
                 win_v.tokens(index, seg.win_start, seg.end),
+                gates.narrow(1, *rows),
                 q_start=0 if varlen_cu is not None else seg.start - seg.seq_start,
                 win_start=None if varlen_cu is not None else seg.start - seg.win_start,
                 cu_seqlens=varlen_cu,
             )
-            out_parts.append(ops.gated_combine(o_cmp, o_slc, o_win, gates.narrow(1, *rows)))
+            out_parts.append(o)
     return anchor(torch.cat(out_parts, dim=1), link)
 
 
