@@ -54,13 +54,16 @@ def test_resolve_configs_fit_a_99_kib_device() -> None:
     for dk in (128, 192):
         big = cmp_config(None, dk, 128, half, shared_bytes=H100_SHARED)
         assert big == cmp_config(None, dk, 128, half)  # nothing to cut on an H100
+    # dq at dk = 192 runs on two stages everywhere (the fastest on an H100), dk = 128 on three.
     assert sel_config(None, 16, 192, 128, 64, shared_bytes=SM89_SHARED).dq_stages == 2
     assert sel_config(None, 16, 128, 128, 64, shared_bytes=SM89_SHARED).dq_stages == 3
-    assert sel_config(None, 16, 192, 128, 64, shared_bytes=H100_SHARED).dq_stages == 3
-    # float32 asks twice the bytes: three dq stages at dk = 192 do not fit an A100 (163 KiB).
+    assert sel_config(None, 16, 192, 128, 64, shared_bytes=H100_SHARED).dq_stages == 2
+    assert sel_config(None, 16, 192, 128, 64, shared_bytes=166_912).dq_stages == 2
+    # float32 asks twice the bytes: two dq stages at dk = 192 fit an A100 (163 KiB), not sm_89.
     fp32_a100 = sel_config(None, 16, 192, 128, 64, shared_bytes=166_912, dtype=torch.float32)
     assert fp32_a100.dq_stages == 2
-    assert sel_config(None, 16, 192, 128, 64, shared_bytes=166_912).dq_stages == 3
+    fp32_sm89 = sel_config(None, 16, 192, 128, 64, shared_bytes=SM89_SHARED, dtype=torch.float32)
+    assert fp32_sm89.dq_stages == 1
     from nsa_kernels.scoring.function import phase_weights
     from nsa_kernels.scoring.function import resolve_config as score_config
 

@@ -124,3 +124,15 @@ def test_resolve_config_refuses_tma_where_it_cannot_serve() -> None:
             resolve_config(SelConfig(tma=1), 16, 192, 128, 64)
     # dk = 192 chooses pointer loads by itself, on any device.
     assert resolve_config(None, 16, 192, 128, 64).tma == 2
+
+
+def test_resolve_config_walks_a_wide_dk_in_64_wide_chunks() -> None:
+    """dk = 192 takes three 64-wide chunks, not one tile padded to 256; powers of two keep one
+    tile, a dk that 64 does not divide keeps the padded tile, and a caller's block_d is kept."""
+    from nsa_kernels.selected.launch import resolve_config
+
+    assert resolve_config(None, 16, 192, 128, 64).block_d == 64
+    assert resolve_config(None, 16, 128, 128, 64).block_d == 128
+    assert resolve_config(None, 16, 256, 128, 64).block_d == 256
+    assert resolve_config(None, 16, 160, 128, 64).block_d == 256
+    assert resolve_config(SelConfig(block_d=128), 16, 192, 128, 64).block_d == 128

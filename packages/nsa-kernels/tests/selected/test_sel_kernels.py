@@ -53,6 +53,8 @@ BASE_CASES = [
         config={"block_l": 16, "block_d": 16, "block_dv": 16, "heads_per_prog": 2},
     ),
     Case("odd_block_len", tq=30, h=1, group=1, sel_block=24, n=3),
+    # The paper's dk = 192 on its default tiles: three 64-wide chunks of dk.
+    Case("paper_dk192", tq=20, h=1, group=2, dk=192, dv=128, n=3),
 ]
 # The forward with TMA K loads (tma=1) on the cases whose dk is a power of two in one tile; the
 # interpreter runs the descriptor loads (zero rows past the end) like the GPU.

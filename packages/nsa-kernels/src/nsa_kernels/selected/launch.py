@@ -28,11 +28,16 @@ from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_s
 from nsa_kernels.common.triton_inputs import dot_precision as dot_precision
 from nsa_kernels.common.triton_inputs import num_sms as num_sms
 
-# Shared memory (bytes) the dq kernel asks at three stages with dk over 128 (one 256-wide tile),
-# G = 16, compiled for sm_89 (Triton 3.6, ci/compile_triton.py): 16-bit and float32. Two stages
-# ask 63,488 and 126,976 B.
-DQ_STAGE_BYTES_D256 = {3: 112_640}
-DQ_STAGE_BYTES_D256_FP32 = {3: 225_280}
+# dk over 128 (the paper's 192): the forward walks dk in 64-wide chunks where 64 divides it, not
+# one 256-wide tile padded from 192, and dq runs on two stages. T = 64k, HQ = 64, H = 4, dv = 128,
+# bf16 on an H100, three interleaved sweeps (docs/results/2026-11-26-h100-layer-5.md): forward
+# 27.6 -> 22.5 ms, forward+backward 102.2 -> 95.0 ms (96.9-97.3 with the chunks alone).
+WIDE_DK_CHUNK = 64
+WIDE_DQ_STAGES = 2
+# Shared memory (bytes) the dq kernel asks at two stages with dk over 128 (one 256-wide tile),
+# G = 16, float32, compiled for sm_89 (Triton 3.6, ci/compile_triton.py): a 99 KiB device takes
+# one stage. 16-bit asks 63,488 B, which every device holds.
+DQ_WIDE_STAGE_BYTES_FP32 = {2: 126_976}
 
 
 @dataclass(frozen=True)
@@ -107,14 +112,17 @@ def resolve_config(
     one tile (next power of two, masked), the whole group per program (NSA_SEL_TRITON_GROUP=0:
     one head per program); forward: 4 warps, 2 pipeline stages (more stages cost occupancy);
     dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
+    dk over 128 that is not a power of two but a multiple of 64 (the paper's 192): the forward
+    walks dk in WIDE_DK_CHUNK-wide chunks rather than one padded tile, and dq takes
+    WIDE_DQ_STAGES stages (two stages of a 256-wide dq fit every device).
     ``tma``: 1 where :func:`device_takes_tma` says so for ``device`` and dk is one power-of-two
     tile, else 2. With TMA the forward takes other defaults (measured on an H200 at the paper's
     shapes, docs/selection.md): one warp per program where it serves at most 32 rows (a warp then
     owns every key column of its rows, so p reaches the second dot without a trip through shared
     memory), 32-key tiles, 3 stages; dq on 2 warps where it serves at most 16 rows.
-    ``shared_bytes``: the device's shared memory per block (None: no limit); with dk over 128
-    a device with less than the DQ_STAGE_BYTES_D256 tables ask for ``dtype`` runs dq on two
-    stages (16-bit on sm_86 and sm_89, 99 KiB; float32 on an A100, 163 KiB).
+    ``shared_bytes``: the device's shared memory per block (None: no limit); at dk over 128 a
+    device with less than DQ_WIDE_STAGE_BYTES_FP32 runs a float32 dq on one stage (sm_86 and
+    sm_89, 99 KiB).
     """
     cfg = config or SelConfig()
     toggles = get_toggles() if toggles is None else toggles
@@ -124,7 +132,9 @@ def resolve_config(
     check_pow2_tiles(cfg, ("block_l", "fwd_block_l", "block_d", "block_dv"))
     heads = min(cfg.heads_per_prog, group)
     rows = max(32, pow2(min(group, 64)))
-    block_d = min(cfg.block_d or pow2(max(dk, 16)), pow2(max(dk, 16)))
+    dk_tile = pow2(max(dk, 16))
+    chunked = dk != dk_tile and dk > 128 and dk % WIDE_DK_CHUNK == 0
+    block_d = min(cfg.block_d or (WIDE_DK_CHUNK if chunked else dk_tile), dk_tile)
     tma = resolve_tma(cfg.tma, dk, block_d, device)
     block_l = cfg.block_l or max(16, min(64, pow2(sel_block)))
     if tma == 1:
@@ -132,8 +142,8 @@ def resolve_config(
         dq_warps = 2 if pow2(heads) <= 16 else 4
     else:
         fwd_block_l, fwd_warps, fwd_stages, dq_warps = block_l, 4, 2, 4
-    wide_needs = DQ_STAGE_BYTES_D256_FP32 if dtype == torch.float32 else DQ_STAGE_BYTES_D256
-    dq_stages = stages_within(3, wide_needs if pow2(max(dk, 16)) > 128 else {}, shared_bytes)
+    wide_needs = DQ_WIDE_STAGE_BYTES_FP32 if dtype == torch.float32 else {}
+    dq_stages = stages_within(WIDE_DQ_STAGES, wide_needs, shared_bytes) if dk_tile > 128 else 3
     return replace(
         cfg,
         block_l=block_l,
