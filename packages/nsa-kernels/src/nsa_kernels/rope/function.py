@@ -40,6 +40,10 @@ def tiles(heads: int, half: int) -> tuple[int, int]:
     return bh, bd
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """x [B, T, H, D] turned by cos, sin [B | 1, T, D/2] float32 (inverse: the other way)."""
     if x.stride(-1) != 1:
@@ -49,7 +53,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
     if out.numel() == 0:
         return out
     bh, bd = tiles(heads, dim // 2)
-    rope_kernel[(batch * tokens, triton_cdiv(heads, bh))](
+    rope_kernel[(batch * tokens, _cdiv(heads, bh))](
         x, out, cos, sin,
         x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -59,10 +63,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class RopeFunction(torch.autograd.Function):
