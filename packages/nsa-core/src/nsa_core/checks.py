@@ -180,14 +180,34 @@ def check_same_place(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
 
 
+def check_positive_real(name: str, value: object, kind: str = "a float") -> None:
+    """``value`` is a finite real number > 0 (not a bool); ``kind`` names it in the TypeError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r}")
+    if not math.isfinite(float(value)) or float(value) <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
+
+
 def check_scale(scale: object) -> None:
     """``scale`` is None (dk ** -0.5) or a finite real number > 0."""
-    if scale is None:
-        return
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__} {scale!r}")
-    if not math.isfinite(float(scale)) or float(scale) <= 0:
-        raise ValueError(f"scale must be finite and > 0, got {scale}")
+    if scale is not None:
+        check_positive_real("scale", scale, "a float or None")
+
+
+def per_head_context(x: torch.Tensor, *inputs: torch.Tensor) -> OpContext:
+    """The routing context of an op over x [B, T, H, D] with one kind of head and one head dim
+    (H = HQ, dk = dv = D); it needs a gradient where any of ``inputs`` (default: x) needs one."""
+    return OpContext(
+        device=x.device,
+        dtype=x.dtype,
+        seq_len=x.shape[1],
+        num_q_heads=x.shape[2],
+        num_kv_heads=x.shape[2],
+        head_dim_qk=x.shape[3],
+        head_dim_v=x.shape[3],
+        requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in inputs or (x,)),
+        varlen=False,
+    )
 
 
 def check_cmp_geometry(cmp_block: object, cmp_stride: object) -> tuple[int, int]:
@@ -466,21 +486,8 @@ def check_apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: object) ->
         raise ValueError(f"positions {list(positions.shape)} must have 1 or B={x.shape[0]} rows")
     if positions.device != x.device:
         raise ValueError(f"positions is on {positions.device} but x is on {x.device}")
-    if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
-        raise TypeError(f"theta must be a float, got {type(theta).__name__} {theta!r}")
-    if not math.isfinite(float(theta)) or float(theta) <= 0:
-        raise ValueError(f"theta must be finite and > 0, got {theta}")
-    return OpContext(
-        device=x.device,
-        dtype=x.dtype,
-        seq_len=x.shape[1],
-        num_q_heads=x.shape[2],
-        num_kv_heads=x.shape[2],
-        head_dim_qk=x.shape[3],
-        head_dim_v=x.shape[3],
-        requires_grad=torch.is_grad_enabled() and x.requires_grad,
-        varlen=False,
-    )
+    check_positive_real("theta", theta)
+    return per_head_context(x)
 
 
 def check_gated_combine(
@@ -502,15 +509,4 @@ def check_gated_combine(
     check_same_place("gates", gates, "o_cmp", o_cmp)
     if not o_cmp.is_floating_point():
         raise TypeError(f"o_cmp must be a floating-point tensor, got {o_cmp.dtype}")
-    return OpContext(
-        device=o_cmp.device,
-        dtype=o_cmp.dtype,
-        seq_len=o_cmp.shape[1],
-        num_q_heads=o_cmp.shape[2],
-        num_kv_heads=o_cmp.shape[2],
-        head_dim_qk=o_cmp.shape[3],
-        head_dim_v=o_cmp.shape[3],
-        requires_grad=torch.is_grad_enabled()
-        and any(t.requires_grad for t in (o_cmp, o_slc, o_win, gates)),
-        varlen=False,
-    )
+    return per_head_context(o_cmp, o_cmp, o_slc, o_win, gates)
