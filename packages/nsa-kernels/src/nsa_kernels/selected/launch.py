@@ -113,8 +113,8 @@ def resolve_config(
     one head per program); forward: 4 warps, 2 pipeline stages (more stages cost occupancy);
     dq: 4 warps, 3 stages; dk/dv: 4 warps, 2 stages, 32 rows (query tokens x heads) per dot.
     dk over 128 that is not a power of two but a multiple of 64 (the paper's 192): the forward
-    walks dk in WIDE_DK_CHUNK-wide chunks rather than one padded tile, and dq takes
-    WIDE_DQ_STAGES stages (two stages of a 256-wide dq fit every device).
+    walks dk in WIDE_DK_CHUNK-wide chunks rather than one padded tile; any dk over 128 runs dq
+    (one 256-wide tile, as at 192) on WIDE_DQ_STAGES stages.
     ``tma``: 1 where :func:`device_takes_tma` says so for ``device`` and dk is one power-of-two
     tile, else 2. With TMA the forward takes other defaults (measured on an H200 at the paper's
     shapes, docs/selection.md): one warp per program where it serves at most 32 rows (a warp then
