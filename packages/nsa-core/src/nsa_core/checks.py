@@ -294,7 +294,9 @@ def check_compressed_attention(
         "compressed_attention", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
     _check_cmp_keys("compressed_attention", q, k_cmp, l_cmp, d, start, cu_seqlens)
-    return op_context(q, k_cmp, v_cmp, start + q.shape[1], varlen=cu_seqlens is not None)
+    return op_context(
+        q, k_cmp, v_cmp, start + q.shape[1], varlen=cu_seqlens is not None, q_start=start
+    )
 
 
 def check_selected_attention(

@@ -21,7 +21,8 @@ class OpContext:
     """What a backend needs to know to accept or refuse one call of an op.
 
     ``seq_len`` is the number of keys of the longest sequence (tokens), ``varlen`` whether the call
-    packs sequences with ``cu_seqlens``.
+    packs sequences with ``cu_seqlens``, ``q_start`` the position of the first query (dense calls
+    of the windowed ops; 0 elsewhere).
     """
 
     device: torch.device
@@ -33,6 +34,7 @@ class OpContext:
     head_dim_v: int
     requires_grad: bool
     varlen: bool
+    q_start: int = 0
 
     @classmethod
     def for_config(
@@ -77,6 +79,7 @@ def op_context(
     seq_len: int,
     *,
     varlen: bool,
+    q_start: int = 0,
 ) -> OpContext:
     """The routing context of one call: q [B, Tq, HQ, dk], k [B, *, H, dk], v [B, *, H, dv]."""
     return OpContext(
@@ -89,4 +92,5 @@ def op_context(
         head_dim_v=v.shape[3],
         requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         varlen=varlen,
+        q_start=q_start,
     )

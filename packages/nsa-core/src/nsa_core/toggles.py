@@ -11,6 +11,7 @@ the toggle. Other modules call :func:`get_toggles` and never read ``os.environ``
 | NSA_CMP_BACKEND | str | auto | compressed branch: ``auto`` or a backend name |
 | NSA_CMP_FA2 | bool | 1 | FlashAttention-2 for the compressed branch, if installed |
 | NSA_CMP_FA2_MIN_LEN | int | 16 | shortest sequence routed to FA-2 for the compressed branch |
+| NSA_CMP_CUDNN | bool | 1 | cuDNN's fused attention for the compressed branch where it wins |
 | NSA_SEL_BACKEND | str | auto | selected branch: ``auto`` or a backend name |
 | NSA_SEL_TRITON | bool | 1 | Triton selected attention where the device policy allows it |
 | NSA_SEL_TRITON_FORCE | bool | 0 | Triton selection even where the device policy falls back |
@@ -147,6 +148,7 @@ class Toggles:
     cmp_backend: str = "auto"
     cmp_fa2: bool = True
     cmp_fa2_min_len: int = 16
+    cmp_cudnn: bool = True
     sel_backend: str = "auto"
     sel_triton: bool = True
     sel_triton_force: bool = False

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
@@ -78,6 +79,8 @@ SlidingAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SlidingCall]
 CompressedAttend = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, CompressedCall], torch.Tensor
 ]
+# What a compressed backend's attend returns: o, or (o, lse) for a backend's ``fn_with_lse``.
+_Out = TypeVar("_Out", torch.Tensor, tuple[torch.Tensor, torch.Tensor])
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -112,21 +115,22 @@ class SlidingBackend:
 
 
 @dataclass(frozen=True)
-class CompressedBackend:
+class CompressedBackend(Generic[_Out]):
     """A ``compressed_attention`` backend: the op's signature around ``attend``.
 
     ``attend(q, k_cmp, v_cmp, call)``: q [B, Tq, HQ, dk], k_cmp [B, N, H, dk],
     v_cmp [B, N, H, dv] -> o [B, Tq, HQ, dv] (zero for rows that see no block), on arguments that
-    passed ``check_compressed_attention``.
+    passed ``check_compressed_attention``; or (o, lse [B, Tq, HQ] float32), a backend's
+    ``fn_with_lse``.
     """
 
-    attend: CompressedAttend
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, CompressedCall], _Out]
 
     def __call__(
         self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cmp_block: int, cmp_stride: int,
         scale: float | None = None, *, q_start: int = 0, cu_seqlens: Tensor | None = None,
         toggles: Toggles | None = None,
-    ) -> Tensor:  # fmt: skip
+    ) -> _Out:  # fmt: skip
         """nsa_core ``compressed_attention``: query t sees blocks i with i*d + l - 1 <= t."""
         check_compressed_attention(
             q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens

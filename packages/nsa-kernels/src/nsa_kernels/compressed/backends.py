@@ -5,6 +5,9 @@ The registry asks them from the highest priority down; the first whose ``support
 
 | priority | backend | serves when |
 |---|---|---|
+| 35 | ``cudnn`` | NSA_CMP_CUDNN (default on), CUDA sm90+, fp16/bf16, head dims multiples of 8 |
+| | | up to 256, dense, q_start = 0, at least 16k tokens (32k with a gradient), no |
+| | | ``torch.use_deterministic_algorithms`` with a gradient (also yields its lse) |
 | 30 | ``fa2`` | NSA_CMP_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_CMP_FA2_MIN_LEN tokens |
 | 25 | ``triton_cmp`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 (forward and backward) |
@@ -22,10 +25,18 @@ from nsa_kernels.common import fa2_routing as routing
 from nsa_kernels.common.flex import compressed_attention_flex
 from nsa_kernels.common.sdpa import compressed_attention_sdpa
 from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
+from nsa_kernels.compressed.cudnn import (
+    compressed_attention_cudnn,
+    compressed_attention_cudnn_with_lse,
+    cudnn_compressed_supports,
+)
 from nsa_kernels.compressed.fa2 import compressed_attention_fa2
 
 OP = "compressed_attention"
 TRITON_PRIORITY = 25
+# Above FA-2: on an H100 torch's FA-2 build took 13.55 ms for the folded 64k forward that cuDNN
+# ran in 8.20 (docs/results/2026-11-26-h100-layer-6.md).
+CUDNN_PRIORITY = 35
 _TRITON_MODULE = "nsa_kernels.compressed.triton_function"
 
 
@@ -41,6 +52,8 @@ def backends() -> list[Backend]:
     triton = triton_fn(_TRITON_MODULE, "compressed_attention_triton")
     triton_with_lse = triton_fn(_TRITON_MODULE, "compressed_attention_triton_with_lse")
     return [
+        Backend(OP, "cudnn", compressed_attention_cudnn, cudnn_compressed_supports, CUDNN_PRIORITY,
+                fn_with_lse=compressed_attention_cudnn_with_lse),
         Backend(OP, "fa2", fa2, routing.fa2_compressed_supports, routing.FA2_PRIORITY,
                 requested_by=routing.fa2_compressed_requested),
         Backend(OP, "triton_cmp", triton, triton_cmp_supports, TRITON_PRIORITY,

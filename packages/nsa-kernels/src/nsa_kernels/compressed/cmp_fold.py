@@ -156,3 +156,52 @@ def unfold_heads(y: torch.Tensor, num_kv_heads: int, cmp_stride: int) -> torch.T
     x = y.reshape(*lead, rows, h, d, g, dim)
     x = x.permute(*range(n), n, n + 2, n + 1, n + 3, n + 4)
     return x.reshape(*lead, rows * d, h * g, dim)
+
+
+def visible_blocks(position: int, cmp_block: int, cmp_stride: int) -> int:
+    """N_cmp(t + 1): how many compressed blocks the query at ``position`` t sees."""
+    k = _check_blocks(cmp_block, cmp_stride)
+    return max(0, (position + 1) // cmp_stride - k + 1)
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """Tq queries at positions ``[q_start, q_start + Tq)`` cut, in order, into runs of queries
+    that see the same compressed blocks, for attention kernels with a top-left causal mask only.
+
+    - ``blind`` queries see no block (t < l - 1);
+    - ``head`` queries (< d), the rest of a row cut by q_start, see ``head_keys`` blocks;
+    - ``rows`` full rows of d queries (each row starts at a position t with d | t + 1): row m
+      sees ``row_keys + m`` blocks, so the rows see a causal prefix of the first
+      ``row_keys + rows - 1`` blocks, offset by ``row_keys - 1`` from the top-left diagonal;
+    - ``tail`` queries (< d), a row cut by the end, see ``tail_keys`` blocks.
+    """
+
+    blind: int
+    head: int
+    head_keys: int
+    rows: int
+    row_keys: int
+    tail: int
+    tail_keys: int
+
+
+def row_split(tq: int, q_start: int, cmp_block: int, cmp_stride: int) -> RowSplit:
+    """The :class:`RowSplit` of Tq >= 0 queries starting at position q_start >= 0."""
+    d = cmp_stride
+    _check_blocks(cmp_block, d)
+    end = q_start + tq
+    blind = min(tq, max(0, cmp_block - 1 - q_start))
+    first = q_start + blind
+    row0 = min(end, first + (-(first + 1)) % d)
+    rows = (end - row0) // d
+    tail_start = row0 + rows * d
+    return RowSplit(
+        blind=blind,
+        head=row0 - first,
+        head_keys=visible_blocks(first, cmp_block, d),
+        rows=rows,
+        row_keys=visible_blocks(row0, cmp_block, d),
+        tail=end - tail_start,
+        tail_keys=visible_blocks(tail_start, cmp_block, d),
+    )

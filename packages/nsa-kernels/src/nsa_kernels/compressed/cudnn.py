@@ -1,0 +1,204 @@
+"""Compressed branch on cuDNN's fused attention (torch's SDPA kernel), over folded queries.
+
+Query t sees the first ``N_cmp(t + 1)`` compressed blocks, and the d queries of one row (d | t + 1
+at its first query) see the same blocks (:class:`nsa_kernels.compressed.cmp_fold.RowSplit`). The
+full rows are folded d to a row into the head dimension without a copy, q [B, R*d, HQ, dk] as
+[B, R, d*HQ, dk]: heads ordered (slot, query head), and k_cmp / v_cmp repeated d times along their
+heads (slot, kv head), so that GQA still pairs query head ``s*HQ + h`` with kv head
+``(s*HQ + h) // G = s*H + h // G``. Row m then sees ``row_keys + m`` blocks: from q_start = 0 that
+is cuDNN's causal mask on R rows and R blocks (``row_keys`` = 1); later starts (chunked prefill)
+pass the offset diagonal as an additive bias. The few queries cut off before the first row and
+after the last see one fixed prefix each (no mask), and queries with t < l - 1 see nothing:
+output 0, lse -inf, no gradient.
+
+The kernel is cuDNN's flash attention, reached through ``torch.ops.aten.
+_scaled_dot_product_cudnn_attention``: the public SDPA does not return the log-sum-exp, which block
+scoring reuses (docs/spec.md, "Block scoring on a GPU"). Its backward is torch's, which is not
+bitwise reproducible, so the backend declines a gradient under
+``torch.use_deterministic_algorithms``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from nsa_core.registry import OpContext
+from nsa_core.toggles import Toggles
+from nsa_kernels.common.no_keys import no_keys_output
+from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
+from nsa_kernels.compressed.cmp_fold import RowSplit, row_split
+
+# attend(q [B, Hq, Tq, dk], k [B, Hk, Tk, dk], v [B, Hk, Tk, dv], bias [1, 1, Tq, Tk] or None,
+# causal, scale) -> (o [B, Hq, Tq, dv] in q's dtype, lse [B, Hq, Tq] float32): softmax attention
+# of each query head over its kv head ``h // (Hq / Hk)``, the top-left causal mask if ``causal``,
+# ``bias`` added to the scaled scores.
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float], tuple[Tensor, Tensor]]
+
+CUDNN_OP = "_scaled_dot_product_cudnn_attention"
+
+# Where the folded cuDNN call beats the Triton kernels (H100, torch 2.11, cuDNN 9.19, HQ=64, H=4,
+# d=128, l=32, d=16, bf16; docs/results/2026-11-26-h100-layer-6.md): forward 0.827 against
+# 0.905 ms at 16k, 8.456 against 9.662 at 64k (0.337 / 0.351 at 8k, a tie); forward+backward
+# from 32k only (12.20 / 12.62 ms; 38.11 / 44.66 at 64k; 4.60 / 4.08 at 16k).
+CUDNN_MIN_LEN = 16384
+CUDNN_MIN_LEN_GRAD = 32768
+# The offset diagonal of a later start (q_start > 0) goes through an additive bias, which the
+# same run measured slower than the Triton kernels (16k queries after 48k: 6.19 / 4.07 ms
+# forward), so routing sends q_start > 0 to them; called directly, the backend serves it exactly.
+CUDNN_MAX_HEAD_DIM = 256
+
+
+def cudnn_missing_reason() -> str | None:
+    """Why this torch cannot run :func:`cudnn_attend` (no cuDNN, or no cuDNN attention op that
+    returns its log-sum-exp), or None."""
+    if not torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]
+        return "torch was built without cuDNN"
+    op = getattr(torch.ops.aten, CUDNN_OP, None)
+    if op is None:
+        return f"torch {torch.__version__} has no aten.{CUDNN_OP}"
+    names = [arg.name for arg in op.default._schema.arguments]
+    if names[:5] != ["query", "key", "value", "attn_bias", "compute_log_sumexp"]:
+        return (
+            f"torch {torch.__version__}'s aten.{CUDNN_OP} takes {names}, not (q, k, v, bias, lse)"
+        )
+    return None
+
+
+def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
+    """Why the cuDNN row declines ``ctx`` (the table of :mod:`nsa_kernels.compressed.backends`),
+    or None."""
+    if not toggles.cmp_cudnn:
+        return "NSA_CMP_CUDNN is off"
+    if ctx.device.type != "cuda":
+        return f"cuDNN attention runs on CUDA (device is {ctx.device.type})"
+    if ctx.dtype not in (torch.float16, torch.bfloat16):
+        return f"cuDNN attention takes float16 or bfloat16, got {ctx.dtype}"
+    capability = ctx.device_capability
+    if capability is None or capability < (9, 0):
+        return f"measured faster than the Triton kernels on sm_90 only (device is sm {capability})"
+    dims = (ctx.head_dim_qk, ctx.head_dim_v)
+    if any(dim % 8 or dim > CUDNN_MAX_HEAD_DIM for dim in dims):
+        return f"cuDNN attention needs head dims that are multiples of 8 up to 256, got {dims}"
+    if ctx.varlen:
+        return "packed sequences (cu_seqlens) are not folded for cuDNN"
+    if ctx.q_start:
+        return f"q_start = {ctx.q_start} > 0: the offset diagonal measured slower than Triton"
+    min_len = CUDNN_MIN_LEN_GRAD if ctx.requires_grad else CUDNN_MIN_LEN
+    if ctx.seq_len < min_len:
+        return f"seq_len {ctx.seq_len} < {min_len}: the Triton kernels are as fast or faster"
+    if ctx.requires_grad and torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms is on and cuDNN's dq is not bitwise reproducible"
+    return cudnn_missing_reason()
+
+
+def cudnn_attend(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """:data:`Attend` on cuDNN's fused attention (differentiable in q, k, v; lse detached)."""
+    out = getattr(torch.ops.aten, CUDNN_OP)(q, k, v, bias, True, 0.0, causal, False, scale=scale)
+    batch, heads, tq = q.shape[:3]
+    return out[0], out[1].detach().reshape(batch, heads, tq)
+
+
+def _prefix(
+    q: Tensor, k: Tensor, v: Tensor, keys: int, scale: float, attend: Attend
+) -> tuple[Tensor, Tensor]:
+    """Queries q [B, n, HQ, dk] that all see the first ``keys`` blocks: (o [B, n, HQ, dv], lse)."""
+    o, lse = attend(
+        q.transpose(1, 2),
+        k[:, :keys].transpose(1, 2),
+        v[:, :keys].transpose(1, 2),
+        None,
+        False,
+        scale,
+    )
+    return o.transpose(1, 2), lse.transpose(1, 2)
+
+
+def _rows(
+    q: Tensor, k: Tensor, v: Tensor, split: RowSplit, d: int, scale: float, attend: Attend
+) -> tuple[Tensor, Tensor]:
+    """The full rows, q [B, R*d, HQ, dk]: one folded call, (o [B, R*d, HQ, dv], lse)."""
+    batch, _, hq, dk = q.shape
+    rows, keys = split.rows, split.row_keys + split.rows - 1
+    qf = q.reshape(batch, rows, d * hq, dk).transpose(1, 2)
+    kf = k[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
+    vf = v[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
+    bias = None
+    if split.row_keys > 1:
+        # Row m sees blocks j <= m + row_keys - 1: the causal diagonal moved right.
+        m = torch.arange(rows, device=q.device)[:, None]
+        j = torch.arange(keys, device=q.device)[None, :]
+        seen = j <= m + (split.row_keys - 1)
+        bias = torch.zeros(rows, keys, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~seen, float("-inf"))[None, None]
+    o, lse = attend(qf, kf, vf, bias, bias is None, scale)
+    o = o.transpose(1, 2).reshape(batch, rows * d, hq, o.shape[-1])
+    lse = lse.reshape(batch, d, hq, rows).permute(0, 3, 1, 2).reshape(batch, rows * d, hq)
+    return o, lse
+
+
+def folded_attention(
+    q: Tensor,
+    k_cmp: Tensor,
+    v_cmp: Tensor,
+    call: CompressedCall,
+    attend: Attend,
+) -> tuple[Tensor, Tensor]:
+    """Dense compressed attention through ``attend`` on folded queries: q [B, Tq, HQ, dk],
+    k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> (o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ]
+    float32, -inf where a query sees no block)."""
+    batch, tq, hq, _ = q.shape
+    d = call.cmp_stride
+    split = row_split(tq, call.q_start, call.cmp_block, d)
+    last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
+    if last_keys > k_cmp.shape[1]:
+        raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
+    # Zeros that stay in the autograd graph: a call whose queries all see nothing still has a
+    # backward (of zeros).
+    outs = [no_keys_output(q[:, : split.blind], k_cmp, v_cmp)]
+    lses = [torch.full((batch, split.blind, hq), float("-inf"), device=q.device)]
+    start = split.blind
+
+    def take(count: int) -> Tensor:
+        nonlocal start
+        start += count
+        return q[:, start - count : start]
+
+    if split.head:
+        _append(
+            outs, lses, _prefix(take(split.head), k_cmp, v_cmp, split.head_keys, call.scale, attend)
+        )
+    if split.rows:
+        _append(outs, lses, _rows(take(split.rows * d), k_cmp, v_cmp, split, d, call.scale, attend))
+    if split.tail:
+        _append(
+            outs, lses, _prefix(take(split.tail), k_cmp, v_cmp, split.tail_keys, call.scale, attend)
+        )
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+def _append(outs: list[Tensor], lses: list[Tensor], run: tuple[Tensor, Tensor]) -> None:
+    outs.append(run[0])
+    lses.append(run[1])
+
+
+def _with_lse(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
+) -> tuple[Tensor, Tensor]:
+    if call.cu_seqlens is not None:
+        raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
+    return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
+
+
+def _output(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall) -> Tensor:
+    return _with_lse(q, k_cmp, v_cmp, call)[0]
+
+
+# nsa_core's compressed_attention on cuDNN, with its signature; dense inputs only. The second
+# returns (o, lse), the registry's fn_with_lse.
+compressed_attention_cudnn = CompressedBackend(_output)
+compressed_attention_cudnn_with_lse = CompressedBackend(_with_lse)
