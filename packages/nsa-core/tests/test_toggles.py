@@ -26,6 +26,7 @@ DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
     "NSA_CMP_BACKEND": "auto",
     "NSA_CMP_FA2": True,
     "NSA_CMP_FA2_MIN_LEN": 16,
+    "NSA_CMP_CUDNN": True,
     "NSA_SEL_BACKEND": "auto",
     "NSA_SEL_TRITON": True,
     "NSA_SEL_TRITON_FORCE": False,

@@ -46,6 +46,7 @@ def test_backend_table() -> None:
     table = {(b.op, b.name): b.priority for b in backends()}
     assert table == {
         ("sliding_attention", "fa2"): 30,
+        ("compressed_attention", "cudnn"): 35,
         ("compressed_attention", "fa2"): 30,
         ("compressed_attention", "triton_cmp"): 25,
         ("sliding_attention", "triton_win"): 25,

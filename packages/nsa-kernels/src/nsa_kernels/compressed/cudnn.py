@@ -76,9 +76,6 @@ def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
         return f"cuDNN attention runs on CUDA (device is {ctx.device.type})"
     if ctx.dtype not in (torch.float16, torch.bfloat16):
         return f"cuDNN attention takes float16 or bfloat16, got {ctx.dtype}"
-    capability = ctx.device_capability
-    if capability is None or capability < (9, 0):
-        return f"measured faster than the Triton kernels on sm_90 only (device is sm {capability})"
     dims = (ctx.head_dim_qk, ctx.head_dim_v)
     if any(dim % 8 or dim > CUDNN_MAX_HEAD_DIM for dim in dims):
         return f"cuDNN attention needs head dims that are multiples of 8 up to 256, got {dims}"
@@ -91,6 +88,9 @@ def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
         return f"seq_len {ctx.seq_len} < {min_len}: the Triton kernels are as fast or faster"
     if ctx.requires_grad and torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms is on and cuDNN's dq is not bitwise reproducible"
+    capability = ctx.device_capability
+    if capability is None or capability < (9, 0):
+        return f"measured faster than the Triton kernels on sm_90 only (device is sm {capability})"
     return cudnn_missing_reason()
 
 

@@ -1,0 +1,178 @@
+"""The cuDNN compressed backend's fold on CPU, cuDNN replaced by a float64 model of its semantics.
+
+Everything the backend does around the fused kernel (the row split, heads folded d to a row with
+the keys repeated per slot, the causal mask or the offset diagonal's bias, the queries cut off
+before the first row and after the last, lse unfolded) runs for real and is compared with the
+nsa-core reference in float64: outputs and lse within docs/spec.md's float32 bound (1e-5),
+gradients the same. The routing rules that need no GPU are checked here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from kernel_testlib import rel_err
+
+from nsa_core.blocks import num_cmp_blocks
+from nsa_core.reference import compressed_attention
+from nsa_core.registry import OpContext
+from nsa_core.toggles import Toggles
+from nsa_kernels.common.op_calls import CompressedCall
+from nsa_kernels.compressed.cmp_fold import row_split, visible_blocks
+from nsa_kernels.compressed.cudnn import (
+    CUDNN_MIN_LEN,
+    CUDNN_MIN_LEN_GRAD,
+    cudnn_compressed_supports,
+    folded_attention,
+)
+
+BOUND = 1e-5
+CALLS: list[tuple[bool, bool]] = []
+
+
+def model_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the backend asks of cuDNN, in float64: each of Hq query heads over kv head
+    ``h // (Hq / Hk)``, the top-left causal mask if ``causal``, ``bias`` added to the scores."""
+    CALLS.append((causal, bias is not None))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        tq, tk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(1), float("-inf"))
+    if bias is not None:
+        s = s + bias.double()
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.softmax(s, dim=-1) @ v.double()
+    return o.to(q.dtype), lse.float().detach()
+
+
+def reference_lse(
+    q: torch.Tensor, k: torch.Tensor, cmp_block: int, d: int, q_start: int
+) -> torch.Tensor:
+    """lse [B, Tq, HQ] float64 of scale * q.k over each query's visible blocks (-inf: none)."""
+    group = q.shape[2] // k.shape[2]
+    kk = k.double().repeat_interleave(group, 2)
+    s = torch.einsum("bthd,bnhd->bthn", q.double(), kk) * q.shape[3] ** -0.5
+    seen = torch.tensor(
+        [
+            [visible_blocks(q_start + t, cmp_block, d) > n for n in range(k.shape[1])]
+            for t in range(q.shape[1])
+        ]
+    )
+    return torch.logsumexp(s.masked_fill(~seen[None, :, None, :], float("-inf")), dim=-1)
+
+
+CASES = [
+    # (batch, tq, q_start, h, group, l, d): the paper's l/d, l = d, T not a multiple of d,
+    # q_start > 0 (a cut row before the first full one), every query blind, one query.
+    pytest.param(2, 77, 0, 2, 3, 8, 4, id="G3"),
+    pytest.param(1, 70, 0, 1, 16, 32, 16, id="paper_l_d_G16"),
+    pytest.param(1, 45, 0, 3, 1, 4, 4, id="l_eq_d_G1"),
+    pytest.param(2, 53, 13, 2, 2, 8, 4, id="q_start13"),
+    pytest.param(1, 40, 100, 1, 3, 32, 16, id="q_start100"),
+    pytest.param(1, 7, 0, 2, 2, 8, 4, id="all_blind"),
+    pytest.param(1, 1, 64, 2, 4, 8, 4, id="one_query"),
+]
+
+
+@pytest.mark.parametrize(("batch", "tq", "q_start", "h", "group", "cmp_block", "d"), CASES)
+def test_fold_matches_reference(
+    batch: int, tq: int, q_start: int, h: int, group: int, cmp_block: int, d: int
+) -> None:
+    gen = torch.Generator().manual_seed(tq * 1000 + q_start)
+    n = max(num_cmp_blocks(q_start + tq, cmp_block, d), 1) + 2
+    dk, dv = 8, 6
+    q, k, v = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+        for shape in ((batch, tq, h * group, dk), (batch, n, h, dk), (batch, n, h, dv))
+    )
+    call = CompressedCall(
+        scale=dk**-0.5, q_start=q_start, cu_seqlens=None, toggles=Toggles(), cmp_block=cmp_block,
+        cmp_stride=d,
+    )  # fmt: skip
+    CALLS.clear()
+    o, lse = folded_attention(q, k, v, call, model_attend)
+    ref = compressed_attention(q, k, v, cmp_block, d, q_start=q_start)
+    assert o.shape == ref.shape
+    assert o.dtype == ref.dtype
+    assert rel_err(o, ref) < BOUND
+    want_lse = reference_lse(q, k, cmp_block, d, q_start)
+    blind = torch.isinf(want_lse)
+    assert torch.equal(torch.isneginf(lse), blind)
+    assert torch.count_nonzero(o[blind]) == 0
+    if not blind.all():
+        assert rel_err(lse[~blind], want_lse[~blind]) < BOUND
+
+    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(o, (q, k, v), do)
+    want = torch.autograd.grad(ref, (q, k, v), do)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert rel_err(a, b) < BOUND, f"d{name}"
+
+    split = row_split(tq, q_start, cmp_block, d)
+    calls = [(False, False)] * bool(split.head)
+    if split.rows:
+        calls.append((True, False) if split.row_keys == 1 else (False, True))
+    calls += [(False, False)] * bool(split.tail)
+    assert calls == CALLS, "one call per run of queries; the offset diagonal through a bias"
+
+
+def test_fold_refuses_keys_it_lacks() -> None:
+    q = torch.randn(1, 64, 2, 8, dtype=torch.float64)
+    k = torch.randn(1, 3, 1, 8, dtype=torch.float64)
+    call = CompressedCall(
+        scale=1.0, q_start=0, cu_seqlens=None, toggles=Toggles(), cmp_block=8, cmp_stride=4
+    )
+    with pytest.raises(ValueError, match="k_cmp holds 3"):
+        folded_attention(q, k, k, call, model_attend)
+
+
+def _ctx(**fields: object) -> OpContext:
+    base = OpContext(
+        device=torch.device("cuda"), dtype=torch.bfloat16, seq_len=65536, num_q_heads=64,
+        num_kv_heads=4, head_dim_qk=128, head_dim_v=128, requires_grad=True, varlen=False,
+    )  # fmt: skip
+    return replace(base, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"device": torch.device("cpu")}, "runs on CUDA"),
+        ({"dtype": torch.float32}, "float16 or bfloat16"),
+        ({"head_dim_qk": 100}, "multiples of 8 up to 256"),
+        ({"head_dim_v": 512}, "multiples of 8 up to 256"),
+        ({"varlen": True}, "packed sequences"),
+        ({"q_start": 4096}, "q_start = 4096"),
+        ({"seq_len": CUDNN_MIN_LEN_GRAD - 1}, f"< {CUDNN_MIN_LEN_GRAD}"),
+        ({"seq_len": CUDNN_MIN_LEN - 1, "requires_grad": False}, f"< {CUDNN_MIN_LEN}"),
+    ],
+)
+def test_routing_declines(fields: dict[str, object], reason: str) -> None:
+    assert reason in (cudnn_compressed_supports(_ctx(**fields), Toggles()) or "")
+
+
+def test_routing_declines_when_toggled_off() -> None:
+    reason = cudnn_compressed_supports(_ctx(), Toggles(cmp_cudnn=False))
+    assert reason == "NSA_CMP_CUDNN is off"
+
+
+def test_routing_declines_a_gradient_under_deterministic_algorithms() -> None:
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        reason = cudnn_compressed_supports(_ctx(), Toggles())
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert reason is not None
+    assert "bitwise reproducible" in reason

@@ -1,0 +1,131 @@
+"""GPU parity of the cuDNN compressed backend at real shapes, and where the routing sends it.
+
+Bounds from docs/spec.md: relative error against the reference in float32 on the same inputs,
+1e-2 for bfloat16 (5e-3 float16), gradients twice that. Paper shapes: HQ=64, H=4 (G=16), l=32,
+d=16. The backend is routed on sm_90 only, so the tests need one.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+from kernel_testlib import BOUND, rel_err
+
+from nsa_core import registry
+from nsa_core.blocks import num_cmp_blocks
+from nsa_core.ops import op_context
+from nsa_core.reference.compressed_attention import compressed_attention
+from nsa_core.toggles import Toggles
+from nsa_kernels.compressed.cudnn import (
+    compressed_attention_cudnn_with_lse,
+    cudnn_missing_reason,
+)
+
+L_CMP, D_CMP = 32, 16
+
+
+def _skip_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if torch.cuda.get_device_capability() < (9, 0):
+        return "the cuDNN compressed backend is routed on sm_90 only"
+    return cudnn_missing_reason()
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason())),
+]
+
+
+def _draw(
+    request: pytest.FixtureRequest, tq: int, dk: int, dv: int, q_start: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    n = num_cmp_blocks(q_start + tq, L_CMP, D_CMP)
+    shapes = ((1, tq, 64, dk), (1, n, 4, dk), (1, n, 4, dv), (1, tq, 64, dv))
+    return [torch.randn(s, device="cuda", generator=gen).to(dtype) for s in shapes]
+
+
+def _lse_float32(q: torch.Tensor, k: torch.Tensor, q_start: int) -> torch.Tensor:
+    """lse [1, Tq, HQ] of scale * q.k over the visible blocks, float32 (-inf: none)."""
+    kf = k.float().repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+    s = torch.einsum("bthd,bnhd->bthn", q.float(), kf) * q.shape[-1] ** -0.5
+    pos = torch.arange(q_start, q_start + q.shape[1], device="cuda")
+    last = torch.arange(k.shape[1], device="cuda") * D_CMP + L_CMP - 1
+    seen = last[None, :] <= pos[:, None]
+    return torch.logsumexp(s.masked_fill(~seen[None, :, None, :], float("-inf")), dim=-1)
+
+
+@pytest.mark.parametrize(("dk", "dv"), [(128, 128), (192, 128)], ids=["d128", "dk192_dv128"])
+def test_bf16_forward_and_lse_at_8k(dk: int, dv: int, request: pytest.FixtureRequest) -> None:
+    q, k, v, _ = _draw(request, 8192, dk, dv, 0, torch.bfloat16)
+    o, lse = compressed_attention_cudnn_with_lse(q, k, v, L_CMP, D_CMP)
+    ref = compressed_attention(q.float(), k.float(), v.float(), L_CMP, D_CMP)
+    assert o.dtype == torch.bfloat16
+    assert lse.dtype == torch.float32
+    err = rel_err(o, ref)
+    assert err < BOUND[torch.bfloat16], f"o: relative error {err:.2e}"
+    ref_lse = _lse_float32(q, k, 0)
+    blind = torch.isinf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), blind)
+    assert int(blind.sum()) == (L_CMP - 1) * 64, "the first l - 1 rows see nothing"
+    assert torch.count_nonzero(o[blind]) == 0
+    err = rel_err(lse[~blind], ref_lse[~blind])
+    assert err < BOUND[torch.bfloat16], f"lse: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("tq", "q_start", "dk", "dtype"),
+    [
+        (2048, 0, 128, torch.bfloat16),
+        (2048, 0, 192, torch.bfloat16),
+        (1500, 700, 128, torch.bfloat16),
+        (1000, 0, 64, torch.float16),
+    ],
+    ids=["2k", "2k_dk192", "q_start700", "fp16_dk64"],
+)
+def test_gradients(
+    tq: int, q_start: int, dk: int, dtype: torch.dtype, request: pytest.FixtureRequest
+) -> None:
+    q, k, v, do = _draw(request, tq, dk, 128 if dk == 192 else dk, q_start, dtype)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, _ = compressed_attention_cudnn_with_lse(*leaves, L_CMP, D_CMP, q_start=q_start)
+    o.backward(do)
+    ref_leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    ref = compressed_attention(*ref_leaves, L_CMP, D_CMP, q_start=q_start)
+    ref.backward(do.float())
+    err = rel_err(o, ref)
+    assert err < BOUND[dtype], f"o: relative error {err:.2e}"
+    for name, a, b in zip("qkv", leaves, ref_leaves, strict=True):
+        assert a.grad is not None
+        assert b.grad is not None
+        err = rel_err(a.grad, b.grad)
+        assert err < 2 * BOUND[dtype], f"d{name}: relative error {err:.2e}"
+
+
+def test_every_query_blind_keeps_a_zero_gradient(request: pytest.FixtureRequest) -> None:
+    q, k, v, do = _draw(request, 20, 128, 128, 0, torch.bfloat16)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = compressed_attention_cudnn_with_lse(*leaves, L_CMP, D_CMP)
+    o.backward(do)
+    assert torch.count_nonzero(o) == 0
+    assert bool(torch.isneginf(lse).all())
+    assert all(x.grad is not None and torch.count_nonzero(x.grad) == 0 for x in leaves)
+
+
+@pytest.mark.usefixtures("kernels_registered")
+def test_routed_from_16k_and_with_a_gradient_from_32k() -> None:
+    def chosen(tq: int, q_start: int, grad: bool) -> str:
+        q = torch.empty(1, tq, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+        k = torch.empty(1, 8, 4, 128, device="cuda", dtype=torch.bfloat16)
+        ctx = op_context(q, k, k, q_start + tq, varlen=False, q_start=q_start)
+        return registry.resolve("compressed_attention", ctx, Toggles()).backend.name
+
+    assert chosen(16384, 0, grad=False) == "cudnn"
+    assert chosen(16384, 0, grad=True) != "cudnn"
+    assert chosen(32768, 0, grad=True) == "cudnn"
+    assert chosen(8192, 0, grad=False) != "cudnn"
+    assert chosen(16384, 16384, grad=False) != "cudnn"
