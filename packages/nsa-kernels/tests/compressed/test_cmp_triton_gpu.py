@@ -117,7 +117,9 @@ def test_bf16_forward_and_lse_at_8k(dk: int, dv: int, request: pytest.FixtureReq
     assert err < BOUND[torch.bfloat16], f"lse: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize(("dk", "dv"), [(128, 128), (192, 128)], ids=["d128", "dk192_dv128"])
+@pytest.mark.parametrize(
+    ("dk", "dv"), [(128, 128), (192, 128), (256, 256)], ids=["d128", "dk192_dv128", "d256"]
+)
 def test_bf16_gradients_at_2k(dk: int, dv: int, request: pytest.FixtureRequest) -> None:
     gen = _gen(request)
     tq, hq, h = 2048, 64, 4
@@ -135,6 +137,18 @@ def test_fp16_group_sweep(group: int, q_start: int, request: pytest.FixtureReque
     q, k, v = draw(gen, batch, tq, h * group, h, dk, dv, blocks, torch.float16)
     got, want = run_pair(q, k, v, gen, q_start=q_start)
     check(got, want, torch.float16)
+
+
+@pytest.mark.parametrize(("dk", "dv"), [(40, 24), (104, 8), (24, 8), (72, 56)])
+def test_bf16_odd_head_dims(dk: int, dv: int, request: pytest.FixtureRequest) -> None:
+    """Head dims that are not multiples of 16 on both sides: value tiles with a masked tail of 8
+    or 24 columns once gave wrong outputs on 32 columns (see ``_Launch.bv``)."""
+    gen = _gen(request)
+    tq, q_start = 300, 5
+    blocks = num_cmp_blocks(q_start + tq, L_CMP, D_CMP) + 3
+    q, k, v = draw(gen, 1, tq, 16, 2, dk, dv, blocks, torch.bfloat16)
+    got, want = run_pair(q, k, v, gen, q_start=q_start)
+    check(got, want, torch.bfloat16)
 
 
 def test_bf16_varlen(request: pytest.FixtureRequest) -> None:

@@ -364,3 +364,23 @@ def test_default_tiles_follow_the_branch_and_the_device() -> None:
     assert tiles(resolve_config(None, 192, 128, bf16)) == (2, 128, 64, 2)
     assert tiles(resolve_config(None, 192, 128, bf16, windowed=True)) == (2, 128, 32, 2)
     assert tiles(resolve_config(None, 128, 128, torch.float32, windowed=True)) == (2, 16, 16, 2)
+
+
+def test_values_256_wide_take_tiles_that_fit() -> None:
+    """dv = 256: the dk/dv kernel's 128 x 64 tile asks more shared memory than an H100 has, so
+    such values walk 128 x 32 there, 64 x 64 on an A100 (166,912 B), 32 x 32 on 99 KiB, where the
+    forward also takes 32-key tiles on one stage and dq one stage."""
+    from nsa_kernels.compressed.triton_function import resolve_config
+
+    def tiles(shared: int | None) -> tuple[int, ...]:
+        cfg = resolve_config(None, 256, 256, torch.bfloat16, shared_bytes=shared)
+        fwd = (cfg.block_m, cfg.block_n, cfg.fwd_stages)
+        return (*fwd, cfg.dq_stages, cfg.dkv_block_n, cfg.dkv_block_m)
+
+    assert tiles(None) == (128, 64, 2, 3, 128, 32)
+    assert tiles(232_448) == (128, 64, 2, 3, 128, 32)
+    assert tiles(166_912) == (128, 64, 2, 3, 64, 64)
+    assert tiles(101_376) == (128, 32, 1, 1, 32, 32)
+    # Values up to 128 wide keep the dk = 192 tiles.
+    keys192 = resolve_config(None, 192, 128, torch.bfloat16, shared_bytes=232_448)
+    assert (keys192.dkv_block_n, keys192.dkv_block_m) == (128, 64)

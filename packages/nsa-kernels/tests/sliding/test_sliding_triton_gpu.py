@@ -28,15 +28,21 @@ def _gen(request: pytest.FixtureRequest) -> torch.Generator:
     return torch.Generator(device="cuda").manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
-@pytest.mark.parametrize("tq", [8192, 3001])
+@pytest.mark.parametrize(
+    ("tq", "dk", "dv"),
+    [(8192, 128, 128), (3001, 128, 128), (1000, 40, 24), (1000, 256, 256)],
+    ids=["8192", "3001", "dk40_dv24", "d256"],
+)
 def test_bf16_paper_shapes_match_the_float32_reference(
-    tq: int, request: pytest.FixtureRequest
+    tq: int, dk: int, dv: int, request: pytest.FixtureRequest
 ) -> None:
+    """The paper's heads at d = 128; also head dims off multiples of 16 (the forward once read
+    out of bounds at dk = 40, dv = 24) and the widest, 256."""
     gen = _gen(request)
-    q = torch.randn(1, tq, 64, 128, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(1, tq, 4, 128, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(1, tq, 4, 128, device="cuda", generator=gen).bfloat16()
-    do = torch.randn(1, tq, 64, 128, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(1, tq, 64, dk, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(1, tq, 4, dk, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(1, tq, 4, dv, device="cuda", generator=gen).bfloat16()
+    do = torch.randn(1, tq, 64, dv, device="cuda", generator=gen).bfloat16()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o = sliding_attention_triton(*leaves, WINDOW)
     torch.autograd.backward(o, do)

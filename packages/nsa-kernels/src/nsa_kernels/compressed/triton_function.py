@@ -47,6 +47,8 @@ from nsa_kernels.compressed.triton_bwd import (
 from nsa_kernels.compressed.triton_fwd import LOG2E, cmp_fwd_kernel
 
 _P = ParamSpec("_P")
+# Fewest columns of a value tile whose last columns are masked (see _Launch.bv).
+MIN_MASKED_VALUE_TILE = 64
 # The dk/dv kernel aims at this many programs per SM, so the unequal key tiles balance out.
 DKV_PROGRAMS_PER_SM = 4
 # Fewest query rows one dk/dv program takes when a key tile is split over several programs.
@@ -77,6 +79,16 @@ DQ_STAGE_BYTES_D256 = {3: 102_400}
 # on 64 x 64, 42.8 on 64 x 32 (54.2 on 32 x 32).
 DKV_TILES_D256 = ((128, 64, 164_352), (128, 32, 131_328), (64, 64, 107_008), (64, 32, 78_080))
 DKV_TILES_D256_WINDOWED = DKV_TILES_D256[1:]
+# Values 256 wide as well (dv > 128; the tables above hold at dv <= 128): the bytes the 16-bit
+# tiles ask at dk = dv = 256 compiled for sm_80 and sm_89 (Triton 3.7.1, ci/compile_triton.py).
+# The dk/dv kernel's 128 x 64 tile asks 262,656 B on sm_90, past an H100's 232,448: it failed with
+# OutOfResources there (docs/results/2026-11-26-h100-layer-6.md); every tile below ran on it.
+# A forward of 128 x 64 tiles does not fit 99 KiB even on one stage: such a device takes 32-block
+# key tiles (one stage fits).
+FWD_STAGE_BYTES_WIDE_V = {2: 147_456, 1: 114_688}
+FWD_NARROW_KEYS_WIDE_V = (128, 32, 8, 1)
+DQ_STAGE_BYTES_WIDE_V = {3: 135_168, 2: 102_400}
+DKV_TILES_WIDE_V = ((128, 32, 172_288), (64, 64, 139_776), (64, 32, 102_656))
 
 
 @dataclass(frozen=True)
@@ -142,6 +154,7 @@ def resolve_config(
     | 16-bit, D <= 128, windowed | 64 x 64, 4, 2 | 64 x 64, 4, 2 | 128 x 32, 8, 3 |
     | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 64, 8, 2 |
     | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
+    | 16-bit, dv = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
 
     The compressed forward at D <= 128 takes 128-block key tiles where their two stages fit
@@ -165,20 +178,28 @@ def resolve_config(
     if cfg.dkv_segment < 0:
         raise ValueError(f"dkv_segment must be >= 0, got {cfg.dkv_segment}")
     if dtype == torch.float32:
-        table = (32, 16, 8, 2, 32, 16, 8, 2, 16, 16, 8, 2)
-    elif pow2(max(dk, dv, 16)) > 128:
+        table: tuple[int, ...] = (32, 16, 8, 2, 32, 16, 8, 2, 16, 16, 8, 2)
+    elif pow2(max(dv, 16)) > 128:
+        fwd: tuple[int, ...] = (128, 64, 8, stages_within(2, FWD_STAGE_BYTES_WIDE_V, shared_bytes))
+        if shared_bytes is not None and shared_bytes < FWD_STAGE_BYTES_WIDE_V[1]:
+            fwd = FWD_NARROW_KEYS_WIDE_V
+        dq_stages = stages_within(3, DQ_STAGE_BYTES_WIDE_V, shared_bytes)
+        dkv_n, dkv_m = _fitting_tile(DKV_TILES_WIDE_V, shared_bytes)
+        table = (*fwd, 64, 32, 8, dq_stages, dkv_n, dkv_m, 8, 2)
+    elif pow2(max(dk, 16)) > 128:
         fwd_stages = stages_within(2, FWD_STAGE_BYTES_D256, shared_bytes)
         dq_stages = stages_within(3, DQ_STAGE_BYTES_D256, shared_bytes)
         tiles = DKV_TILES_D256_WINDOWED if windowed else DKV_TILES_D256
-        fits = [(n, m) for n, m, need in tiles if shared_bytes is None or need <= shared_bytes]
-        dkv_n, dkv_m = fits[0] if fits else (32, 32)
+        dkv_n, dkv_m = _fitting_tile(tiles, shared_bytes)
         table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, dkv_n, dkv_m, 8, 2)
     elif windowed:
         table = (*WINDOWED_FWD_D128, *WINDOWED_DQ_D128, 128, 32, 8, 3)
     else:
         wide = shared_bytes is None or shared_bytes >= FWD_WIDE_TILE_BYTES
-        fwd = (128, 2) if wide else (64, stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes))
-        table = (128, fwd[0], 8, fwd[1], 128, 64, 8, 2, 128, 64, 8, 2)
+        keys, stages = (
+            (128, 2) if wide else (64, stages_within(3, FWD_STAGE_BYTES_D128, shared_bytes))
+        )
+        table = (128, keys, 8, stages, 128, 64, 8, 2, 128, 64, 8, 2)
     names = (
         "block_m", "block_n", "fwd_warps", "fwd_stages",
         "dq_block_m", "dq_block_n", "dq_warps", "dq_stages",
@@ -187,6 +208,15 @@ def resolve_config(
     return replace(
         cfg, **{name: getattr(cfg, name) or value for name, value in zip(names, table, strict=True)}
     )
+
+
+def _fitting_tile(
+    tiles: tuple[tuple[int, int, int], ...], shared_bytes: int | None
+) -> tuple[int, int]:
+    """The first (key blocks, query rows) of ``tiles`` whose bytes fit ``shared_bytes`` (None:
+    the first), else 32 x 32, which fits 99 KiB at every head dim."""
+    fits = [(n, m) for n, m, need in tiles if shared_bytes is None or need <= shared_bytes]
+    return fits[0] if fits else (32, 32)
 
 
 @dataclass(frozen=True)
@@ -263,7 +293,14 @@ class _Launch:
 
     @property
     def bv(self) -> int:
-        return pow2(max(self.dv, 16))
+        tile = pow2(max(self.dv, 16))
+        if self.dv != tile and tile < MIN_MASKED_VALUE_TILE:
+            # A value tile of 16 or 32 columns with a masked tail (dv = 8, 24), beside a q/K tile
+            # with one (dk not a multiple of 16), gave wrong outputs in 16 bits on an H100 and an
+            # illegal address in the sliding forward (Triton 3.6;
+            # docs/results/2026-11-26-h100-layer-6.md); dv = 40 on 64 columns was exact.
+            return MIN_MASKED_VALUE_TILE
+        return tile
 
 
 def _prepare(
