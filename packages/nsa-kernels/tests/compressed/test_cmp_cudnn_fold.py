@@ -29,7 +29,8 @@ from nsa_kernels.compressed.cudnn import (
 )
 
 BOUND = 1e-5
-CALLS: list[tuple[bool, bool]] = []
+# (causal, with a bias, batch of q) of each call the model served.
+CALLS: list[tuple[bool, bool, int]] = []
 
 
 def model_attend(
@@ -42,7 +43,7 @@ def model_attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the backend asks of cuDNN, in float64: each of Hq query heads over kv head
     ``h // (Hq / Hk)``, the top-left causal mask if ``causal``, ``bias`` added to the scores."""
-    CALLS.append((causal, bias is not None))
+    CALLS.append((causal, bias is not None, q.shape[0]))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
@@ -85,10 +86,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "forward_only"])
 @pytest.mark.parametrize(("batch", "tq", "q_start", "h", "group", "cmp_block", "d"), CASES)
 def test_fold_matches_reference(
-    batch: int, tq: int, q_start: int, h: int, group: int, cmp_block: int, d: int
+    batch: int, tq: int, q_start: int, h: int, group: int, cmp_block: int, d: int, grad: bool
 ) -> None:
+    """With a gradient the slots of a row go into the heads; forward only, one sequence puts
+    them into the batch dimension (its keys a stride-0 view); both give the reference's o and
+    lse, and the first its gradients."""
     gen = torch.Generator().manual_seed(tq * 1000 + q_start)
     n = max(num_cmp_blocks(q_start + tq, cmp_block, d), 1) + 2
     dk, dv = 8, 6
@@ -101,7 +106,8 @@ def test_fold_matches_reference(
         cmp_stride=d,
     )  # fmt: skip
     CALLS.clear()
-    o, lse = folded_attention(q, k, v, call, model_attend)
+    with torch.set_grad_enabled(grad):
+        o, lse = folded_attention(q, k, v, call, model_attend)
     ref = compressed_attention(q, k, v, cmp_block, d, q_start=q_start)
     assert o.shape == ref.shape
     assert o.dtype == ref.dtype
@@ -113,17 +119,21 @@ def test_fold_matches_reference(
     if not blind.all():
         assert rel_err(lse[~blind], want_lse[~blind]) < BOUND
 
-    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
-    got = torch.autograd.grad(o, (q, k, v), do)
-    want = torch.autograd.grad(ref, (q, k, v), do)
-    for name, a, b in zip("qkv", got, want, strict=True):
-        assert rel_err(a, b) < BOUND, f"d{name}"
+    assert o.requires_grad == grad
+    if grad:
+        do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+        got = torch.autograd.grad(o, (q, k, v), do)
+        want = torch.autograd.grad(ref, (q, k, v), do)
+        for name, a, b in zip("qkv", got, want, strict=True):
+            assert rel_err(a, b) < BOUND, f"d{name}"
 
     split = row_split(tq, q_start, cmp_block, d)
-    calls = [(False, False)] * bool(split.head)
+    rows_batch = d if batch == 1 and not grad else batch
+    calls = [(False, False, batch)] * bool(split.head)
     if split.rows:
-        calls.append((True, False) if split.row_keys == 1 else (False, True))
-    calls += [(False, False)] * bool(split.tail)
+        causal = split.row_keys == 1
+        calls.append((causal, not causal, rows_batch))
+    calls += [(False, False, batch)] * bool(split.tail)
     assert calls == CALLS, "one call per run of queries; the offset diagonal through a bias"
 
 

@@ -20,6 +20,7 @@ bitwise reproducible, so the backend declines a gradient under
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -118,27 +119,48 @@ def _prefix(
     return o.transpose(1, 2), lse.transpose(1, 2)
 
 
+def _offset_bias(split: RowSplit, keys: int, q: Tensor) -> Tensor | None:
+    """None where the rows see a causal prefix (``row_keys`` = 1), else the additive bias
+    [1, 1, R, keys] of row m seeing blocks j <= m + row_keys - 1 (the diagonal moved right)."""
+    if split.row_keys == 1:
+        return None
+    m = torch.arange(split.rows, device=q.device)[:, None]
+    j = torch.arange(keys, device=q.device)[None, :]
+    bias = torch.zeros(split.rows, keys, dtype=q.dtype, device=q.device)
+    return bias.masked_fill(j > m + (split.row_keys - 1), float("-inf"))[None, None]
+
+
 def _rows(
     q: Tensor, k: Tensor, v: Tensor, split: RowSplit, d: int, scale: float, attend: Attend
 ) -> tuple[Tensor, Tensor]:
-    """The full rows, q [B, R*d, HQ, dk]: one folded call, (o [B, R*d, HQ, dv], lse)."""
+    """The full rows, q [B, R*d, HQ, dk], in one folded call, slots into the heads:
+    (o [B, R, d, HQ, dv], lse [B, R, d, HQ])."""
     batch, _, hq, dk = q.shape
     rows, keys = split.rows, split.row_keys + split.rows - 1
     qf = q.reshape(batch, rows, d * hq, dk).transpose(1, 2)
     kf = k[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
     vf = v[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
-    bias = None
-    if split.row_keys > 1:
-        # Row m sees blocks j <= m + row_keys - 1: the causal diagonal moved right.
-        m = torch.arange(rows, device=q.device)[:, None]
-        j = torch.arange(keys, device=q.device)[None, :]
-        seen = j <= m + (split.row_keys - 1)
-        bias = torch.zeros(rows, keys, dtype=q.dtype, device=q.device)
-        bias = bias.masked_fill(~seen, float("-inf"))[None, None]
+    bias = _offset_bias(split, keys, q)
     o, lse = attend(qf, kf, vf, bias, bias is None, scale)
-    o = o.transpose(1, 2).reshape(batch, rows * d, hq, o.shape[-1])
-    lse = lse.reshape(batch, d, hq, rows).permute(0, 3, 1, 2).reshape(batch, rows * d, hq)
-    return o, lse
+    o = o.transpose(1, 2).reshape(batch, rows, d, hq, o.shape[-1])
+    return o, lse.reshape(batch, d, hq, rows).permute(0, 3, 1, 2)
+
+
+def _rows_in_batch(
+    q: Tensor, k: Tensor, v: Tensor, split: RowSplit, d: int, scale: float, attend: Attend
+) -> tuple[Tensor, Tensor]:
+    """:func:`_rows` for one sequence (B = 1) with the slots in the batch dimension, every slot
+    reading one stride-0 view of the keys: the forward's kernel ran 8.15 ms against 8.46 with the
+    slots in the heads at T = 64k (docs/results/2026-11-26-h100-layer-6.md, runs 1 and 3), but
+    its backward ran slower, so it serves calls without a gradient."""
+    _, _, hq, dk = q.shape
+    rows, keys = split.rows, split.row_keys + split.rows - 1
+    qf = q[0].reshape(rows, d, hq, dk).permute(1, 2, 0, 3)
+    kf = k[0, :keys].transpose(0, 1).expand(d, -1, -1, -1)
+    vf = v[0, :keys].transpose(0, 1).expand(d, -1, -1, -1)
+    bias = _offset_bias(split, keys, q)
+    o, lse = attend(qf, kf, vf, bias, bias is None, scale)
+    return o.permute(2, 0, 1, 3).unsqueeze(0), lse.permute(2, 0, 1).unsqueeze(0)
 
 
 def folded_attention(
@@ -152,38 +174,48 @@ def folded_attention(
     k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> (o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ]
     float32, -inf where a query sees no block)."""
     batch, tq, hq, _ = q.shape
+    dv = v_cmp.shape[-1]
     d = call.cmp_stride
     split = row_split(tq, call.q_start, call.cmp_block, d)
     last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
     if last_keys > k_cmp.shape[1]:
         raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
-    # Zeros that stay in the autograd graph: a call whose queries all see nothing still has a
-    # backward (of zeros).
-    outs = [no_keys_output(q[:, : split.blind], k_cmp, v_cmp)]
-    lses = [torch.full((batch, split.blind, hq), float("-inf"), device=q.device)]
-    start = split.blind
-
-    def take(count: int) -> Tensor:
-        nonlocal start
-        start += count
-        return q[:, start - count : start]
-
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp))
+    head, body = split.blind + split.head, split.blind + split.head + split.rows * d
+    # Runs of queries in order: (first query, o, lse), o [B, n, HQ, dv] or [B, R, d, HQ, dv].
+    runs: list[tuple[int, Tensor, Tensor]] = []
     if split.head:
-        _append(
-            outs, lses, _prefix(take(split.head), k_cmp, v_cmp, split.head_keys, call.scale, attend)
+        part = q[:, split.blind : head]
+        runs.append(
+            (split.blind, *_prefix(part, k_cmp, v_cmp, split.head_keys, call.scale, attend))
         )
     if split.rows:
-        _append(outs, lses, _rows(take(split.rows * d), k_cmp, v_cmp, split, d, call.scale, attend))
+        fold = _rows_in_batch if batch == 1 and not grad else _rows
+        runs.append((head, *fold(q[:, head:body], k_cmp, v_cmp, split, d, call.scale, attend)))
     if split.tail:
-        _append(
-            outs, lses, _prefix(take(split.tail), k_cmp, v_cmp, split.tail_keys, call.scale, attend)
-        )
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+        part = q[:, body:]
+        runs.append((body, *_prefix(part, k_cmp, v_cmp, split.tail_keys, call.scale, attend)))
 
-
-def _append(outs: list[Tensor], lses: list[Tensor], run: tuple[Tensor, Tensor]) -> None:
-    outs.append(run[0])
-    lses.append(run[1])
+    if grad:
+        # Zeros that stay in the autograd graph: a call whose queries all see nothing still has
+        # a backward (of zeros).
+        outs = [no_keys_output(q[:, : split.blind], k_cmp, v_cmp)]
+        lses = [torch.full((batch, split.blind, hq), float("-inf"), device=q.device)]
+        for _, o_run, lse_run in runs:
+            n = math.prod(o_run.shape[1:-2])
+            outs.append(o_run.reshape(batch, n, hq, dv))
+            lses.append(lse_run.reshape(batch, n, hq))
+        return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+    # Without a gradient each run is written once into its place of the output.
+    o = q.new_empty(batch, tq, hq, dv)
+    lse = torch.empty(batch, tq, hq, dtype=torch.float32, device=q.device)
+    o[:, : split.blind] = 0
+    lse[:, : split.blind] = float("-inf")
+    for first, o_run, lse_run in runs:
+        n = math.prod(o_run.shape[1:-2])
+        o[:, first : first + n].view(o_run.shape).copy_(o_run)
+        lse[:, first : first + n].view(lse_run.shape).copy_(lse_run)
+    return o, lse
 
 
 def _with_lse(
