@@ -41,10 +41,10 @@ Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float], tuple[Te
 CUDNN_OP = "_scaled_dot_product_cudnn_attention"
 
 # Where the folded cuDNN call beats the Triton kernels (H100, torch 2.11, cuDNN 9.19, HQ=64, H=4,
-# d=128, l=32, d=16, bf16; docs/results/2026-11-26-h100-layer-6.md): forward 0.827 against
-# 0.905 ms at 16k, 8.456 against 9.662 at 64k (0.337 / 0.351 at 8k, a tie); forward+backward
+# d=128, l=32, d=16, bf16; docs/results/2026-11-26-h100-layer-6.md, runs 3 and 8): forward from
+# 8k (0.307 against 0.427 ms at 8k, 0.778 / 0.899 at 16k, 8.443 / 9.637 at 64k); forward+backward
 # from 32k only (12.20 / 12.62 ms; 38.11 / 44.66 at 64k; 4.60 / 4.08 at 16k).
-CUDNN_MIN_LEN = 16384
+CUDNN_MIN_LEN = 8192
 CUDNN_MIN_LEN_GRAD = 32768
 # The offset diagonal of a later start (q_start > 0) goes through an additive bias, which the
 # same run measured slower than the Triton kernels (16k queries after 48k: 6.19 / 4.07 ms
@@ -150,9 +150,9 @@ def _rows_in_batch(
     q: Tensor, k: Tensor, v: Tensor, split: RowSplit, d: int, scale: float, attend: Attend
 ) -> tuple[Tensor, Tensor]:
     """:func:`_rows` for one sequence (B = 1) with the slots in the batch dimension, every slot
-    reading one stride-0 view of the keys: the forward's kernel ran 8.15 ms against 8.46 with the
-    slots in the heads at T = 64k (docs/results/2026-11-26-h100-layer-6.md, runs 1 and 3), but
-    its backward ran slower, so it serves calls without a gradient."""
+    reading one stride-0 view of the keys. Forward only: 2.295 ms against 2.573 with the slots in
+    the heads at T = 32k, 8.443 / 8.456 at 64k (docs/results/2026-11-26-h100-layer-6.md, runs 8
+    and 3); with a gradient, the batch layout's backward was the slower (run 1)."""
     _, _, hq, dk = q.shape
     rows, keys = split.rows, split.row_keys + split.rows - 1
     qf = q[0].reshape(rows, d, hq, dk).permute(1, 2, 0, 3)
