@@ -20,15 +20,15 @@ bitwise reproducible, so the backend declines a gradient under
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
-from nsa_kernels.common.no_keys import no_keys_output
 from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
 from nsa_kernels.compressed.cmp_fold import RowSplit, row_split
 
@@ -163,6 +163,98 @@ def _rows_in_batch(
     return o.permute(2, 0, 1, 3).unsqueeze(0), lse.permute(2, 0, 1).unsqueeze(0)
 
 
+# One run of queries that see the same blocks or rows of them: (first query, its queries
+# q [B, n, HQ, dk], o [B, n, HQ, dv] or [B, R, d, HQ, dv], lse [B, n, HQ] or [B, R, d, HQ]).
+_Run = tuple[int, Tensor, Tensor, Tensor]
+
+
+def _run_spans(split: RowSplit, d: int) -> list[tuple[int, int]]:
+    """(first query, count) of each attention run of ``split``: the cut row before the first
+    full one, the full rows, the cut row after them (the blind queries need no call)."""
+    head = split.blind + split.head
+    spans = [(split.blind, split.head), (head, split.rows * d), (head + split.rows * d, split.tail)]
+    return [(first, n) for first, n in spans if n]
+
+
+def _runs(
+    q: Tensor, k: Tensor, v: Tensor, split: RowSplit, call: CompressedCall, attend: Attend, *,
+    in_batch: bool = False, leaves: bool = False,
+) -> list[_Run]:  # fmt: skip
+    """The attention calls of ``split`` in query order. ``in_batch``: the full rows with their
+    slots in the batch dimension (:func:`_rows_in_batch`); ``leaves``: each run's queries are a
+    leaf of their own graph (q detached), for :class:`_FoldedFunction`."""
+    d, scale = call.cmp_stride, call.scale
+    head = split.blind + split.head
+    runs: list[_Run] = []
+    for first, n in _run_spans(split, d):
+        part = q[:, first : first + n]
+        if leaves:
+            part.requires_grad_()
+        if first == head and split.rows:
+            fold = _rows_in_batch if in_batch else _rows
+            o_run, lse_run = fold(part, k, v, split, d, scale, attend)
+        else:
+            keys = split.head_keys if first < head else split.tail_keys
+            o_run, lse_run = _prefix(part, k, v, keys, scale, attend)
+        runs.append((first, part, o_run, lse_run))
+    return runs
+
+
+def _assemble(q: Tensor, dv: int, blind: int, runs: list[_Run]) -> tuple[Tensor, Tensor]:
+    """o [B, Tq, HQ, dv] and lse [B, Tq, HQ]: each run written once into its place, the blind
+    queries 0 and -inf."""
+    batch, tq, hq, _ = q.shape
+    o = q.new_empty(batch, tq, hq, dv)
+    lse = torch.empty(batch, tq, hq, dtype=torch.float32, device=q.device)
+    o[:, :blind] = 0
+    lse[:, :blind] = float("-inf")
+    for first, part, o_run, lse_run in runs:
+        n = part.shape[1]
+        o[:, first : first + n].view(o_run.shape).copy_(o_run.detach())
+        lse[:, first : first + n].view(lse_run.shape).copy_(lse_run)
+    return o, lse
+
+
+class _FoldedFunction(torch.autograd.Function):
+    """:func:`folded_attention` with a gradient. Each run keeps its own graph over detached
+    inputs, and the backward writes dq once into place: autograd on slices of q would fill a
+    zero tensor the size of q for every run and add them (at T = 64k, five fills and adds of
+    1 GiB; docs/results/2026-11-26-h100-layer-6.md, run 9)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, split: RowSplit, call: CompressedCall,
+        attend: Attend,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        k_in, v_in = k.detach().requires_grad_(), v.detach().requires_grad_()
+        with torch.enable_grad():
+            runs = _runs(q.detach(), k_in, v_in, split, call, attend, leaves=True)
+        o, lse = _assemble(q, v.shape[-1], split.blind, runs)
+        ctx.runs, ctx.k_in, ctx.v_in, ctx.q_shape = runs, k_in, v_in, q.shape
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_o: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+        runs: list[_Run] = ctx.runs
+        dq = grad_o.new_empty(ctx.q_shape)
+        if not runs:
+            dq.zero_()
+            return dq, torch.zeros_like(ctx.k_in), torch.zeros_like(ctx.v_in), None, None, None
+        outs = [o_run for _, _, o_run, _ in runs]
+        grads = [grad_o[:, first : first + part.shape[1]].reshape(o_run.shape)
+                 for first, part, o_run, _ in runs]  # fmt: skip
+        leaves = [part for _, part, _, _ in runs] + [ctx.k_in, ctx.v_in]
+        got = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        dq[:, : runs[0][0]] = 0
+        for (first, part, _, _), dq_run in zip(runs, got, strict=False):
+            dq[:, first : first + part.shape[1]] = dq_run
+        dk, dv = got[-2], got[-1]
+        ctx.runs = None
+        return dq, dk, dv, None, None, None
+
+
 def folded_attention(
     q: Tensor,
     k_cmp: Tensor,
@@ -173,49 +265,15 @@ def folded_attention(
     """Dense compressed attention through ``attend`` on folded queries: q [B, Tq, HQ, dk],
     k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> (o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ]
     float32, -inf where a query sees no block)."""
-    batch, tq, hq, _ = q.shape
-    dv = v_cmp.shape[-1]
-    d = call.cmp_stride
-    split = row_split(tq, call.q_start, call.cmp_block, d)
+    split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
     last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
     if last_keys > k_cmp.shape[1]:
         raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp))
-    head, body = split.blind + split.head, split.blind + split.head + split.rows * d
-    # Runs of queries in order: (first query, o, lse), o [B, n, HQ, dv] or [B, R, d, HQ, dv].
-    runs: list[tuple[int, Tensor, Tensor]] = []
-    if split.head:
-        part = q[:, split.blind : head]
-        runs.append(
-            (split.blind, *_prefix(part, k_cmp, v_cmp, split.head_keys, call.scale, attend))
-        )
-    if split.rows:
-        fold = _rows_in_batch if batch == 1 and not grad else _rows
-        runs.append((head, *fold(q[:, head:body], k_cmp, v_cmp, split, d, call.scale, attend)))
-    if split.tail:
-        part = q[:, body:]
-        runs.append((body, *_prefix(part, k_cmp, v_cmp, split.tail_keys, call.scale, attend)))
-
-    if grad:
-        # Zeros that stay in the autograd graph: a call whose queries all see nothing still has
-        # a backward (of zeros).
-        outs = [no_keys_output(q[:, : split.blind], k_cmp, v_cmp)]
-        lses = [torch.full((batch, split.blind, hq), float("-inf"), device=q.device)]
-        for _, o_run, lse_run in runs:
-            n = math.prod(o_run.shape[1:-2])
-            outs.append(o_run.reshape(batch, n, hq, dv))
-            lses.append(lse_run.reshape(batch, n, hq))
-        return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
-    # Without a gradient each run is written once into its place of the output.
-    o = q.new_empty(batch, tq, hq, dv)
-    lse = torch.empty(batch, tq, hq, dtype=torch.float32, device=q.device)
-    o[:, : split.blind] = 0
-    lse[:, : split.blind] = float("-inf")
-    for first, o_run, lse_run in runs:
-        n = math.prod(o_run.shape[1:-2])
-        o[:, first : first + n].view(o_run.shape).copy_(o_run)
-        lse[:, first : first + n].view(lse_run.shape).copy_(lse_run)
-    return o, lse
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
+        o, lse = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend)  # type: ignore[no-untyped-call]
+        return o, lse
+    runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
+    return _assemble(q, v_cmp.shape[-1], split.blind, runs)
 
 
 def _with_lse(
