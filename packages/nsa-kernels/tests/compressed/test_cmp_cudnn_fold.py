@@ -23,7 +23,6 @@ from nsa_kernels.common.op_calls import CompressedCall
 from nsa_kernels.compressed.cmp_fold import row_split, visible_blocks
 from nsa_kernels.compressed.cudnn import (
     CUDNN_MIN_LEN,
-    CUDNN_MIN_LEN_GRAD,
     cudnn_compressed_supports,
     folded_attention,
 )
@@ -164,7 +163,7 @@ def _ctx(**fields: object) -> OpContext:
         ({"head_dim_v": 512}, "multiples of 8 up to 256"),
         ({"varlen": True}, "packed sequences"),
         ({"q_start": 4096}, "q_start = 4096"),
-        ({"seq_len": CUDNN_MIN_LEN_GRAD - 1}, f"< {CUDNN_MIN_LEN_GRAD}"),
+        ({"seq_len": CUDNN_MIN_LEN - 1}, f"< {CUDNN_MIN_LEN}"),
         ({"seq_len": CUDNN_MIN_LEN - 1, "requires_grad": False}, f"< {CUDNN_MIN_LEN}"),
     ],
 )

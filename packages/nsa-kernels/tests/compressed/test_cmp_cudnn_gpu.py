@@ -117,15 +117,15 @@ def test_every_query_blind_keeps_a_zero_gradient(request: pytest.FixtureRequest)
 
 
 @pytest.mark.usefixtures("kernels_registered")
-def test_routed_from_8k_and_with_a_gradient_from_32k() -> None:
+def test_routed_from_16k() -> None:
     def chosen(tq: int, q_start: int, grad: bool) -> str:
         q = torch.empty(1, tq, 64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
         k = torch.empty(1, 8, 4, 128, device="cuda", dtype=torch.bfloat16)
         ctx = op_context(q, k, k, q_start + tq, varlen=False, q_start=q_start)
         return registry.resolve("compressed_attention", ctx, Toggles()).backend.name
 
-    assert chosen(8192, 0, grad=False) == "cudnn"
-    assert chosen(4096, 0, grad=False) != "cudnn"
-    assert chosen(16384, 0, grad=True) != "cudnn"
-    assert chosen(32768, 0, grad=True) == "cudnn"
+    assert chosen(16384, 0, grad=False) == "cudnn"
+    assert chosen(16384, 0, grad=True) == "cudnn"
+    assert chosen(8192, 0, grad=False) != "cudnn"
+    assert chosen(8192, 0, grad=True) != "cudnn"
     assert chosen(16384, 16384, grad=False) != "cudnn"

@@ -6,7 +6,7 @@ The registry asks them from the highest priority down; the first whose ``support
 | priority | backend | serves when |
 |---|---|---|
 | 35 | ``cudnn`` | NSA_CMP_CUDNN (default on), CUDA sm90+, fp16/bf16, head dims multiples of 8 |
-| | | up to 256, dense, q_start = 0, at least 8k tokens (32k with a gradient), no |
+| | | up to 256, dense, q_start = 0, at least 16k tokens, no |
 | | | ``torch.use_deterministic_algorithms`` with a gradient (also yields its lse) |
 | 30 | ``fa2`` | NSA_CMP_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_CMP_FA2_MIN_LEN tokens |

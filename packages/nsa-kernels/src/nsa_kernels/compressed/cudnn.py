@@ -41,11 +41,11 @@ Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float], tuple[Te
 CUDNN_OP = "_scaled_dot_product_cudnn_attention"
 
 # Where the folded cuDNN call beats the Triton kernels (H100, torch 2.11, cuDNN 9.19, HQ=64, H=4,
-# d=128, l=32, d=16, bf16; docs/results/2026-11-26-h100-layer-6.md, runs 3 and 8): forward from
-# 8k (0.307 against 0.427 ms at 8k, 0.778 / 0.899 at 16k, 8.443 / 9.637 at 64k); forward+backward
-# from 32k only (12.20 / 12.62 ms; 38.11 / 44.66 at 64k; 4.60 / 4.08 at 16k).
-CUDNN_MIN_LEN = 8192
-CUDNN_MIN_LEN_GRAD = 32768
+# d=128, l=32, d=16, bf16; docs/results/2026-11-26-h100-layer-6.md, runs 3, 8 and 10): from 16k
+# tokens, forward (0.780 against 0.909 ms at 16k, 8.096 / 10.051 at 64k) and forward+backward
+# (3.803 / 4.027 ms at 16k, 34.744 / 44.796 at 64k). At 8k the three runs disagree (forward
+# 0.337 / 0.351, 0.307 / 0.427, 0.473 / 0.356; forward+backward 1.940 / 1.662 in run 10).
+CUDNN_MIN_LEN = 16384
 # The offset diagonal of a later start (q_start > 0) goes through an additive bias, which the
 # same run measured slower than the Triton kernels (16k queries after 48k: 6.19 / 4.07 ms
 # forward), so routing sends q_start > 0 to them; called directly, the backend serves it exactly.
@@ -84,9 +84,8 @@ def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
         return "packed sequences (cu_seqlens) are not folded for cuDNN"
     if ctx.q_start:
         return f"q_start = {ctx.q_start} > 0: the offset diagonal measured slower than Triton"
-    min_len = CUDNN_MIN_LEN_GRAD if ctx.requires_grad else CUDNN_MIN_LEN
-    if ctx.seq_len < min_len:
-        return f"seq_len {ctx.seq_len} < {min_len}: the Triton kernels are as fast or faster"
+    if ctx.seq_len < CUDNN_MIN_LEN:
+        return f"seq_len {ctx.seq_len} < {CUDNN_MIN_LEN}: the Triton kernels are as fast or faster"
     if ctx.requires_grad and torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms is on and cuDNN's dq is not bitwise reproducible"
     capability = ctx.device_capability
