@@ -11,9 +11,15 @@ pass the offset diagonal as an additive bias. The few queries cut off before the
 after the last see one fixed prefix each (no mask), and queries with t < l - 1 see nothing:
 output 0, lse -inf, no gradient.
 
+A forward without a gradient on one sequence puts the slots into the batch dimension instead,
+every slot reading one stride-0 view of the keys (faster there); each run of queries is written
+once into the output. With a gradient, :class:`_FoldedFunction` keeps each run's graph and writes
+dq once into place, where autograd on slices of q would zero-fill and add a q-sized gradient per
+run.
+
 The kernel is cuDNN's flash attention, reached through ``torch.ops.aten.
 _scaled_dot_product_cudnn_attention``: the public SDPA does not return the log-sum-exp, which block
-scoring reuses (docs/spec.md, "Block scoring on a GPU"). Its backward is torch's, which is not
+scoring reuses (docs/spec.md, "Block scoring on a GPU"). Its backward is torch's, whose dq is not
 bitwise reproducible, so the backend declines a gradient under
 ``torch.use_deterministic_algorithms``.
 """
