@@ -64,6 +64,13 @@ def test_resolve_configs_fit_a_99_kib_device() -> None:
     assert fp32_a100.dq_stages == 2
     fp32_sm89 = sel_config(None, 16, 192, 128, 64, shared_bytes=SM89_SHARED, dtype=torch.float32)
     assert fp32_sm89.dq_stages == 1
+    # Keys and values 256 wide: the selected dk/dv kernel's 32 rows per dot ask 102,784 B on
+    # sm_89, so such a device runs 16; the compressed branch's tiles for such values fit too.
+    assert sel_config(None, 16, 256, 256, 64, shared_bytes=SM89_SHARED).dkv_rows == 16
+    assert sel_config(None, 16, 256, 256, 64, shared_bytes=H100_SHARED).dkv_rows == 32
+    wide_values = cmp_config(None, 256, 256, half, shared_bytes=SM89_SHARED)
+    assert (wide_values.block_n, wide_values.fwd_stages, wide_values.dq_stages) == (32, 1, 1)
+    assert (wide_values.dkv_block_n, wide_values.dkv_block_m) == (32, 32)
     from nsa_kernels.scoring.function import phase_weights
     from nsa_kernels.scoring.function import resolve_config as score_config
 
@@ -81,8 +88,8 @@ def test_resolve_configs_fit_a_99_kib_device() -> None:
 
 @pytest.mark.triton
 @pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
-@pytest.mark.parametrize("dk", [128, 192])
-def test_branches_run_on_the_99_kib_tiles(dk: int, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize(("dk", "dv"), [(128, 128), (192, 128), (256, 256)])
+def test_branches_run_on_the_99_kib_tiles(dk: int, dv: int, request: pytest.FixtureRequest) -> None:
     """G = 16, l = 32, d = 16, l' = 64, w = 64, float16: compressed, selected and sliding
     branches, forward and gradients, on the tiles resolved for sm_89's shared memory."""
     pytest.importorskip("triton")
@@ -94,7 +101,7 @@ def test_branches_run_on_the_99_kib_tiles(dk: int, request: pytest.FixtureReques
 
     assert DEVICE is not None
     gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
-    tq, group, dv, half = 150, 16, 128, torch.float16
+    tq, group, half = 150, 16, torch.float16
     blocks = (tq - 32) // 16 + 1
 
     def randn(*shape: int) -> torch.Tensor:

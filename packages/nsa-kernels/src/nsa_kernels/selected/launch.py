@@ -38,6 +38,11 @@ WIDE_DQ_STAGES = 2
 # G = 16, float32, compiled for sm_89 (Triton 3.6, ci/compile_triton.py): a 99 KiB device takes
 # one stage. 16-bit asks 63,488 B, which every device holds.
 DQ_WIDE_STAGE_BYTES_FP32 = {2: 126_976}
+# The dk/dv kernel with keys and values both 256 wide, 16 bits, G = 16, compiled for sm_89 (Triton
+# 3.7.1, ci/compile_triton.py): 32 rows per dot ask 102,784 B on two stages (114,688 on one),
+# past a 99 KiB device's 101,376; 16 rows fit (84,160 B at most).
+DKV_WIDE_ROWS_BYTES = 102_784
+DKV_WIDE_ROWS_SMALL = 16
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,8 @@ def resolve_config(
     memory), 32-key tiles, 3 stages; dq on 2 warps where it serves at most 16 rows.
     ``shared_bytes``: the device's shared memory per block (None: no limit); at dk over 128 a
     device with less than DQ_WIDE_STAGE_BYTES_FP32 runs a float32 dq on one stage (sm_86 and
-    sm_89, 99 KiB).
+    sm_89, 99 KiB), and with dk and dv both over 128 in 16 bits one with less than
+    DKV_WIDE_ROWS_BYTES runs dk/dv on DKV_WIDE_ROWS_SMALL rows per dot.
     """
     cfg = config or SelConfig()
     toggles = get_toggles() if toggles is None else toggles
@@ -144,6 +150,10 @@ def resolve_config(
         fwd_block_l, fwd_warps, fwd_stages, dq_warps = block_l, 4, 2, 4
     wide_needs = DQ_WIDE_STAGE_BYTES_FP32 if dtype == torch.float32 else {}
     dq_stages = stages_within(WIDE_DQ_STAGES, wide_needs, shared_bytes) if dk_tile > 128 else 3
+    dv_tile = pow2(max(dv, 16))
+    small = shared_bytes is not None and shared_bytes < DKV_WIDE_ROWS_BYTES
+    if dk_tile > 128 and dv_tile > 128 and dtype != torch.float32 and small:
+        rows = DKV_WIDE_ROWS_SMALL
     return replace(
         cfg,
         block_l=block_l,
