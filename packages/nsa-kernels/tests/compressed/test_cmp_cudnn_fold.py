@@ -136,6 +136,23 @@ def test_fold_matches_reference(
     assert calls == CALLS, "one call per run of queries; the offset diagonal through a bias"
 
 
+def test_fold_backward_runs_twice_through_a_retained_graph() -> None:
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+        for shape in ((1, 90, 4, 8), (1, 22, 2, 8), (1, 22, 2, 6))
+    )
+    call = CompressedCall(
+        scale=8**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(), cmp_block=8, cmp_stride=4
+    )
+    o, _ = folded_attention(q, k, v, call, model_attend)
+    do = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    first = torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    second = torch.autograd.grad(o, (q, k, v), do)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_fold_refuses_keys_it_lacks() -> None:
     q = torch.randn(1, 64, 2, 8, dtype=torch.float64)
     k = torch.randn(1, 3, 1, 8, dtype=torch.float64)

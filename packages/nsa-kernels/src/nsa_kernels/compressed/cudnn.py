@@ -251,13 +251,13 @@ class _FoldedFunction(torch.autograd.Function):
         grads = [grad_o[:, first : first + part.shape[1]].reshape(o_run.shape)
                  for first, part, o_run, _ in runs]  # fmt: skip
         leaves = [part for _, part, _, _ in runs] + [ctx.k_in, ctx.v_in]
-        got = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        # The runs' graphs live as long as this node: a second backward through a retained
+        # outer graph finds them again; the engine drops both together otherwise.
+        got = torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
         dq[:, : runs[0][0]] = 0
         for (first, part, _, _), dq_run in zip(runs, got, strict=False):
             dq[:, first : first + part.shape[1]] = dq_run
-        dk, dv = got[-2], got[-1]
-        ctx.runs = None
-        return dq, dk, dv, None, None, None
+        return dq, got[-2], got[-1], None, None, None
 
 
 def folded_attention(
