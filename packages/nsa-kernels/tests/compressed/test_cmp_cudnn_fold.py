@@ -153,6 +153,16 @@ def test_fold_backward_runs_twice_through_a_retained_graph() -> None:
         assert torch.equal(a, b)
 
 
+def test_backend_refuses_packed_sequences_before_any_kernel() -> None:
+    from nsa_kernels.compressed.cudnn import compressed_attention_cudnn
+
+    q = torch.randn(1, 40, 2, 8)
+    k = torch.randn(1, 2, 1, 8)
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="dense inputs"):
+        compressed_attention_cudnn(q, k, k, 16, 16, cu_seqlens=cu)
+
+
 def test_fold_refuses_keys_it_lacks() -> None:
     q = torch.randn(1, 64, 2, 8, dtype=torch.float64)
     k = torch.randn(1, 3, 1, 8, dtype=torch.float64)

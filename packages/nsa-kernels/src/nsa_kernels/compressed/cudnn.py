@@ -104,6 +104,8 @@ def cudnn_attend(
     q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """:data:`Attend` on cuDNN's fused attention (differentiable in q, k, v; lse detached)."""
+    # cuDNN reads rows of contiguous channels; a caller's q, k or v may be strided along them.
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out = getattr(torch.ops.aten, CUDNN_OP)(q, k, v, bias, True, 0.0, causal, False, scale=scale)
     batch, heads, tq = q.shape[:3]
     return out[0], out[1].detach().reshape(batch, heads, tq)
