@@ -163,6 +163,38 @@ def test_backend_refuses_packed_sequences_before_any_kernel() -> None:
         compressed_attention_cudnn(q, k, k, 16, 16, cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("bad", ["k", "v", "none"])
+def test_non_finite_keys_go_to_the_kernels_that_contain_them(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/spec.md, "Non-finite values": a NaN in k_cmp or v_cmp sends the call to the Triton
+    kernels; finite ones go through the fold (here to the float64 model of cuDNN)."""
+    from nsa_kernels.compressed import cudnn, triton_function
+
+    served: list[str] = []
+
+    def fake_triton(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        served.append("triton")
+        return torch.zeros(1), torch.zeros(1)
+
+    def model(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        served.append("fold")
+        return model_attend(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(triton_function, "compressed_attention_triton_with_lse", fake_triton)
+    monkeypatch.setattr(cudnn, "cudnn_attend", model)
+    q = torch.randn(1, 40, 2, 8, dtype=torch.float64)
+    k, v = (
+        torch.randn(1, 4, 1, 8, dtype=torch.float64),
+        torch.randn(1, 4, 1, 8, dtype=torch.float64),
+    )
+    if bad != "none":
+        (k if bad == "k" else v)[0, 1, 0, 3] = float("nan")
+    cudnn.compressed_attention_cudnn_with_lse(q, k, v, 16, 8)
+    assert served[0] == ("fold" if bad == "none" else "triton")
+    assert ("triton" in served) == (bad != "none")
+
+
 def test_fold_refuses_keys_it_lacks() -> None:
     q = torch.randn(1, 64, 2, 8, dtype=torch.float64)
     k = torch.randn(1, 3, 1, 8, dtype=torch.float64)

@@ -17,6 +17,10 @@ once into the output. With a gradient, :class:`_FoldedFunction` keeps each run's
 dq once into place, where autograd on slices of q would zero-fill and add a q-sized gradient per
 run.
 
+A call whose compressed keys or values hold a non-finite value runs on the Triton kernels
+instead (:func:`_contained`): they keep such a value to the rows that see it (docs/spec.md,
+"Non-finite values"). Finding that out costs one host sync.
+
 The kernel is cuDNN's flash attention, reached through ``torch.ops.aten.
 _scaled_dot_product_cudnn_attention``: the public SDPA does not return the log-sum-exp, which block
 scoring reuses (docs/spec.md, "Block scoring on a GPU"). Its backward is torch's, whose dq is not
@@ -288,7 +292,34 @@ def _with_lse(
 ) -> tuple[Tensor, Tensor]:
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
+    if not _keys_finite(k_cmp, v_cmp):
+        return _contained(q, k_cmp, v_cmp, call)
     return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
+
+
+def _keys_finite(k_cmp: Tensor, v_cmp: Tensor) -> bool:
+    """Whether every compressed key and value is finite (one host sync over T/d rows: 8 MiB at
+    T = 64k). Inside a CUDA graph capture, which cannot sync, the answer is yes."""
+    if k_cmp.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return True
+    return bool(torch.isfinite(k_cmp).all()) and bool(torch.isfinite(v_cmp).all())
+
+
+def _contained(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
+) -> tuple[Tensor, Tensor]:
+    """A call with a non-finite compressed key or value, on the Triton kernels.
+
+    docs/spec.md, "Non-finite values": such a value reaches only the rows that see its block.
+    cuDNN's tiles hold rows that see a block beside rows that do not, where a masked entry still
+    meets the block's value (0 x NaN); whether its kernels keep it out is not established, and
+    the Triton kernels' containment is tested (tests/test_nonfinite_kernels.py).
+    """
+    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+
+    return compressed_attention_triton_with_lse(
+        q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
+    )
 
 
 def _output(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall) -> Tensor:
