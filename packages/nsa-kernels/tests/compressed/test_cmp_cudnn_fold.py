@@ -20,7 +20,7 @@ from nsa_core.reference import compressed_attention
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
 from nsa_kernels.common.op_calls import CompressedCall
-from nsa_kernels.compressed.cmp_fold import row_split, visible_blocks
+from nsa_kernels.compressed.cmp_fold import row_split
 from nsa_kernels.compressed.cudnn import (
     CUDNN_MIN_LEN,
     cudnn_compressed_supports,
@@ -65,7 +65,7 @@ def reference_lse(
     s = torch.einsum("bthd,bnhd->bthn", q.double(), kk) * q.shape[3] ** -0.5
     seen = torch.tensor(
         [
-            [visible_blocks(q_start + t, cmp_block, d) > n for n in range(k.shape[1])]
+            [num_cmp_blocks(q_start + t + 1, cmp_block, d) > n for n in range(k.shape[1])]
             for t in range(q.shape[1])
         ]
     )

@@ -76,9 +76,6 @@ class CompressedCall(_WindowedCall):
 
 
 SlidingAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SlidingCall], torch.Tensor]
-CompressedAttend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, CompressedCall], torch.Tensor
-]
 # What a compressed backend's attend returns: o, or (o, lse) for a backend's ``fn_with_lse``.
 _Out = TypeVar("_Out", torch.Tensor, tuple[torch.Tensor, torch.Tensor])
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nsa_core.blocks import num_cmp_blocks
+
 
 def _check_blocks(cmp_block: int, cmp_stride: int) -> int:
     if cmp_stride < 1 or cmp_block < cmp_stride or cmp_block % cmp_stride != 0:
@@ -158,12 +160,6 @@ def unfold_heads(y: torch.Tensor, num_kv_heads: int, cmp_stride: int) -> torch.T
     return x.reshape(*lead, rows * d, h * g, dim)
 
 
-def visible_blocks(position: int, cmp_block: int, cmp_stride: int) -> int:
-    """N_cmp(t + 1): how many compressed blocks the query at ``position`` t sees."""
-    k = _check_blocks(cmp_block, cmp_stride)
-    return max(0, (position + 1) // cmp_stride - k + 1)
-
-
 @dataclass(frozen=True)
 class RowSplit:
     """Tq queries at positions ``[q_start, q_start + Tq)`` cut, in order, into runs of queries
@@ -199,9 +195,9 @@ def row_split(tq: int, q_start: int, cmp_block: int, cmp_stride: int) -> RowSpli
     return RowSplit(
         blind=blind,
         head=row0 - first,
-        head_keys=visible_blocks(first, cmp_block, d),
+        head_keys=num_cmp_blocks(first + 1, cmp_block, d),
         rows=rows,
-        row_keys=visible_blocks(row0, cmp_block, d),
+        row_keys=num_cmp_blocks(row0 + 1, cmp_block, d),
         tail=end - tail_start,
-        tail_keys=visible_blocks(tail_start, cmp_block, d),
+        tail_keys=num_cmp_blocks(tail_start + 1, cmp_block, d),
     )

@@ -30,6 +30,7 @@ bitwise reproducible, so the backend declines a gradient under
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,15 +57,13 @@ CUDNN_OP = "_scaled_dot_product_cudnn_attention"
 # (3.803 / 4.027 ms at 16k, 34.744 / 44.796 at 64k). At 8k the three runs disagree (forward
 # 0.337 / 0.351, 0.307 / 0.427, 0.473 / 0.356; forward+backward 1.940 / 1.662 in run 10).
 CUDNN_MIN_LEN = 16384
-# The offset diagonal of a later start (q_start > 0) goes through an additive bias, which the
-# same run measured slower than the Triton kernels (16k queries after 48k: 6.19 / 4.07 ms
-# forward), so routing sends q_start > 0 to them; called directly, the backend serves it exactly.
 CUDNN_MAX_HEAD_DIM = 256
 
 
+@functools.cache
 def cudnn_missing_reason() -> str | None:
     """Why this torch cannot run :func:`cudnn_attend` (no cuDNN, or no cuDNN attention op that
-    returns its log-sum-exp), or None."""
+    returns its log-sum-exp), or None; asked once per process (routing asks it every call)."""
     if not torch.backends.cudnn.is_available():  # type: ignore[no-untyped-call]
         return "torch was built without cuDNN"
     op = getattr(torch.ops.aten, CUDNN_OP, None)
@@ -92,6 +91,9 @@ def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
         return f"cuDNN attention needs head dims that are multiples of 8 up to 256, got {dims}"
     if ctx.varlen:
         return "packed sequences (cu_seqlens) are not folded for cuDNN"
+    # A later start (chunked prefill) passes its offset diagonal as an additive bias, which run 3
+    # measured slower than the Triton kernels (16k queries after 48k: 6.19 / 4.07 ms forward);
+    # called directly, the backend serves it exactly.
     if ctx.q_start:
         return f"q_start = {ctx.q_start} > 0: the offset diagonal measured slower than Triton"
     if ctx.seq_len < CUDNN_MIN_LEN:

@@ -138,7 +138,7 @@ def resolve_config(
     check_pow2_tiles(cfg, ("block_l", "fwd_block_l", "block_d", "block_dv"))
     heads = min(cfg.heads_per_prog, group)
     rows = max(32, pow2(min(group, 64)))
-    dk_tile = pow2(max(dk, 16))
+    dk_tile, dv_tile = pow2(max(dk, 16)), pow2(max(dv, 16))
     chunked = dk != dk_tile and dk > 128 and dk % WIDE_DK_CHUNK == 0
     block_d = min(cfg.block_d or (WIDE_DK_CHUNK if chunked else dk_tile), dk_tile)
     tma = resolve_tma(cfg.tma, dk, block_d, device)
@@ -150,7 +150,6 @@ def resolve_config(
         fwd_block_l, fwd_warps, fwd_stages, dq_warps = block_l, 4, 2, 4
     wide_needs = DQ_WIDE_STAGE_BYTES_FP32 if dtype == torch.float32 else {}
     dq_stages = stages_within(WIDE_DQ_STAGES, wide_needs, shared_bytes) if dk_tile > 128 else 3
-    dv_tile = pow2(max(dv, 16))
     small = shared_bytes is not None and shared_bytes < DKV_WIDE_ROWS_BYTES
     if dk_tile > 128 and dv_tile > 128 and dtype != torch.float32 and small:
         rows = DKV_WIDE_ROWS_SMALL
@@ -159,7 +158,7 @@ def resolve_config(
         block_l=block_l,
         fwd_block_l=cfg.fwd_block_l or fwd_block_l,
         block_d=block_d,
-        block_dv=min(cfg.block_dv or pow2(max(dv, 16)), pow2(max(dv, 16))),
+        block_dv=min(cfg.block_dv or dv_tile, dv_tile),
         heads_per_prog=heads,
         fwd_warps=cfg.fwd_warps or fwd_warps,
         fwd_stages=cfg.fwd_stages or fwd_stages,
