@@ -304,7 +304,7 @@ def _keys_finite(k_cmp: Tensor, v_cmp: Tensor) -> bool:
     T = 64k). Inside a CUDA graph capture, which cannot sync, the answer is yes."""
     if k_cmp.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return True
-    return bool(torch.isfinite(k_cmp).all()) and bool(torch.isfinite(v_cmp).all())
+    return bool(torch.isfinite(k_cmp).all() & torch.isfinite(v_cmp).all())
 
 
 def _contained(
