@@ -22,8 +22,6 @@ from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
-from nsa_kernels.selected.forward_shared import sel_fwd_shared_kernel
-from nsa_kernels.selected.gated_epilogue import gated_rows
 from nsa_kernels.selected.launch import (
     Launch,
     dot_precision,
@@ -32,6 +30,33 @@ from nsa_kernels.selected.launch import (
     varlen_args,
 )
 from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_tile
+
+
+@triton.jit
+def _gated_sum(
+    o_slc, cmp_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
+    stride_cb, stride_ct, stride_ch, stride_wb, stride_wt, stride_wh,
+    stride_gb, stride_gt, stride_gh, stride_gc,
+):  # fmt: skip
+    """[BG, BV] float32 ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` at query row r of
+    batch row b, heads ``heads`` [BG] and channels ``offs_v`` [BV]; o_slc [BG, BV] float32.
+
+    o_cmp and o_win are read once and not again: ``evict_first`` keeps K/V in L2 over them.
+    """
+    ok = g_mask[:, None] & v_mask[None, :]
+    o_cmp = tl.load(
+        cmp_ptr + b * stride_cb + r * stride_ct + heads[:, None] * stride_ch + offs_v[None, :],
+        mask=ok, other=0.0, eviction_policy="evict_first",
+    ).to(tl.float32)  # fmt: skip
+    o_win = tl.load(
+        win_ptr + b * stride_wb + r * stride_wt + heads[:, None] * stride_wh + offs_v[None, :],
+        mask=ok, other=0.0, eviction_policy="evict_first",
+    ).to(tl.float32)  # fmt: skip
+    gates = gate_ptr + b * stride_gb + r * stride_gt + heads * stride_gh
+    g_cmp = tl.load(gates, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+    g_slc = tl.load(gates + stride_gc, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+    g_win = tl.load(gates + 2 * stride_gc, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+    return g_cmp * o_cmp + g_slc * o_slc + g_win * o_win
 
 
 @triton.jit
@@ -151,12 +176,10 @@ def sel_fwd_kernel(
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
         if GATED:
-            o = gated_rows(
-                o,
-                cmp_ptr + b * stride_cb + r * stride_ct + heads * stride_ch,
-                win_ptr + b * stride_wb + r * stride_wt + heads * stride_wh,
-                gate_ptr + b * stride_gb + r * stride_gt + heads * stride_gh,
-                stride_gc, offs_v, g_mask, v_mask,
+            o = _gated_sum(
+                o, cmp_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
+                stride_cb, stride_ct, stride_ch, stride_wb, stride_wt, stride_wh,
+                stride_gb, stride_gt, stride_gh, stride_gc,
             )  # fmt: skip
         o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         tl.store(
@@ -229,11 +252,7 @@ def forward(
     # Without a gated sum the kernel never reads these: o stands in for the pointers.
     parts = (o, o, o) if gated is None else (gated.o_cmp, gated.o_win, gated.gates)
     part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[2].stride(-1)]
-    tiled = v_tma and shares_tiles(info, hpp, nv)
     for v_path in v_paths:
-        if v_path and tiled:
-            _launch_shared(q, v, o, lse, idx, finite, k_desc, v_desc, parts, part_strides, info)
-            continue
         sel_fwd_kernel[grid](
             q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc, *parts,
             q.stride(0), q.stride(1), q.stride(2),
@@ -254,39 +273,3 @@ def forward(
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse
-
-
-def shares_tiles(info: Launch, heads_per_prog: int, dv_chunks: int) -> bool:
-    """Whether the forward's finite-values launch is ``sel_fwd_shared_kernel``: the config asks
-    for tiles of several rows, a program serves the whole group and the whole dv (K and V
-    through TMA is the caller's condition), and the rows are not packed sequences."""
-    return (
-        info.cfg.tile_rows > 1
-        and heads_per_prog >= info.group
-        and dv_chunks == 1
-        and info.seq_ids is None
-    )
-
-
-def _launch_shared(
-    q: Tensor, v: Tensor, o: Tensor, lse: Tensor, idx: Tensor, finite: Tensor,
-    k_desc: Any, v_desc: Any, parts: tuple[Tensor, Tensor, Tensor], part_strides: list[int],
-    info: Launch,
-) -> None:  # fmt: skip
-    """``sel_fwd_shared_kernel`` over tiles of ``cfg.tile_rows`` rows (see :func:`forward`)."""
-    cfg, tiles = info.cfg, info.cfg.tile_rows
-    grid = (info.batch * -(-info.tq // tiles), info.h)
-    sel_fwd_shared_kernel[grid](
-        q, v, o, lse, idx, finite, k_desc, v_desc, *parts,
-        q.stride(0), q.stride(1), q.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
-        idx.stride(0), idx.stride(1), idx.stride(2),
-        *part_strides,
-        info.tq, v.shape[1], info.q_start, info.n, info.scale * LOG2E,
-        G=info.group, BG=max(16, pow2(info.group)), TR=tiles, NP=pow2(max(info.n, 1)),
-        DK=info.dk, DV=info.dv, SEL=info.sel_block, BL=cfg.fwd_block_l,
-        NSUB=-(-info.sel_block // cfg.fwd_block_l), DOT_PREC=dot_precision(q.dtype),
-        GATED=parts[0] is not o,
-        num_warps=cfg.tile_warps, num_stages=cfg.tile_stages,
-    )  # fmt: skip

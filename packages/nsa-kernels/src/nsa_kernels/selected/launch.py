@@ -64,10 +64,6 @@ class SelConfig(TileConfig):
         segment_tokens: most queries one dk/dv program takes from one block.
         rows_per_prog: query rows one forward / dq program walks in turn (consecutive rows share
             their forced blocks, found in L1 by the later rows).
-        tile_rows: consecutive query rows one forward program serves together where K and V
-            come through TMA (``sel_fwd_shared_kernel``): the blocks all of their index rows
-            hold are loaded once for all of them. A power of two; 1 walks each row alone.
-        tile_warps, tile_stages: the launch of that kernel.
         kv_hint: L2 eviction hint of the K/V loads of forward and dq: 1 "evict_last" (keep K/V
             over the streamed q and o), 2 none.
         tma: K/V loads of the forward and dq: 1 through TMA tensor descriptors (dk a power of
@@ -93,9 +89,6 @@ class SelConfig(TileConfig):
     dkv_rows: int = 0
     segment_tokens: int = 0
     rows_per_prog: int = 0
-    tile_rows: int = 0
-    tile_warps: int = 0
-    tile_stages: int = 0
     kv_hint: int = 0
     tma: int = 0
 
@@ -143,8 +136,6 @@ def resolve_config(
         cfg, heads_per_prog=cfg.heads_per_prog or (group if toggles.sel_triton_group else 1)
     )
     check_pow2_tiles(cfg, ("block_l", "fwd_block_l", "block_d", "block_dv"))
-    if cfg.tile_rows & (cfg.tile_rows - 1):
-        raise ValueError(f"tile_rows={cfg.tile_rows} must be 0 or a power of two")
     heads = min(cfg.heads_per_prog, group)
     rows = max(32, pow2(min(group, 64)))
     dk_tile, dv_tile = pow2(max(dk, 16)), pow2(max(dv, 16))
@@ -177,9 +168,6 @@ def resolve_config(
         dkv_stages=cfg.dkv_stages or 2,
         dkv_rows=max(cfg.dkv_rows or rows, pow2(max(group, 16))),
         rows_per_prog=cfg.rows_per_prog or 1,
-        tile_rows=cfg.tile_rows or 1,
-        tile_warps=cfg.tile_warps or 4,
-        tile_stages=cfg.tile_stages or 2,
         kv_hint=cfg.kv_hint or 1,
         tma=tma,
     )
