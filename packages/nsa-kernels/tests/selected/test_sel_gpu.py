@@ -69,14 +69,15 @@ def run_pair(
     idx: torch.Tensor,
     gen: torch.Generator,
     cu: torch.Tensor | None = None,
+    q_start: int = 0,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """[o, dq, dk, dv] of the kernel and of the float32 reference on the same inputs."""
     do = torch.randn((*q.shape[:3], v.shape[-1]), device="cuda", generator=gen).to(q.dtype)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    o = selected_attention_triton(*leaves, idx, SEL, cu_seqlens=cu)
+    o = selected_attention_triton(*leaves, idx, SEL, q_start=q_start, cu_seqlens=cu)
     o.backward(do)
     ref_leaves = [t.float().clone().requires_grad_() for t in (q, k, v)]
-    ref = selected_attention(*ref_leaves, idx, SEL, cu_seqlens=cu)
+    ref = selected_attention(*ref_leaves, idx, SEL, q_start=q_start, cu_seqlens=cu)
     ref.backward(do.float())
     got = [o.detach()] + [t.grad for t in leaves]  # type: ignore[misc]
     want = [ref.detach()] + [t.grad for t in ref_leaves]  # type: ignore[misc]
@@ -147,18 +148,7 @@ def test_bf16_odd_head_dims(dk: int, dv: int, request: pytest.FixtureRequest) ->
     k = torch.randn(1, tk, h, dk, device="cuda", generator=gen).bfloat16()
     v = torch.randn(1, tk, h, dv, device="cuda", generator=gen).bfloat16()
     idx = draw_indices(1, tq, h, n, "mixed", gen, q_start=q_start)
-    do = torch.randn(1, tq, hq, dv, device="cuda", generator=gen).bfloat16()
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    o = selected_attention_triton(*leaves, idx, SEL, q_start=q_start)
-    o.backward(do)
-    ref_leaves = [t.float().clone().requires_grad_() for t in (q, k, v)]
-    ref = selected_attention(*ref_leaves, idx, SEL, q_start=q_start)
-    ref.backward(do.float())
-    check(
-        [o.detach()] + [t.grad for t in leaves],  # type: ignore[misc]
-        [ref.detach()] + [t.grad for t in ref_leaves],  # type: ignore[misc]
-        torch.bfloat16,
-    )
+    check(*run_pair(q, k, v, idx, gen, q_start=q_start), torch.bfloat16)
 
 
 def test_varlen_bf16(request: pytest.FixtureRequest) -> None:
