@@ -96,6 +96,27 @@ def test_compress_avg_gradients_match_finite_differences(
     assert gradcheck(lambda x: nc.compress(x, 4, 2, cu_seqlens=cu), (x,))
 
 
+@pytest.mark.parametrize(
+    ("tokens", "cmp_block", "cmp_stride"),
+    [(13, 4, 4), (17, 6, 2), (5, 8, 2), (20, 6, 3)],
+    ids=["l_eq_d", "l_3d", "no_block", "l_2d_tail"],
+)
+def test_compress_avg_backward_matches_autograd_of_the_window_mean(
+    gen: torch.Generator, tokens: int, cmp_block: int, cmp_stride: int
+) -> None:
+    """compress's written-out backward (WindowMean) against finite differences and against
+    autograd through the mean of the unfolded windows, for l = d, l = 3d, T < l and tokens past
+    the last window."""
+    x = randn(gen, 2, tokens, 2, 3)
+    assert gradcheck(lambda x: nc.compress(x, cmp_block, cmp_stride), (x,))
+    out = nc.compress(x, cmp_block, cmp_stride)
+    g = torch.randn(out.shape, generator=gen, dtype=F64)
+    (written,) = torch.autograd.grad(out, x, g)
+    blocks = nc.split_blocks(x, cmp_block, cmp_stride)
+    (autograd,) = torch.autograd.grad(nc.compress_avg(blocks), x, g)
+    torch.testing.assert_close(written, autograd, rtol=1e-12, atol=1e-12)
+
+
 def test_compress_mlp_gradients_reach_blocks_and_every_parameter(gen: torch.Generator) -> None:
     mlp = nc.CompressMLP(3, 4).double()
     names = [name for name, _ in mlp.named_parameters()]
