@@ -263,11 +263,13 @@ def test_gated_combine_checks_its_arguments(gen: torch.Generator) -> None:
 
 class GatedSpy:
     """A selected backend whose ``fn_gated`` sums the three branches (the reference ops), and a
-    combine backend that is not the reference, so the core may take the one-step sum."""
+    combine backend that is not the reference, so the core may take the one-step sum.
+    ``gated_grad``: the backend says its ``fn_gated`` also gives gradients."""
 
-    def __init__(self) -> None:
+    def __init__(self, gated_grad: bool = False) -> None:
         self.gated_calls = 0
         self.combine_calls = 0
+        self.gated_grad = gated_grad
 
     def gated(
         self, *args: Any, o_cmp: Any, o_win: Any, gates: Any, toggles: Toggles, **kwargs: Any
@@ -289,6 +291,7 @@ class GatedSpy:
                 accept,
                 priority=5,
                 fn_gated=self.gated,
+                gated_grad=self.gated_grad,
             )
         )
         register_backend(Backend("gated_combine", "combine_spy", self.combine, accept, priority=5))
@@ -312,6 +315,24 @@ def test_core_sums_the_branches_in_the_selected_step_when_no_gradient_is_needed(
     assert (spy.gated_calls, spy.combine_calls) == (1, 1)
     assert again.requires_grad
     torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_core_sums_the_branches_in_the_selected_step_with_a_gradient_where_it_gives_one(
+    gen: torch.Generator,
+) -> None:
+    q, k, v = _inputs(gen)
+    gates = torch.rand(1, q.shape[1], 4, 3, generator=gen, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, gates)]
+    want = nsa_core.nsa_attention(*leaves, CONFIG)  # all reference
+    grads_want = torch.autograd.grad(want.sum(), leaves)
+    spy = GatedSpy(gated_grad=True)
+    spy.register()
+    out = nsa_core.nsa_attention(*leaves, CONFIG)
+    assert (spy.gated_calls, spy.combine_calls) == (1, 0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    for got, expected in zip(torch.autograd.grad(out.sum(), leaves), grads_want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.usefixtures("isolated_registry")
@@ -349,3 +370,17 @@ def test_routing_report_says_where_the_combine_runs_inside_the_selected_launch()
     assert note not in lines["selected_attention".ljust(22)]
     grad = dataclasses.replace(ctx, requires_grad=True)
     assert note not in routing_report(grad)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_routing_report_says_so_with_a_gradient_where_fn_gated_gives_one() -> None:
+    from nsa_core.registry import routing_report
+
+    GatedSpy(gated_grad=True).register()
+    ctx = OpContext(
+        device=torch.device("cpu"), dtype=torch.float32, seq_len=13, num_q_heads=4,
+        num_kv_heads=2, head_dim_qk=8, head_dim_v=8, requires_grad=True, varlen=False,
+    )  # fmt: skip
+    note = "summed inside selected_attention's launch"
+    lines = dict(line.split(" -> ", 1) for line in routing_report(ctx).splitlines())
+    assert note in lines["gated_combine".ljust(22)]

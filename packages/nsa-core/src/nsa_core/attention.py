@@ -129,10 +129,10 @@ def gated_output(
 ) -> torch.Tensor:
     """o [B, Tq, HQ, dv]: :func:`branch_outputs` summed by :func:`nsa_core.ops.gated_combine`.
 
-    Arguments as :func:`branch_outputs`, and gates [B, Tq, HQ, 3]. Where no gradient is needed
-    and the selected branch's backend sums the three terms in its own launch
-    (:func:`nsa_core.ops.selected_attention_gated`), the selected branch runs last and does so:
-    its output never goes to memory and the combine's pass over the three outputs is saved.
+    Arguments as :func:`branch_outputs`, and gates [B, Tq, HQ, 3]. Where the selected branch's
+    backend sums the three terms in its own launch (:func:`nsa_core.ops.selected_attention_gated`;
+    with a gradient where that backend gives one), the selected branch runs last and does so:
+    the combine's pass over the three outputs is saved.
     """
     scale = config.softmax_scale
     o_cmp, indices = _compressed_and_indices(

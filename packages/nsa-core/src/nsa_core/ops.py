@@ -149,15 +149,12 @@ def selected_attention_gated(
 
     Arguments as :func:`selected_attention` and :func:`gated_combine` take them. The step runs
     where the backend the registry picks for ``selected_attention`` has a ``fn_gated``
-    (:class:`nsa_core.registry.Backend`), no gradient is needed, no debug hook is on, and
-    ``gated_combine`` itself would not run on the reference (a pinned reference combine is
-    honoured). Otherwise it returns None and the caller runs the two ops.
+    (:class:`nsa_core.registry.Backend`) that serves the call (with a gradient only where it
+    gives one), no debug hook is on, and ``gated_combine`` itself would not run on the
+    reference (a pinned reference combine is honoured): :func:`nsa_core.registry.
+    resolve_fn_gated`. Otherwise it returns None and the caller runs the two ops.
     """
-    # The combine's check first: in training o_cmp already needs a gradient, and the caller's
-    # selected_attention then validates its own arguments once.
     combine_ctx = check_gated_combine(o_cmp, o_cmp, o_win, gates)
-    if combine_ctx.requires_grad:
-        return None
     ctx = check_selected_attention(
         q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )

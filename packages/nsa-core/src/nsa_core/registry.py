@@ -67,11 +67,12 @@ class Backend:
     a GPU"). ``select_blocks`` backends take the keyword ``lse`` (None or that tensor) and may
     ignore it; selection takes no gradient, so they read q, k_cmp and lse detached.
 
-    ``fn_gated`` (``selected_attention`` only, optional, forward only) takes the same arguments
-    plus the keywords ``o_cmp``, ``o_win`` and ``gates`` and returns the gated combine of the
-    three branches, ``g_cmp * o_cmp + g_slc * fn(...) + g_win * o_win`` (docs/spec.md, "Gated
-    combine"), computed with the selected branch so that its output never goes to memory. The
-    attention core calls it only when no gradient is needed.
+    ``fn_gated`` (``selected_attention`` only, optional) takes the same arguments plus the
+    keywords ``o_cmp``, ``o_win`` and ``gates`` and returns the gated combine of the three
+    branches, ``g_cmp * o_cmp + g_slc * fn(...) + g_win * o_win`` (docs/spec.md, "Gated
+    combine"), computed with the selected branch so that the combine's own pass is saved. The
+    attention core calls it where no gradient is needed, and where one is if ``gated_grad``:
+    then ``fn_gated`` is differentiable in q, k, v, o_cmp, o_win and gates.
     """
 
     op: str
@@ -82,6 +83,7 @@ class Backend:
     requested_by: Callable[[Toggles], bool] = field(default=lambda toggles: False)
     fn_with_lse: Callable[..., Any] | None = None
     fn_gated: Callable[..., Any] | None = None
+    gated_grad: bool = False
 
 
 @dataclass(frozen=True)
@@ -180,16 +182,20 @@ def resolve_fn_gated(
 ) -> Callable[..., Any] | None:
     """The ``fn_gated`` of the ``selected_attention`` backend :func:`resolve` picks, or None.
 
-    The one rule for the one-step gated sum: None where either call needs a gradient, a debug
-    hook is on (the hooks observe ``fn``), ``gated_combine`` resolves to the reference (a pinned
-    reference combine is honoured) or the selected backend has no ``fn_gated``; the caller then
-    runs the selected branch and the combine apart.
+    The one rule for the one-step gated sum: None where a debug hook is on (the hooks observe
+    ``fn``), ``gated_combine`` resolves to the reference (a pinned reference combine is
+    honoured), the selected backend has no ``fn_gated``, or either call needs a gradient and
+    the backend's ``fn_gated`` gives none (``gated_grad``); the caller then runs the selected
+    branch and the combine apart.
     """
-    if toggles.debug_hooks or sel_ctx.requires_grad or combine_ctx.requires_grad:
+    if toggles.debug_hooks:
         return None
     if resolve("gated_combine", combine_ctx, toggles).backend.name == "reference":
         return None
-    return resolve("selected_attention", sel_ctx, toggles).backend.fn_gated
+    backend = resolve("selected_attention", sel_ctx, toggles).backend
+    if (sel_ctx.requires_grad or combine_ctx.requires_grad) and not backend.gated_grad:
+        return None
+    return backend.fn_gated
 
 
 def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Resolution:
@@ -219,7 +225,8 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
         why = "; ".join(f"{name}: {reason}" for name, reason in res.rejected)
         line = f"{op:22s} -> {res.backend.name}" + (f"   (passed over {why})" if why else "")
         if op == "gated_combine" and resolve_fn_gated(ctx, ctx, toggles) is not None:
-            line += "   (no grad: summed inside selected_attention's launch)"
+            need = "with grad" if ctx.requires_grad else "no grad"
+            line += f"   ({need}: summed inside selected_attention's launch)"
         lines.append(line)
     return "\n".join(lines)
 

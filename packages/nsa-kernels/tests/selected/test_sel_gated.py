@@ -1,12 +1,14 @@
 """The selected forward that sums the three branches itself (``selected_attention_gated_triton``).
 
 It must give the gated combine (docs/spec.md, "Gated combine") of the other two branches and the
-selected branch's own output: against the float64 reference of both steps, and against the two
-Triton steps run apart (the selected kernel, then the combine kernel), for every kind of row the
-selected kernel serves.
+selected branch's own output, and with a gradient the gradients of all six inputs: against the
+float64 reference of both steps, and against the two Triton steps run apart (the selected
+kernel, then the combine kernel), for every kind of row the selected kernel serves.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -16,13 +18,14 @@ from sel_testlib import Case, make_inputs, reference
 pytest.importorskip("triton")
 
 from nsa_core.reference.combine import gated_combine
-from nsa_kernels.combine.function import combine_fwd
+from nsa_kernels.combine.function import combine_fwd, gated_combine_triton
 from nsa_kernels.selected.function import (
     SelConfig,
     selected_attention_gated_triton,
     selected_attention_triton,
 )
 
+F64 = torch.float64
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 BF16_UNDER_INTERPRETER = pytest.mark.skipif(
     INTERPRET,
@@ -88,22 +91,61 @@ def test_gated_forward_is_the_combine_of_the_three_branches(case: Case, dtype: t
         assert ((out.float() - apart.float()).abs() <= 2 * ulp).all()
 
 
-def test_gated_forward_refuses_a_call_that_needs_gradients() -> None:
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_gated_gradients_match_the_reference_and_the_two_steps_apart(case: Case) -> None:
+    """With a gradient the launch stores o_slc beside the sum; the backward (the combine's
+    kernel, then the selected branch's) gives q, k, v, o_cmp, o_win and gates their gradients:
+    within twice the float32 bound of the float64 reference of both steps, and of the Triton
+    selected step and combine run apart."""
     assert DEVICE is not None
-    case = Case("grad", group=2, tq=8)
+    gen = torch.Generator().manual_seed(11)
+    q, k, v, idx, cu = make_inputs(case, gen, torch.float32, DEVICE)
+    o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
+    do = torch.randn(o_cmp.shape, generator=gen).to(DEVICE)
+    cfg = SelConfig(**case.config)
+    names = ("q", "k", "v", "o_cmp", "o_win", "gates")
+
+    def grads(dtype: torch.dtype, run: Any) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v, o_cmp, o_win, gates)]
+        out = run(*leaves)
+        got = torch.autograd.grad(out, leaves, do.to(dtype))
+        return [out.detach(), *got]
+
+    def fused(q: Any, k: Any, v: Any, o_cmp: Any, o_win: Any, gates: Any) -> torch.Tensor:
+        return selected_attention_gated_triton(
+            q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates,
+            q_start=case.q_start, cu_seqlens=cu, config=cfg,
+        )  # fmt: skip
+
+    def apart(q: Any, k: Any, v: Any, o_cmp: Any, o_win: Any, gates: Any) -> torch.Tensor:
+        o_slc = selected_attention_triton(
+            q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu, config=cfg
+        )
+        return gated_combine_triton(o_cmp, o_slc, o_win, gates)
+
+    def reference64(q: Any, k: Any, v: Any, o_cmp: Any, o_win: Any, gates: Any) -> torch.Tensor:
+        return gated_combine(o_cmp, reference(q, k, v, idx, case, cu), o_win, gates)
+
+    got = grads(torch.float32, fused)
+    wanted = {"apart": grads(torch.float32, apart), "float64": grads(F64, reference64)}
+    for label, want in wanted.items():
+        for name, a, b in zip(("o", *names), got, want, strict=True):
+            assert rel_err(a, b) < 2 * BOUND[torch.float32], f"d{name} against {label}"
+
+
+def test_gated_forward_without_a_gradient_stores_nothing_more() -> None:
+    assert DEVICE is not None
+    case = Case("no grad", group=2, tq=8)
     gen = torch.Generator().manual_seed(1)
     q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
     o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
     q.requires_grad_()
-    with pytest.raises(RuntimeError, match="forward only"):
-        selected_attention_gated_triton(
-            q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates
-        )
     with torch.no_grad():
         out = selected_attention_gated_triton(
             q, k, v, idx, case.sel_block, o_cmp=o_cmp, o_win=o_win, gates=gates
         )
     assert not out.requires_grad
+    assert out.grad_fn is None
 
 
 def test_gated_forward_checks_the_other_branches() -> None:

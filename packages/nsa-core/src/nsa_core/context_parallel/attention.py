@@ -12,8 +12,8 @@ the gates (and its share of phi's parameters). Per call, in this order:
 2. each chunk compresses the blocks whose last token it holds, and one all-gather shares the
    compressed blocks (N_cmp(T) of them, T/d);
 3. each chunk runs nsa_core's public ops (:func:`nsa_core.attention.gated_output`: the three
-   branches and their gated combine, summed inside the selected branch's launch where no
-   gradient is needed) with ``q_start`` = its offset in its sequence, so the
+   branches and their gated combine, summed inside the selected branch's launch where its
+   backend can) with ``q_start`` = its offset in its sequence, so the
    backends the registry picks serve all the local work.
 
 docs/context_parallel.md gives the volumes per rank.

@@ -206,7 +206,7 @@ def selected_attention_gated_backend(
 ) -> Tensor:  # fmt: skip
     """The registered ``fn_gated``: :func:`selected_attention_gated_triton` with the routing's
     toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp and o_win
-    [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] -> o [B, Tq, HQ, dv], forward only."""
+    [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] -> o [B, Tq, HQ, dv], differentiable in all six."""
     from nsa_kernels.selected.function import selected_attention_gated_triton
 
     _log_device(q.device)
@@ -232,5 +232,6 @@ def backends() -> list[Backend]:
             priority=PRIORITY,
             requested_by=_requested,
             fn_gated=selected_attention_gated_backend,
+            gated_grad=True,
         )
     ]

@@ -62,7 +62,7 @@ def _gated_sum(
 @triton.jit
 def sel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
-    cmp_ptr, win_ptr, gate_ptr,
+    cmp_ptr, win_ptr, gate_ptr, slc_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -77,7 +77,7 @@ def sel_fwd_kernel(
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    V_TMA: tl.constexpr, GATED: tl.constexpr,
+    V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
 ):  # fmt: skip
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
@@ -100,7 +100,9 @@ def sel_fwd_kernel(
     GATED (forward only, :func:`forward`'s ``gated``): o is the gated sum of the three branches,
     ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` over float32 values (the combine kernel's
     expression), o_cmp and o_win [B, Tq, HQ, dv] read at the row's heads, gates [B, Tq, HQ, 3]:
-    the combine's pass over the three outputs is saved, and o_slc never goes to memory.
+    the combine's pass over the three outputs is saved, and o_slc never goes to memory unless
+    STORE_SLC: then o_slc is stored too, at o's strides in slc [B, Tq, HQ, dv] (the backward of
+    the gated sum reads it).
     """
     if (tl.load(finite_ptr) != 0) != V_TMA:
         return
@@ -175,13 +177,20 @@ def sel_fwd_kernel(
         # A row that sees no token keeps l == 0: its output is 0 and its lse is -inf.
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         if GATED:
+            if STORE_SLC:
+                slc_rows = slc_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
+                tl.store(
+                    slc_rows + offs_v[None, :],
+                    o.to(slc_ptr.dtype.element_ty),
+                    mask=g_mask[:, None] & v_mask[None, :],
+                )
             o = _gated_sum(
                 o, cmp_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
                 stride_cb, stride_ct, stride_ch, stride_wb, stride_wt, stride_wh,
                 stride_gb, stride_gt, stride_gh, stride_gc,
             )  # fmt: skip
-        o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         tl.store(
             o_rows + offs_v[None, :],
             o.to(o_ptr.dtype.element_ty),
@@ -207,7 +216,8 @@ def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
 class GatedSum:
     """What the selected forward sums its output with (docs/spec.md, "Output"): the other
     two branches o_cmp and o_win [B, Tq, HQ, dv] in q's dtype, and gates [B, Tq, HQ, 3] ordered
-    (cmp, slc, win), on q's device. Forward only: no gradient reaches them."""
+    (cmp, slc, win), on q's device. The kernel reads them; their gradients, where wanted, come
+    from :class:`nsa_kernels.selected.function.GatedSelectedFunction`."""
 
     o_cmp: Tensor
     o_win: Tensor
@@ -215,20 +225,26 @@ class GatedSum:
 
 
 def forward(
-    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch, gated: GatedSum | None = None
-) -> tuple[Tensor, Tensor]:
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch, gated: GatedSum | None = None,
+    slc_out: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log, -inf on rows that
     see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32.
 
     ``gated``: o is the gated sum of the three branches instead (see sel_fwd_kernel's GATED);
-    lse stays the selected branch's own.
+    lse stays the selected branch's own. ``slc_out`` (with ``gated``): a contiguous
+    [B, Tq, HQ, dv] tensor of q's dtype that receives the selected branch's own output as well.
     """
+    if slc_out is not None and (gated is None or not slc_out.is_contiguous()):
+        raise ValueError("slc_out takes a contiguous tensor, and only beside a gated sum")
     sel_block, cfg = info.sel_block, info.cfg
     o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if info.rows == 0:
         return o, lse
     if info.n == 0:
         o, lse = no_visible_keys(o, lse)
+        if slc_out is not None:
+            slc_out.copy_(o)
         if gated is not None:
             # o_slc = 0, its product still taken (a non-finite gate makes its row non-finite,
             # docs/spec.md "Output"), in the combine kernel's float32.
@@ -251,10 +267,11 @@ def forward(
     finite, v_paths = finite_path_launches(v_tma, v)
     # Without a gated sum the kernel never reads these: o stands in for the pointers.
     parts = (o, o, o) if gated is None else (gated.o_cmp, gated.o_win, gated.gates)
+    slc = o if slc_out is None else slc_out
     part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[2].stride(-1)]
     for v_path in v_paths:
         sel_fwd_kernel[grid](
-            q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc, *parts,
+            q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc, *parts, slc,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -269,7 +286,7 @@ def forward(
             SEL=sel_block, BL=cfg.fwd_block_l, NSUB=nsub,
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
-            V_TMA=v_path, GATED=gated is not None,
+            V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse

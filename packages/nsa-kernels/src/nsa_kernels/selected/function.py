@@ -26,6 +26,7 @@ from torch import Tensor
 
 from nsa_core.checks import check_gated_combine, check_same_place, shape
 from nsa_core.toggles import Toggles
+from nsa_kernels.combine.function import combine_bwd
 from nsa_kernels.selected.backward import backward
 from nsa_kernels.selected.forward import GatedSum, forward
 from nsa_kernels.selected.indices import unique_block_rows
@@ -67,13 +68,18 @@ def selected_attention_gated_triton(
     q_start: int = 0, cu_seqlens: Tensor | None = None,
     config: SelConfig | None = None, toggles: Toggles | None = None,
 ) -> Tensor:  # fmt: skip
-    """The gated combine with the selected branch computed in the same launch, forward only.
+    """The gated combine with the selected branch computed in the same launch.
 
     ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` (docs/spec.md, "Gated combine") where o_slc
     is :func:`selected_attention_triton` of the same arguments: each program sums its rows' three
-    terms before it stores them, so o_slc never goes to memory and the combine's own pass over
-    the three outputs is saved. The sum is the combine kernel's expression over float32 values;
-    o_slc enters it unrounded (the separate ops round it to q's dtype first).
+    terms before it stores them, so the combine's own pass over the three outputs is saved. The
+    sum is the combine kernel's expression over float32 values; o_slc enters it unrounded (the
+    separate ops round it to q's dtype first).
+
+    Without a gradient o_slc never goes to memory. With one (grad mode on and an input that
+    requires it) the launch stores o_slc beside o, and :class:`GatedSelectedFunction` gives
+    the gradients of q, k, v, o_cmp, o_win and gates: the combine's backward kernel, then the
+    selected branch's backward.
 
     Args:
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles: as
@@ -82,22 +88,48 @@ def selected_attention_gated_triton(
         gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
 
     Returns:
-        o [B, Tq, HQ, dv] in q's dtype, not differentiable: a call that would need a gradient
-        (grad mode on and an input that requires one) is refused.
+        o [B, Tq, HQ, dv] in q's dtype.
     """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, o_cmp, o_win, gates)):
-        raise RuntimeError(
-            "selected_attention_gated_triton is forward only; for gradients run "
-            "selected_attention_triton and then the gated combine"
-        )
     check_gated_combine(o_cmp, o_cmp, o_win, gates)
     info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
     expected = (info.batch, info.tq, info.hq, info.dv)
     if tuple(o_cmp.shape) != expected:
         raise ValueError(f"o_cmp {shape(o_cmp)} must be [B, Tq, HQ, dv] = {list(expected)}")
     check_same_place("o_cmp", o_cmp, "q", q)
+    inputs = (q, k, v, o_cmp, o_win, gates)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        out = GatedSelectedFunction.apply(*inputs, block_indices, info)  # type: ignore[no-untyped-call]
+        assert isinstance(out, torch.Tensor)
+        return out
     parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
     return forward(*_operands(q, k, v, block_indices, info), info, parts)[0]
+
+
+class GatedSelectedFunction(torch.autograd.Function):
+    """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
+    branch and the sum in one launch; backward: the combine's backward kernel (d o_cmp, d o_slc,
+    d o_win, d gates from one read of do), then the selected branch's, without atomics."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, o_cmp: Tensor, o_win: Tensor, gates: Tensor,
+        block_indices: Tensor, info: Launch,
+    ) -> Tensor:  # fmt: skip
+        q, k, v, idx = _operands(q, k, v, block_indices, info)
+        o_slc = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
+        parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
+        o, lse = forward(q, k, v, idx, info, parts, slc_out=o_slc)
+        ctx.save_for_backward(q, k, v, o_slc, lse, idx, o_cmp, o_win, gates)
+        ctx.info = info
+        return o
+
+    @staticmethod
+    def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, o_slc, lse, idx, o_cmp, o_win, gates = ctx.saved_tensors
+        d_cmp, d_slc, d_win, d_gates = combine_bwd(do, o_cmp, o_slc, o_win, gates)
+        assert d_slc is not None
+        dq, dk, dv = backward(d_slc, q, k, v, o_slc, lse, idx, ctx.info)
+        return dq, dk, dv, d_cmp, d_win, d_gates, None, None
 
 
 def selected_attention_bwd(
@@ -179,6 +211,7 @@ def attention_flops(batch: int, tq: int, hq: int, n: int, sel_block: int, dk: in
 
 
 __all__ = [
+    "GatedSelectedFunction",
     "SelConfig",
     "SelectedAttentionFunction",
     "attention_flops",
