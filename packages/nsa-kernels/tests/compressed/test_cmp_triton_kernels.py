@@ -363,6 +363,14 @@ def test_default_tiles_follow_the_branch_and_the_device() -> None:
     )
     assert tiles(resolve_config(None, 192, 128, bf16)) == (2, 128, 64, 2)
     assert tiles(resolve_config(None, 192, 128, bf16, windowed=True)) == (2, 128, 32, 2)
+    # The sliding dq at D = 256: 128-row tiles on two warp groups where their three stages fit
+    # (Hopper; on sm_80 and sm_89 the tile spills), else 64 x 32.
+    for shared, dq in ((None, (128, 32, 8, 3)), (232_448, (128, 32, 8, 3)),
+                       (166_912, (64, 32, 8, 3)), (101_376, (64, 32, 8, 2))):  # fmt: skip
+        win = resolve_config(None, 192, 128, bf16, windowed=True, shared_bytes=shared)
+        assert (win.dq_block_m, win.dq_block_n, win.dq_warps, win.dq_stages) == dq, shared
+        plain = resolve_config(None, 192, 128, bf16, shared_bytes=shared)
+        assert (plain.dq_block_m, plain.dq_block_n, plain.dq_warps) == (64, 32, 8)
     assert tiles(resolve_config(None, 128, 128, torch.float32, windowed=True)) == (2, 16, 16, 2)
 
 

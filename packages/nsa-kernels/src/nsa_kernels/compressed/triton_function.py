@@ -72,6 +72,14 @@ WINDOWED_FWD_D128 = (64, 64, 4, 2)
 # 16.01 / 16.33 (two interleaved sweeps, docs/results/2026-11-26-h100-layer-5.md).
 WINDOWED_DQ_D128 = (64, 64, 4, 2)
 DQ_STAGE_BYTES_D256 = {3: 102_400}
+# The sliding dq at D = 256 (rows, keys, warps, stages): 128-row tiles on two warp groups. T = 64k
+# / 16k, dk = 192, dv = 128, w = 512, G = 16 on an H100: the sliding forward+backward 25.23 /
+# 6.43 ms against 32.49 / 8.40 on 64 x 32 (docs/results/2026-11-26-h100-layer-7.md, runs 13-14;
+# dq bit for bit the same). Compiled for sm_90 it asks 172,032 B and spills nothing; for sm_80
+# and sm_89 it spills (255 registers), so a device with less shared memory per block than
+# that (an A100 has 166,912 B) keeps 64 x 32.
+WINDOWED_DQ_D256 = (128, 32, 8, 3)
+WINDOWED_DQ_D256_BYTES = 172_032
 # dk/dv tiles (key blocks, query rows per step) at D = 256 in 16 bits, fastest first, each with
 # the shared memory it asks compiled for sm_80 and sm_89 (sm_90 asks more, within its 227 KiB).
 # T = 64k, dk = 192, dv = 128 on an H200: the compressed backward took 92.6 / 103.5 / 105.6 /
@@ -153,7 +161,7 @@ def resolve_config(
     | 16-bit, D <= 128 | 128 x 128, 8, 2 (128 x 64, 8, 3) | 128 x 64, 8, 2 | 128 x 64, 8, 2 |
     | 16-bit, D <= 128, windowed | 64 x 64, 4, 2 | 64 x 64, 4, 2 | 128 x 32, 8, 3 |
     | 16-bit, D = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 64, 8, 2 |
-    | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
+    | 16-bit, D = 256, windowed | 128 x 64, 8, 2 | 128 x 32, 8, 3 (Hopper) | 128 x 32, 8, 2 |
     | 16-bit, dv = 256 | 128 x 64, 8, 2 | 64 x 32, 8, 3 | 128 x 32, 8, 2 |
     | float32 (no tensor cores) | 32 x 16, 8, 2 | 32 x 16, 8, 2 | 16 x 16, 8, 2 |
 
@@ -191,7 +199,9 @@ def resolve_config(
         dq_stages = stages_within(3, DQ_STAGE_BYTES_D256, shared_bytes)
         tiles = DKV_TILES_D256_WINDOWED if windowed else DKV_TILES_D256
         dkv_n, dkv_m = _fitting_tile(tiles, shared_bytes)
-        table = (128, 64, 8, fwd_stages, 64, 32, 8, dq_stages, dkv_n, dkv_m, 8, 2)
+        hopper = shared_bytes is None or shared_bytes >= WINDOWED_DQ_D256_BYTES
+        dq = WINDOWED_DQ_D256 if windowed and hopper else (64, 32, 8, dq_stages)
+        table = (128, 64, 8, fwd_stages, *dq, dkv_n, dkv_m, 8, 2)
     elif windowed:
         table = (*WINDOWED_FWD_D128, *WINDOWED_DQ_D128, 128, 32, 8, 3)
     else:
