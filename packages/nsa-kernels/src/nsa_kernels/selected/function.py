@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_gated_combine, check_same_place, shape
 from nsa_core.toggles import Toggles
@@ -108,7 +109,8 @@ def selected_attention_gated_triton(
 class GatedSelectedFunction(torch.autograd.Function):
     """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
     branch and the sum in one launch; backward: the combine's backward kernel (d o_cmp, d o_slc,
-    d o_win, d gates from one read of do), then the selected branch's, without atomics."""
+    d o_win, d gates from one read of do), then the selected branch's, without atomics. Its
+    kernels give no graph of their own: a second derivative through it raises."""
 
     @staticmethod
     def forward(
@@ -124,6 +126,7 @@ class GatedSelectedFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, o_slc, lse, idx, o_cmp, o_win, gates = ctx.saved_tensors
         d_cmp, d_slc, d_win, d_gates = combine_bwd(do, o_cmp, o_slc, o_win, gates)
