@@ -104,6 +104,18 @@ def test_only_some_inputs_need_grad(request: pytest.FixtureRequest) -> None:
     torch.testing.assert_close(dw, gates[..., 2:].expand_as(o_win).contiguous())
 
 
+def test_a_second_derivative_through_the_kernel_raises(request: pytest.FixtureRequest) -> None:
+    """The backward is a kernel with no graph of its own (once_differentiable): where the
+    upstream gradient carries a graph (here d(out^2) = 2 out), a second derivative through the
+    kernel raises rather than treating its output as a constant."""
+    assert DEVICE is not None
+    inputs = leaves(*draw(_gen(request), (1, 4, 2, 8), torch.float32, DEVICE))
+    out = gated_combine_triton(*inputs)
+    (d_cmp,) = torch.autograd.grad(out.square().sum(), inputs[:1], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        d_cmp.sum().backward()
+
+
 def test_empty_inputs() -> None:
     assert DEVICE is not None
     for shape in ((1, 0, 2, 8), (1, 3, 2, 0)):

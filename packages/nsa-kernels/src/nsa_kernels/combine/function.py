@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_gated_combine
 from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel
@@ -138,6 +139,7 @@ class GatedCombineFunction(torch.autograd.Function):
         return combine_fwd(o_cmp, o_slc, o_win, gates)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         o_cmp, o_slc, o_win, gates = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ParamSpec
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
@@ -589,6 +590,7 @@ class CompressedAttentionFunction(torch.autograd.Function):
         return o, lse
 
     @staticmethod
+    @once_differentiable
     def backward(
         ctx: Any, do: torch.Tensor, _dlse: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_apply_rope
 from nsa_core.reference.rope import rope_angles
@@ -74,6 +75,7 @@ class RopeFunction(torch.autograd.Function):
         return rotate(x, cos, sin, inverse=False)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         cos, sin = ctx.saved_tensors
         return rotate(grad, cos, sin, inverse=True), None, None

@@ -110,7 +110,8 @@ class GatedSelectedFunction(torch.autograd.Function):
     """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
     branch and the sum in one launch; backward: the combine's backward kernel (d o_cmp, d o_slc,
     d o_win, d gates from one read of do), then the selected branch's, without atomics. Its
-    kernels give no graph of their own: a second derivative through it raises."""
+    kernels give no graph of their own (once_differentiable): a second derivative through them
+    raises where the upstream gradient carries a graph."""
 
     @staticmethod
     def forward(
@@ -162,6 +163,7 @@ class SelectedAttentionFunction(torch.autograd.Function):
         return o
 
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, o, lse, idx = ctx.saved_tensors
         dq, dk, dv = backward(do, q, k, v, o, lse, idx, ctx.info)
