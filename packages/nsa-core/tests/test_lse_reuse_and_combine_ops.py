@@ -4,7 +4,6 @@ the selected branch's backend may sum the three branches in its own step (``fn_g
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -356,31 +355,25 @@ def test_no_one_step_sum_under_a_pinned_reference_combine_or_a_debug_hook(
 
 
 @pytest.mark.usefixtures("isolated_registry")
-def test_routing_report_says_where_the_combine_runs_inside_the_selected_launch() -> None:
+@pytest.mark.parametrize("gated_grad", [False, True], ids=["forward_only", "gated_grad"])
+def test_routing_report_says_where_the_combine_runs_inside_the_selected_launch(
+    gated_grad: bool,
+) -> None:
+    """Without a gradient the one-step sum serves; with one only where ``fn_gated`` gives it."""
     from nsa_core.registry import routing_report
 
-    GatedSpy().register()
-    ctx = OpContext(
-        device=torch.device("cpu"), dtype=torch.float32, seq_len=13, num_q_heads=4,
-        num_kv_heads=2, head_dim_qk=8, head_dim_v=8, requires_grad=False, varlen=False,
-    )  # fmt: skip
+    GatedSpy(gated_grad=gated_grad).register()
     note = "summed inside selected_attention's launch"
-    lines = dict(line.split(" -> ", 1) for line in routing_report(ctx).splitlines())
-    assert note in lines["gated_combine".ljust(22)]
-    assert note not in lines["selected_attention".ljust(22)]
-    grad = dataclasses.replace(ctx, requires_grad=True)
-    assert note not in routing_report(grad)
-
-
-@pytest.mark.usefixtures("isolated_registry")
-def test_routing_report_says_so_with_a_gradient_where_fn_gated_gives_one() -> None:
-    from nsa_core.registry import routing_report
-
-    GatedSpy(gated_grad=True).register()
-    ctx = OpContext(
-        device=torch.device("cpu"), dtype=torch.float32, seq_len=13, num_q_heads=4,
-        num_kv_heads=2, head_dim_qk=8, head_dim_v=8, requires_grad=True, varlen=False,
-    )  # fmt: skip
-    note = "summed inside selected_attention's launch"
-    lines = dict(line.split(" -> ", 1) for line in routing_report(ctx).splitlines())
-    assert note in lines["gated_combine".ljust(22)]
+    for requires_grad in (False, True):
+        ctx = OpContext(
+            device=torch.device("cpu"), dtype=torch.float32, seq_len=13, num_q_heads=4,
+            num_kv_heads=2, head_dim_qk=8, head_dim_v=8, requires_grad=requires_grad,
+            varlen=False,
+        )  # fmt: skip
+        lines = dict(line.split(" -> ", 1) for line in routing_report(ctx).splitlines())
+        assert note not in lines["selected_attention".ljust(22)]
+        combine = lines["gated_combine".ljust(22)]
+        summed = not requires_grad or gated_grad
+        assert (note in combine) == summed, (requires_grad, combine)
+        if summed:
+            assert ("with grad" if requires_grad else "no grad") in combine

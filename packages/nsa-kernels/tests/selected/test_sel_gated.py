@@ -133,6 +133,30 @@ def test_gated_gradients_match_the_reference_and_the_two_steps_apart(case: Case)
             assert rel_err(a, b) < 2 * BOUND[torch.float32], f"d{name} against {label}"
 
 
+def test_gated_gradients_where_the_gates_take_none() -> None:
+    """Gates that need no gradient get none (the combine's backward skips them); the other
+    gradients are the same as when they need one."""
+    assert DEVICE is not None
+    case = Case("fixed gates", group=2, tq=12)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
+    do = torch.randn(o_cmp.shape, generator=gen).to(DEVICE)
+    results = []
+    for gates_need_grad in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, o_cmp, o_win)]
+        g = gates.clone().requires_grad_(gates_need_grad)
+        out = selected_attention_gated_triton(
+            *leaves[:3], idx, case.sel_block, o_cmp=leaves[3], o_win=leaves[4], gates=g
+        )
+        out.backward(do)
+        assert (g.grad is not None) == gates_need_grad
+        results.append([t.grad for t in leaves])
+    for with_gates, without in zip(*results, strict=True):
+        assert with_gates is not None
+        assert torch.equal(with_gates, without)
+
+
 def test_gated_forward_without_a_gradient_stores_nothing_more() -> None:
     assert DEVICE is not None
     case = Case("no grad", group=2, tq=8)

@@ -52,11 +52,13 @@ class WindowMean(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         batch, t, h, dim = ctx.x_shape
         length, stride = ctx.cmp_block // ctx.cmp_stride, ctx.cmp_stride
-        grad_x = grad.new_zeros(batch, t, h, dim, dtype=ctx.x_dtype)
         n = grad.shape[1]
         if n == 0:
-            return grad_x, None, None
+            return grad.new_zeros(batch, t, h, dim, dtype=ctx.x_dtype), None, None
         chunks = n + length - 1
+        grad_x = grad.new_empty(batch, t, h, dim, dtype=ctx.x_dtype)
+        # Tokens past the last window get no gradient.
+        grad_x[:, chunks * stride :] = 0
         # padded[j] = g[j - (L - 1)]: chunk c sums padded[c + L - 1 - m] for m < L.
         wide = grad.to(torch.promote_types(grad.dtype, torch.float32))
         padded = nn.functional.pad(wide, (0, 0, 0, 0, length - 1, length - 1))

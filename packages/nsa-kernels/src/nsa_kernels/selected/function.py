@@ -130,7 +130,10 @@ class GatedSelectedFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, o_slc, lse, idx, o_cmp, o_win, gates = ctx.saved_tensors
-        d_cmp, d_slc, d_win, d_gates = combine_bwd(do, o_cmp, o_slc, o_win, gates)
+        want_gates = ctx.needs_input_grad[5]
+        d_cmp, d_slc, d_win, d_gates = combine_bwd(
+            do, o_cmp, o_slc, o_win, gates, want_gates=want_gates
+        )
         assert d_slc is not None
         dq, dk, dv = backward(d_slc, q, k, v, o_slc, lse, idx, ctx.info)
         return dq, dk, dv, d_cmp, d_win, d_gates, None, None
