@@ -164,11 +164,12 @@ def test_backend_refuses_packed_sequences_before_any_kernel() -> None:
 
 
 @pytest.mark.parametrize("bad", ["k", "v", "none"])
-def test_non_finite_keys_go_to_the_kernels_that_contain_them(
+def test_non_finite_keys_with_a_gradient_go_to_the_kernels_that_contain_them(
     bad: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """docs/spec.md, "Non-finite values": a NaN in k_cmp or v_cmp sends the call to the Triton
-    kernels; finite ones go through the fold (here to the float64 model of cuDNN)."""
+    """docs/spec.md, "Non-finite values": with a gradient, a NaN in k_cmp or v_cmp sends the
+    call to the Triton Function (the host checks); finite ones go through the fold (here to the
+    float64 model of cuDNN)."""
     from nsa_kernels.compressed import cudnn, triton_function
 
     served: list[str] = []
@@ -183,7 +184,7 @@ def test_non_finite_keys_go_to_the_kernels_that_contain_them(
 
     monkeypatch.setattr(triton_function, "compressed_attention_triton_with_lse", fake_triton)
     monkeypatch.setattr(cudnn, "cudnn_attend", model)
-    q = torch.randn(1, 40, 2, 8, dtype=torch.float64)
+    q = torch.randn(1, 40, 2, 8, dtype=torch.float64, requires_grad=True)
     k, v = (
         torch.randn(1, 4, 1, 8, dtype=torch.float64),
         torch.randn(1, 4, 1, 8, dtype=torch.float64),
@@ -193,6 +194,50 @@ def test_non_finite_keys_go_to_the_kernels_that_contain_them(
     cudnn.compressed_attention_cudnn_with_lse(q, k, v, 16, 8)
     assert served[0] == ("fold" if bad == "none" else "triton")
     assert ("triton" in served) == (bad != "none")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("bad", ["k", "v", "none"])
+def test_non_finite_keys_without_a_gradient_are_contained_on_the_device(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a gradient the fold always runs, then the Triton forward overwrites o and lse
+    where some k_cmp or v_cmp is non-finite, decided on the device. The model of cuDNN here
+    leaks a NaN value to rows that do not see its block (0 x NaN in p @ v), as a fused kernel
+    may; the result must still be the reference's: NaN exactly on the rows that see the block.
+    With finite keys the Triton launch changes nothing: o and lse are the fold's, bit for bit."""
+    from nsa_kernels.compressed import cudnn
+
+    def model(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return model_attend(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cudnn, "cudnn_attend", model)
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 40, 2, 8, generator=gen)
+    k, v = torch.randn(1, 4, 1, 8, generator=gen), torch.randn(1, 4, 1, 8, generator=gen)
+    if bad != "none":
+        (k if bad == "k" else v)[0, 1, 0, 3] = float("nan")
+    call = CompressedCall(
+        scale=8**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(), cmp_block=16, cmp_stride=8
+    )
+    fold_o, fold_lse = folded_attention(q, k, v, call, model)
+    o, lse = cudnn.compressed_attention_cudnn_with_lse(q, k, v, 16, 8)
+    if bad == "none":
+        assert torch.equal(o, fold_o)
+        assert torch.equal(lse, fold_lse)
+        return
+    ref = compressed_attention(q.double(), k.double(), v.double(), 16, 8)
+    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(40)])
+    assert bool(torch.isnan(fold_o[0, ~sees_bad]).any()) == (bad == "v"), "the model leaks v"
+    assert torch.equal(torch.isnan(o).any(-1).any(-1)[0], sees_bad)
+    assert torch.equal(torch.isnan(ref).any(-1).any(-1)[0], sees_bad)
+    assert rel_err(o[0, ~sees_bad], ref[0, ~sees_bad]) < BOUND
+    # lse on the rows that see the block is left to the kernel (block scoring reads such a
+    # row's NaN off its scores, whatever the normaliser: docs/spec.md).
+    want_lse = reference_lse(q, k, 16, 8, 0)[0, ~sees_bad]
+    blind = torch.isinf(want_lse)
+    assert torch.equal(torch.isneginf(lse[0, ~sees_bad]), blind)
+    assert rel_err(lse[0, ~sees_bad][~blind], want_lse[~blind]) < BOUND
 
 
 def test_fold_refuses_keys_it_lacks() -> None:

@@ -18,10 +18,14 @@ from nsa_core.blocks import num_cmp_blocks
 from nsa_core.ops import op_context
 from nsa_core.reference.compressed_attention import compressed_attention
 from nsa_core.toggles import Toggles
+from nsa_kernels.common.op_calls import CompressedCall
 from nsa_kernels.compressed.cudnn import (
     compressed_attention_cudnn_with_lse,
+    cudnn_attend,
     cudnn_missing_reason,
+    folded_attention,
 )
+from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
 
 L_CMP, D_CMP = 32, 16
 
@@ -114,6 +118,35 @@ def test_every_query_blind_keeps_a_zero_gradient(request: pytest.FixtureRequest)
     assert torch.count_nonzero(o) == 0
     assert bool(torch.isneginf(lse).all())
     assert all(x.grad is not None and torch.count_nonzero(x.grad) == 0 for x in leaves)
+
+
+@pytest.mark.parametrize("bad", ["k", "v", "none"])
+def test_forward_without_a_gradient_contains_non_finite_keys_on_the_device(
+    bad: str, request: pytest.FixtureRequest
+) -> None:
+    """docs/spec.md, "Non-finite values", with no host sync: a NaN in k_cmp or v_cmp makes the
+    backend's o and lse the Triton forward's, bit for bit (NaN only on the rows that see the
+    block); finite keys leave cuDNN's own o and lse untouched."""
+    q, k, v, _ = _draw(request, 2048, 128, 128, 0, torch.bfloat16)
+    if bad != "none":
+        (k if bad == "k" else v)[0, 40, 1, 7] = float("nan")
+    with torch.no_grad():
+        o, lse = compressed_attention_cudnn_with_lse(q, k, v, L_CMP, D_CMP)
+        if bad == "none":
+            call = CompressedCall(
+                scale=128**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(),
+                cmp_block=L_CMP, cmp_stride=D_CMP,
+            )  # fmt: skip
+            want_o, want_lse = folded_attention(q, k, v, call, cudnn_attend)
+        else:
+            want_o, want_lse = compressed_attention_triton_with_lse(q, k, v, L_CMP, D_CMP)
+    assert torch.equal(o.isnan(), want_o.isnan())
+    assert torch.equal(o.nan_to_num(), want_o.nan_to_num())
+    assert torch.equal(lse.nan_to_num(), want_lse.nan_to_num())
+    sees_bad = torch.tensor(
+        [num_cmp_blocks(t + 1, L_CMP, D_CMP) > 40 for t in range(2048)], device="cuda"
+    )
+    assert torch.equal(o.isnan().flatten(2).any(-1)[0], sees_bad & (bad != "none"))
 
 
 @pytest.mark.usefixtures("kernels_registered")

@@ -17,9 +17,12 @@ once into the output. With a gradient, :class:`_FoldedFunction` keeps each run's
 dq once into place, where autograd on slices of q would zero-fill and add a q-sized gradient per
 run.
 
-A call whose compressed keys or values hold a non-finite value runs on the Triton kernels
-instead (:func:`_contained`): they keep such a value to the rows that see it (docs/spec.md,
-"Non-finite values"). Finding that out costs one host sync.
+A call whose compressed keys or values hold a non-finite value is served by the Triton kernels,
+which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"). Without a
+gradient, cuDNN runs and the Triton forward overwrites its output, decided on the device
+(:func:`nsa_kernels.compressed.triton_function.contain_non_finite_into`: no host sync); with a
+gradient the host checks the values (one sync) and sends such a call to the Triton Function
+(:func:`_contained`).
 
 The kernel is cuDNN's flash attention, reached through ``torch.ops.aten.
 _scaled_dot_product_cudnn_attention``: the public SDPA does not return the log-sum-exp, which block
@@ -294,9 +297,22 @@ def _with_lse(
 ) -> tuple[Tensor, Tensor]:
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
-    if not _keys_finite(k_cmp, v_cmp):
-        return _contained(q, k_cmp, v_cmp, call)
-    return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
+        # The gradients of a non-finite call come from the Triton kernels too: the route is
+        # chosen on the host, at the cost of one sync.
+        if not _keys_finite(k_cmp, v_cmp):
+            return _contained(q, k_cmp, v_cmp, call)
+        return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
+    from nsa_kernels.compressed.triton_function import contain_non_finite_into
+
+    o, lse = folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
+    # No gradient: the Triton forward overwrites both where a value is non-finite, decided on
+    # the device; the host sync left a gap of about 0.5 ms before the next launch at T = 64k
+    # (docs/results/2026-11-26-h100-layer-8.md).
+    contain_non_finite_into(
+        o, lse, q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
+    )
+    return o, lse
 
 
 def _keys_finite(k_cmp: Tensor, v_cmp: Tensor) -> bool:
@@ -310,7 +326,7 @@ def _keys_finite(k_cmp: Tensor, v_cmp: Tensor) -> bool:
 def _contained(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
 ) -> tuple[Tensor, Tensor]:
-    """A call with a non-finite compressed key or value, on the Triton kernels.
+    """A call with a gradient and a non-finite compressed key or value, on the Triton kernels.
 
     docs/spec.md, "Non-finite values": such a value reaches only the rows that see its block.
     cuDNN's tiles hold rows that see a block beside rows that do not, where a masked entry still

@@ -27,7 +27,7 @@ from torch.autograd.function import once_differentiable
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
-from nsa_kernels.common.finite_flag import finite_path_launches
+from nsa_kernels.common.finite_flag import all_finite_flag, finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
 from nsa_kernels.common.tile_table import tile_table
@@ -383,9 +383,22 @@ def _varlen_args(info: _Launch, device: torch.device) -> tuple[torch.Tensor, tor
 
 
 def _fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: _Launch, cfg: CmpConfig
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    info: _Launch,
+    cfg: CmpConfig,
+    *,
+    into: tuple[torch.Tensor, torch.Tensor] | None = None,
+    unless_finite: tuple[torch.Tensor, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
+    """(o, lse) of the forward kernel, written into ``into`` when given.
+
+    ``unless_finite``: launch the containing path alone, gated on :func:`all_finite_flag` of
+    these tensors, so that its programs work only where one of them holds a non-finite value
+    and otherwise leave ``into`` as it is (no host sync either way).
+    """
+    o, lse = into or forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if info.tq == 0:
         return o, lse
     if info.num_blocks == 0:
@@ -396,7 +409,11 @@ def _fwd(
     grid = (num_tiles * info.h * layout.chunks,)
     # Two launches, one of which returns at once: see cmp_fwd_kernel (the finite path does not
     # contain non-finite values).
-    finite, finite_paths = finite_path_launches(True, v)
+    finite_paths: tuple[bool, ...]
+    if unless_finite:
+        finite, finite_paths = all_finite_flag(*unless_finite), (False,)
+    else:
+        finite, finite_paths = finite_path_launches(True, v)
     for finite_path in finite_paths:
         cmp_fwd_kernel[grid](
             q, k, v, o, lse, finite, tiles, cu, cmp_cu,
@@ -543,6 +560,31 @@ def compressed_attention_fwd(
     """
     info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
     return _fwd(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), info, cfg)
+
+
+def contain_non_finite_into(
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+) -> None:
+    """Where k_cmp or v_cmp holds a non-finite value, overwrite o [B, Tq, HQ, dv] and lse
+    [B, Tq, HQ] (float32) with this forward, which keeps such a value to the rows that see its
+    block (docs/spec.md, "Non-finite values"); else leave them as they are.
+
+    Decided on the device (one launch whose programs return at once when every value is
+    finite), so a caller that computed o and lse with another kernel needs no host sync to
+    honour the rule. Dense inputs; arguments as :func:`compressed_attention_triton_with_lse`.
+    """
+    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, None, None)
+    k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
+    _fwd(q.contiguous(), k_cmp, v_cmp, info, cfg, into=(o, lse), unless_finite=(k_cmp, v_cmp))
 
 
 def compressed_attention_bwd(
