@@ -57,3 +57,58 @@ def test_public_selected_attention_runs_the_triton_kernel() -> None:
     out = selected_attention(q, k, v, idx, l_sel)
     # Bit-equal to the Triton kernel called by name: the public op dispatched to it.
     assert torch.equal(out, selected_attention_triton(q, k, v, idx, l_sel))
+
+
+def test_the_core_forward_at_16k_takes_no_host_sync() -> None:
+    """Without a gradient, the attention core on its default routes (cuDNN's compressed branch
+    from 16k on sm_90, block scoring, the selected and sliding branches) queues its work without
+    waiting for the device: torch's sync debug mode raises on any synchronizing call. A warm-up
+    call first, so that compilation and first-use setup stay out of the check."""
+    import nsa_core
+    from nsa_core.config import NSAConfig
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t = 16384
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    q, k, v = draw(1, t, 64, 128), draw(1, t, 4, 128), draw(1, t, 4, 128)
+    gates = torch.sigmoid(draw(1, t, 64, 3))
+    config = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
+    with torch.no_grad():
+        want = nsa_core.nsa_attention(q, k, v, gates, config)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = nsa_core.nsa_attention(q, k, v, gates, config)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
+
+
+def test_the_selected_backward_waits_only_for_its_index_sizes() -> None:
+    """The selected branch's backward builds its reverse index with one explicit wait (an event
+    behind the dq launch) and no synchronizing torch call: sync debug mode raises on those."""
+    from nsa_kernels.selected.function import selected_attention_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    t, hq, h, d, l_sel = 4096, 16, 2, 64, 64
+    q, k, v = (
+        torch.randn(1, t, heads, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for heads in (hq, h, h)
+    )
+    k_cmp = k.view(1, t // 16, 16, h, d).float().mean(2).to(torch.bfloat16)
+    idx, _ = select_blocks_reference(q, k_cmp, 16, 16, l_sel, 8)
+    do = torch.randn(1, t, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    grads = []
+    for debug in ("default", "error"):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = selected_attention_triton(*leaves, idx, l_sel)
+        torch.cuda.set_sync_debug_mode(debug)
+        try:
+            out.backward(do)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        grads.append([x.grad for x in leaves])
+    for name, a, b in zip("qkv", *grads, strict=True):
+        assert torch.equal(a, b), f"d{name} differs between the two runs"

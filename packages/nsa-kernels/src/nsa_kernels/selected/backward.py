@@ -314,6 +314,11 @@ def backward(
     k_desc: Any = kv_descriptor(k, cfg.block_l) if kv_tma else k
     v_desc: Any = kv_descriptor(v, cfg.block_l) if kv_tma else v
     finite, kv_paths = finite_path_launches(kv_tma, k, v)
+    # The reverse index first, the dq launch next, then the one wait for the index's sizes: the
+    # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait.
+    reverse = block_csr.start_block_csr(
+        idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens
+    )
     for kv_path in kv_paths:
         sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
             q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
@@ -332,10 +337,9 @@ def backward(
             VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
-    reverse = block_csr.build_block_csr(
-        idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens
+    dkv_backward(
+        q, k, v, do, lse, delta, dk, dv, reverse.finish(), sel_block, info.scale, cfg, prec
     )
-    dkv_backward(q, k, v, do, lse, delta, dk, dv, reverse, sel_block, info.scale, cfg, prec)
     return dq, dk, dv
 
 

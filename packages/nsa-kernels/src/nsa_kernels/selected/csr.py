@@ -2,11 +2,19 @@
 
 The forward walks each query's selected blocks. The dk/dv backward needs the opposite view: for
 each key block, the queries that selected it. :func:`build_block_csr` inverts ``block_indices``
-with torch ops only (one sort, one bincount, one cumsum), so the backward does O(T * n) index work
-and O(T * n * l') attention work, never a scan of every query per block. The sort makes the
-order of queries inside a block fixed (ascending rows), so the float sums over them, and hence
-dk/dv, are bitwise reproducible. :func:`build_dkv_work` cuts heavily selected blocks (block 0 is
-selected by every query) into segments so no single program serializes the backward.
+with torch ops only (a sort of each row, one sort of all pairs, one search of the slot
+boundaries), so the backward does O(T * n) index work and O(T * n * l') attention work, never a
+scan of every query per block. The sort makes the order of queries inside a block fixed
+(ascending rows), so the float sums over them, and hence dk/dv, are bitwise reproducible.
+:func:`build_dkv_work` cuts heavily selected blocks (block 0 is selected by every query) into
+segments so no single program serializes the backward.
+
+The sizes of both (pairs, segments, partial rows) depend on the indices. The device computes the
+slot offsets, and one copy brings them to the host (:func:`start_block_csr`, then
+:meth:`CSRInFlight.finish`), which plans the segments and sends the plan back in one copy: one
+wait in all, which the backward places behind the dq launch so that the GPU never idles on it.
+Each host sync of the earlier build (five: a masked select, bincount, three sizes) left the GPU
+idle while the host issued the next small launch.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ class BlockCSR:
         slot_kend: int64 [S], end (exclusive) along k's T axis of the block's sequence.
         slot_pos0: int64 [S], position of the block's first key inside its sequence (j * l').
         slot_tshift: int64 [S], query position minus row.
+        host_offsets: int64 [S + 1] on the CPU, ``offsets`` copied (the work plan reads it).
     """
 
     rows: torch.Tensor
@@ -51,6 +60,7 @@ class BlockCSR:
     slot_kend: torch.Tensor
     slot_pos0: torch.Tensor
     slot_tshift: torch.Tensor
+    host_offsets: torch.Tensor
 
     @property
     def num_slots(self) -> int:
@@ -61,6 +71,56 @@ class BlockCSR:
         return self.offsets[1:] - self.offsets[:-1]
 
 
+def _to_host(x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A CPU copy of ``x`` and, on CUDA, the event after which it holds x's values: the copy is
+    asynchronous (pinned memory), so the caller decides when to wait for it."""
+    if x.device.type != "cuda":
+        return x.clone(), None
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record()
+    return host, ready
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device (pinned, asynchronous)."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class CSRInFlight:
+    """A :class:`BlockCSR` whose device work is queued and whose offsets are on their way to the
+    host; :meth:`finish` waits for them (and for nothing queued after the copy)."""
+
+    sorted_keys: torch.Tensor
+    tq: int
+    offsets: torch.Tensor
+    host_offsets: torch.Tensor
+    ready: torch.cuda.Event | None
+    slots: tuple[torch.Tensor, ...]
+
+    def finish(self) -> BlockCSR:
+        if self.ready is not None:
+            self.ready.synchronize()
+        pairs = int(self.host_offsets[-1])
+        rows = (self.sorted_keys[:pairs].to(torch.int64) % self.tq).to(torch.int32)
+        slot_b, slot_h, slot_krow0, slot_kend, slot_pos0, slot_tshift = self.slots
+        return BlockCSR(
+            rows=rows,
+            offsets=self.offsets,
+            slot_b=slot_b,
+            slot_h=slot_h,
+            slot_krow0=slot_krow0,
+            slot_kend=slot_kend,
+            slot_pos0=slot_pos0,
+            slot_tshift=slot_tshift,
+            host_offsets=self.host_offsets,
+        )
+
+
 def build_block_csr(
     block_indices: torch.Tensor,
     sel_block: int,
@@ -69,6 +129,20 @@ def build_block_csr(
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
 ) -> BlockCSR:
+    """:func:`start_block_csr`, finished (one wait for the offsets)."""
+    return start_block_csr(
+        block_indices, sel_block, num_keys, q_start=q_start, cu_seqlens=cu_seqlens
+    ).finish()
+
+
+def start_block_csr(
+    block_indices: torch.Tensor,
+    sel_block: int,
+    num_keys: int,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> CSRInFlight:
     """Invert ``block_indices [B, Tq, H, n]`` into the queries of each key block.
 
     A pair (row r, kv head h, block j) enters when ``j >= 0`` and ``j * l' <= t`` (t = q_start + r,
@@ -85,7 +159,7 @@ def build_block_csr(
     """
     batch, tq, heads, _n = block_indices.shape
     device = block_indices.device
-    idx = block_indices.to(torch.int64)
+    idx = torch.sort(block_indices.to(torch.int64), dim=-1).values
     if cu_seqlens is None:
         nb = -(-num_keys // sel_block)
         num_slots = batch * heads * nb
@@ -123,30 +197,23 @@ def build_block_csr(
         slot_kend = cu[slot_seq + 1]
         slot_tshift = -cu[slot_seq]
 
-    valid = (idx >= 0) & (idx * sel_block <= pos)
+    # A block listed twice in one row enters once: after a sort of the row, its repeats are
+    # the entries equal to their left neighbour (and leave as invalid pairs).
+    repeat = torch.zeros_like(idx, dtype=torch.bool)
+    repeat[..., 1:] = idx[..., 1:] == idx[..., :-1]
+    valid = (idx >= 0) & (idx * sel_block <= pos) & ~repeat
     rows_b = torch.arange(tq, device=device).view(1, tq, 1, 1)
-    # One key per pair: slot-major, then row; invalid pairs get a sentinel that sorts last.
+    # One key per pair: slot-major, then row; invalid pairs get a sentinel that sorts last, so
+    # the pairs are the sorted keys' prefix and slot s's start is the number of keys < s * Tq.
     key = torch.where(valid, slot * tq + rows_b, num_slots * tq).flatten()
+    bounds = torch.arange(num_slots + 1, device=device) * tq
     if (num_slots + 1) * tq < 2**31:
-        key = key.to(torch.int32)
+        key, bounds = key.to(torch.int32), bounds.to(torch.int32)
     key = torch.sort(key).values
-    keep = key != num_slots * tq
-    keep[1:] &= key[1:] != key[:-1]
-    key = key[keep].to(torch.int64)
-    rows_out = (key % tq).to(torch.int32)
-    counts = torch.bincount(key // tq, minlength=num_slots)
-    offsets = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    return BlockCSR(
-        rows=rows_out,
-        offsets=offsets,
-        slot_b=slot_b,
-        slot_h=slot_h,
-        slot_krow0=slot_krow0,
-        slot_kend=slot_kend,
-        slot_pos0=slot_pos0,
-        slot_tshift=slot_tshift,
-    )
+    offsets = torch.searchsorted(key, bounds)
+    host_offsets, ready = _to_host(offsets)
+    slots = (slot_b, slot_h, slot_krow0, slot_kend, slot_pos0, slot_tshift)
+    return CSRInFlight(key, tq, offsets, host_offsets, ready, slots)
 
 
 @dataclass(frozen=True)
@@ -176,50 +243,60 @@ def default_segment_tokens(num_pairs: int, num_sms: int) -> int:
 
 
 def build_dkv_work(csr: BlockCSR, segment_tokens: int) -> DkvWork:
-    """Cut each slot's rows into segments of at most ``segment_tokens`` (empty slots: none)."""
+    """Cut each slot's rows into segments of at most ``segment_tokens`` (empty slots: none).
+
+    Planned on the host from ``csr.host_offsets`` (no wait for the device); the plan goes to the
+    device in one asynchronous copy and picks its slot fields there.
+    """
     if segment_tokens < 1:
         raise ValueError(f"segment_tokens must be >= 1, got {segment_tokens}")
     device = csr.offsets.device
-    counts = csr.counts()
+    offsets = csr.host_offsets
+    counts = offsets[1:] - offsets[:-1]
     nseg = -(-counts // segment_tokens)
     total = int(nseg.sum())
-    slot_ids = torch.arange(csr.num_slots, device=device)
-    seg_slot = torch.repeat_interleave(slot_ids, nseg, output_size=total)
+    seg_slot = torch.repeat_interleave(torch.arange(counts.numel()), nseg, output_size=total)
     seg_first = torch.cumsum(nseg, 0) - nseg
-    k_in_slot = torch.arange(total, device=device) - seg_first[seg_slot]
-    start = csr.offsets[seg_slot] + k_in_slot * segment_tokens
-    end = torch.minimum(start + segment_tokens, csr.offsets[seg_slot + 1])
+    k_in_slot = torch.arange(total) - seg_first[seg_slot]
+    start = offsets[seg_slot] + k_in_slot * segment_tokens
+    end = torch.minimum(start + segment_tokens, offsets[seg_slot + 1])
     multi = nseg[seg_slot] > 1
     part = torch.where(multi, torch.cumsum(multi.to(torch.int64), 0) - 1, -1)
     num_parts = int(multi.sum())
-    segments = torch.stack(
-        [
-            csr.slot_b[seg_slot],
-            csr.slot_h[seg_slot],
-            csr.slot_krow0[seg_slot],
-            csr.slot_kend[seg_slot],
-            csr.slot_pos0[seg_slot],
-            start,
-            end,
-            part,
-            csr.slot_tshift[seg_slot],
-        ],
-        dim=1,
-    )
-    assert segments.shape[1] == SEG_FIELDS
     order = torch.sort(end - start, descending=True, stable=True).indices
-    segments = segments[order].contiguous()
-
     multi_slots = torch.nonzero(nseg > 1).flatten()
     first_part = torch.cumsum(torch.where(nseg > 1, nseg, 0), 0) - nseg
+    plan = torch.stack([seg_slot[order], start[order], end[order], part[order]])
+    # A fourth row of zeros so that both plans travel as one [4, S + M] tensor.
+    reduce_plan = torch.stack(
+        [multi_slots, first_part[multi_slots], nseg[multi_slots], torch.zeros_like(multi_slots)]
+    )
+    both = _to_device(torch.cat([plan, reduce_plan], dim=1), device)
+    seg_slot_d, start_d, end_d, part_d = both[:, :total]
+    red_slot, red_first, red_count = both[:3, total:]
+    segments = torch.stack(
+        [
+            csr.slot_b[seg_slot_d],
+            csr.slot_h[seg_slot_d],
+            csr.slot_krow0[seg_slot_d],
+            csr.slot_kend[seg_slot_d],
+            csr.slot_pos0[seg_slot_d],
+            start_d,
+            end_d,
+            part_d,
+            csr.slot_tshift[seg_slot_d],
+        ],
+        dim=1,
+    ).contiguous()
+    assert segments.shape[1] == SEG_FIELDS
     reductions = torch.stack(
         [
-            csr.slot_b[multi_slots],
-            csr.slot_h[multi_slots],
-            csr.slot_krow0[multi_slots],
-            csr.slot_kend[multi_slots],
-            first_part[multi_slots],
-            nseg[multi_slots],
+            csr.slot_b[red_slot],
+            csr.slot_h[red_slot],
+            csr.slot_krow0[red_slot],
+            csr.slot_kend[red_slot],
+            red_first,
+            red_count,
         ],
         dim=1,
     ).contiguous()
