@@ -40,10 +40,6 @@ HAS_GATHER = hasattr(tl, "gather")
 # Shared memory (bytes) the float32 kernel asks at two stages with dk = 192, G = 16, compiled
 # for sm_89 (99 KiB per block; Triton 3.6, ci/compile_triton.py); one stage fits there.
 STAGE_BYTES_FP32_WIDE = {2: 123_904}
-# ScoreConfig.insert_max when 0 (choose). Late in a long walk one to three keys per token beat
-# the weakest kept one (H100, T = 64k), where the full merge took about 0.85 ms of the
-# kernel's 7.03; 2 is a first guess, to be measured against -1 (the full merge alone).
-INSERT_MAX_DEFAULT = 2
 
 
 @dataclass(frozen=True)
@@ -59,12 +55,6 @@ class ScoreConfig(TileConfig):
         warps, stages: the launch.
         shift: how scores move by whole selection blocks: 1 ``tl.gather``, 2 a one-hot
             contraction (any Triton 3), 0 chooses 1 where Triton has ``tl.gather``.
-        insert_max: how a tile's keys enter each token's running top-n. k >= 1: a tile whose
-            tokens each have at most k keys that beat their weakest kept key inserts them one
-            by one (k steps at most), a tile with more takes the full merge (a sort of the
-            tile and a bitonic merge); -1: the full merge for every tile with a beating key
-            (the kernel's INSERT_MAX = 0); 0 chooses (INSERT_MAX_DEFAULT). Every setting
-            selects the same blocks, bit for bit; only the time differs.
     """
 
     block_rows: int = 0
@@ -73,7 +63,6 @@ class ScoreConfig(TileConfig):
     warps: int = 0
     stages: int = 0
     shift: int = 0
-    insert_max: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,7 +134,6 @@ def resolve_config(
     pow2(n) (the running top-n merges NP-wide chunks of a tile) and pow2(Q) (a spill reaches
     one tile back at most). ``shared_bytes`` (the device's per block, None: no limit): float32
     at dk > 128 takes one stage where two ask more (STAGE_BYTES_FP32_WIDE; sm_86, sm_89).
-    insert_max: INSERT_MAX_DEFAULT; -1 (the full merge alone) is kept as asked.
     """
     cfg = config or ScoreConfig()
     check_pow2_tiles(cfg, ("block_rows", "block_sel", "block_lse"))
@@ -153,11 +141,6 @@ def resolve_config(
         raise ValueError(f"shift must be 0 (choose), 1 (tl.gather) or 2 (one-hot), got {cfg.shift}")
     if cfg.shift == 1 and not HAS_GATHER:
         raise ValueError("shift=1 needs tl.gather (Triton >= 3.2); use shift=2")
-    if cfg.insert_max < -1:
-        raise ValueError(
-            f"insert_max must be -1 (full merge), 0 (choose) or a step count >= 1, "
-            f"got {cfg.insert_max}"
-        )
     heads = pow2(group)
     wide = 32 if dtype == torch.float32 else 128
     rows = max(cfg.block_rows or min(wide, heads * pow2(max(tq, 1))), heads, 16)
@@ -176,7 +159,6 @@ def resolve_config(
         warps=cfg.warps or (4 if dot_elements <= 128 * 64 and head_dim <= 128 else 8),
         stages=cfg.stages or stages_within(2, stage_needs, shared_bytes),
         shift=cfg.shift or (1 if HAS_GATHER else 2),
-        insert_max=cfg.insert_max or INSERT_MAX_DEFAULT,
     )
 
 
@@ -318,7 +300,6 @@ def select_blocks_triton(
         LOG_BT=_log2(tokens), LOG_BS=_log2(cfg.block_sel), LOG_NP=_log2(top_width),
         HAS_LSE=lse is not None, VARLEN=cu_seqlens is not None,
         USE_GATHER=cfg.shift == 1, DOT_PREC=dot_precision(q.dtype),
-        INSERT_MAX=max(cfg.insert_max, 0),
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return indices, counts

@@ -28,17 +28,6 @@ without a normaliser get lse = +inf, hence p = 0), then the tiles along the caus
 Softmax runs in base 2 (``qk_scale = scale * log2 e``); the normaliser is the lse argument
 (natural log, converted) or, without it, a first pass over the visible blocks (online max/sum).
 
-The running top-n: ``run [BT, NP]``, each token's NP best keys so far (below). A tile merges
-into it only when some key beats the weakest kept one. The full merge sorts the tile's keys and
-bitonic-merges their NP largest into run (kept sorted descending). Late in a long walk only a
-few keys of a tile beat the weakest kept one (at 64k, one to three per token), and the full
-merge then costs far more than it moves: with INSERT_MAX > 0, run is an unsorted *set* of NP
-distinct keys, and a tile whose tokens each have at most INSERT_MAX beating keys inserts them
-one by one (the best key of each token replaces the weakest kept one where it beats it); a tile
-with more takes the full merge (run sorted first). Both keep exactly the NP largest keys (keys
-are unique), so the selection is the same bit for bit; run is sorted once at the end.
-INSERT_MAX = 0 is the full merge alone, as before this path.
-
 Ties: equal keys give bit-equal logits (every column of a ``tl.dot`` is the same dot product
 of its operands), every later step treats all columns and all blocks alike (the same reductions
 in the same order; the shifts only move values, exactly), so equal inputs give bit-equal scores
@@ -64,9 +53,6 @@ LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)
 # The low half of a key holds j ^ _LOW = 2^31 - 1 - j (j < 2^31): larger for lower j.
 _LOW = tl.constexpr(0x7FFFFFFF)
-# With INSERT_MAX > 0: the key of a block that is no candidate, below every entry run starts
-# with (-1 - rank), so it never enters run and never matches one of its entries.
-_NONE = tl.constexpr(-(1 << 62))
 
 
 @triton.jit
@@ -103,69 +89,6 @@ def _bitonic(
             # picks between h and its partner (equal values make either choice the same).
             h = tl.where((h < partner) == ((right ^ flip) != 0), partner, h)
     return tl.reshape(h, x.shape)
-
-
-@triton.jit
-def _merge_keys(
-    run,
-    key,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    NP: tl.constexpr,
-    LOG_BT: tl.constexpr,
-    LOG_BS: tl.constexpr,
-    LOG_NP: tl.constexpr,
-):
-    """run [BT, NP] descending, key [BT, BS] -> the NP largest of both per token, descending."""
-    # The NP largest keys of the tile, ascending: the last NP of the sorted tile are
-    # elementwise the largest of its NP-wide chunks.
-    ordered = _bitonic(key, LOG_BT, LOG_BS, 0, False)
-    top = tl.max(tl.reshape(ordered, (BT, BS // NP, NP)), axis=1)
-    # run is descending, top ascending: their elementwise max holds the NP largest of
-    # both and is bitonic, so one merge sorts it.
-    return _bitonic(tl.maximum(run, top), LOG_BT, LOG_NP, 1, True)
-
-
-@triton.jit
-def _insert_keys(
-    run,
-    key,
-    BT: tl.constexpr,
-    BS: tl.constexpr,
-    NP: tl.constexpr,
-    LOG_BT: tl.constexpr,
-    LOG_BS: tl.constexpr,
-    LOG_NP: tl.constexpr,
-    INSERT_MAX: tl.constexpr,
-):
-    """run [BT, NP] a set of distinct keys, key [BT, BS] -> the NP largest of both per token.
-
-    Keys are unique (candidates differ in j, run's placeholders are distinct, the keys of
-    non-candidates, all _NONE, lie below them), so the NP largest of run and key form one well
-    defined set, and only keys above the weakest kept one (``low``) can be in it: of a token
-    with c such keys, its c largest at most. When the largest c of the tile's tokens, ``most``,
-    is at most INSERT_MAX, ``most`` steps each put every token's best remaining key in place of
-    its weakest kept one where it beats it (once a token's best does not, no later one does:
-    they fall, the weakest kept rises); else the full merge, run sorted first. run comes back an
-    unsorted set from the steps, sorted descending from the merge.
-    """
-    low = tl.min(run, axis=1)
-    most = tl.max(tl.sum((key > low[:, None]).to(tl.int32), axis=1), axis=0)
-    if most > INSERT_MAX:
-        run = _merge_keys(
-            _bitonic(run, LOG_BT, LOG_NP, 1, False), key, BT, BS, NP, LOG_BT, LOG_BS, LOG_NP
-        )
-    else:
-        # most == 0 runs no step: nothing beats.
-        for _ in range(most):
-            best = tl.max(key, axis=1)
-            # run's entries are distinct: exactly one equals low.
-            enter = (run == low[:, None]) & (best > low)[:, None]
-            run = tl.where(enter, best[:, None], run)
-            # best is the largest key left: the rest lie below it.
-            key = tl.where(key < best[:, None], key, _NONE)
-            low = tl.min(run, axis=1)
-    return run
 
 
 @triton.jit
@@ -322,20 +245,16 @@ def _score_tile(
     MASKED: tl.constexpr,
     USE_GATHER: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    INSERT_MAX: tl.constexpr,
 ):
     """Score selection blocks j0 .. j0 + BS - 1 and merge them into the running top-n.
 
-    run [BT, NP] int64: each token's best keys so far (INSERT_MAX = 0: descending, -1 for
-    none; else a set in any order, distinct placeholders ``-1 - rank`` for none; see
-    :func:`_insert_keys`). p_prev: what the previous tile carries into this one (its blocks
-    spill into this tile's first ones): for Q <= 1 its spill sums [BT, BS] (the weights w[1]
-    applied), else its group-summed probabilities [BT, RP, BS]. lse2 [BM]: base-2
-    normalisers, +inf on rows that must give p = 0. nan_tok [BT, BS] int32: 1 where a token
-    has had a NaN score so far (reduced at the end). real_rows [BM]: rows of a real head
-    (g < G). MASKED: some row does not see some block of the tile. INSERT_MAX: the most keys
-    per token a tile inserts one by one (0: the full merge always). Returns (run, the carry,
-    nan_tok), each updated with this tile.
+    run [BT, NP] int64: each token's best keys so far, descending (-1: none). p_prev: what the
+    previous tile carries into this one (its blocks spill into this tile's first ones): for
+    Q <= 1 its spill sums [BT, BS] (the weights w[1] applied), else its group-summed
+    probabilities [BT, RP, BS]. lse2 [BM]: base-2 normalisers, +inf on rows that must give
+    p = 0. nan_tok [BT, BS] int32: 1 where a token has had a NaN score so far (reduced at
+    the end). real_rows [BM]: rows of a real head (g < G). MASKED: some row does not see some
+    block of the tile. Returns (run, the carry, nan_tok), each updated with this tile.
     """
     cols = tl.arange(0, RP * BS)
     col_m = cols // BS
@@ -391,15 +310,17 @@ def _score_tile(
     # finite score and above no candidate (docs/spec.md, "Non-finite values").
     finite = score < float("inf")
     bits = tl.where(finite, score.to(tl.int32, bitcast=True).to(tl.int64) + 1, 0)
-    none = _NONE if INSERT_MAX > 0 else -1
-    key = tl.where(cand, (bits << 32) | (j.to(tl.int64) ^ _LOW)[None, :], none)
-    if INSERT_MAX > 0:
-        run = _insert_keys(run, key, BT, BS, NP, LOG_BT, LOG_BS, LOG_NP, INSERT_MAX)
-    else:
-        # Merge only when some key beats the weakest kept one of its token.
-        beats = tl.max(key, axis=1) > tl.min(run, axis=1)
-        if tl.max(beats.to(tl.int32), axis=0) > 0:
-            run = _merge_keys(run, key, BT, BS, NP, LOG_BT, LOG_BS, LOG_NP)
+    key = tl.where(cand, (bits << 32) | (j.to(tl.int64) ^ _LOW)[None, :], -1)
+    # Merge only when some key beats the weakest kept one of its token.
+    beats = tl.max(key, axis=1) > tl.min(run, axis=1)
+    if tl.max(beats.to(tl.int32), axis=0) > 0:
+        # The NP largest keys of the tile, ascending: the last NP of the sorted tile are
+        # elementwise the largest of its NP-wide chunks.
+        ordered = _bitonic(key, LOG_BT, LOG_BS, 0, False)
+        top = tl.max(tl.reshape(ordered, (BT, BS // NP, NP)), axis=1)
+        # run is descending, top ascending: their elementwise max holds the NP largest of
+        # both and is bitonic, so one merge sorts it.
+        run = _bitonic(tl.maximum(run, top), LOG_BT, LOG_NP, 1, True)
     return run, carry, nan_tok
 
 
@@ -456,7 +377,6 @@ def score_topn_kernel(
     VARLEN: tl.constexpr,
     USE_GATHER: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    INSERT_MAX: tl.constexpr,
 ):
     """indices [BT, n] and counts [BT] of BT query tokens for one kv head.
 
@@ -465,8 +385,6 @@ def score_topn_kernel(
     q [B, Tq, HQ, dk] and k_cmp [B, N, H, dk] have unit stride in dk; lse [B, Tq, HQ] float32
     (natural log) when HAS_LSE. dk is split into two
     power-of-two chunks BK1 + BK2 >= DK (BK2 = 0: one chunk), so dk = 192 runs as 128 + 64.
-    INSERT_MAX: a tile whose tokens have at most this many keys each that enter the running
-    top-n inserts them one by one, else it takes the full merge (0: the full merge always).
     Positions are int32; memory offsets int64.
     """
     i = tl.program_id(0)
@@ -555,11 +473,7 @@ def score_topn_kernel(
     toks = tl.arange(0, BT)
     tok_ok = toks < n_rows
     jt = (t0 + toks) // SEL
-    if INSERT_MAX > 0:
-        # A set: its placeholders must be distinct (one entry is replaced at a time).
-        run = tl.full([BT, NP], -1, dtype=tl.int64) - tl.arange(0, NP)[None, :]
-    else:
-        run = tl.full([BT, NP], -1, dtype=tl.int64)
+    run = tl.full([BT, NP], -1, dtype=tl.int64)
     if REACH <= 1:
         p_prev = tl.zeros([BT, BS], dtype=tl.float32)
     else:
@@ -573,18 +487,14 @@ def score_topn_kernel(
         run, p_prev, nan_tok = _score_tile(
             j0, run, p_prev, nan_tok, real_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok,
             jt, n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, G, GP, BS,
-            NP, LOG_BT, LOG_BS, LOG_NP, False, USE_GATHER, DOT_PREC, INSERT_MAX,
+            NP, LOG_BT, LOG_BS, LOG_NP, False, USE_GATHER, DOT_PREC,
         )  # fmt: skip
     for j0 in range(seen_by_all, sel_end, BS):
         run, p_prev, nan_tok = _score_tile(
             j0, run, p_prev, nan_tok, real_rows, q1, q2, k_head, stride_kt, lse2, t_row, tok_ok,
             jt, n_vis, qk_scale, DK, BK1, BK2, CMP_BLOCK, CMP_STRIDE, R, RP, REACH, BT, G, GP, BS,
-            NP, LOG_BT, LOG_BS, LOG_NP, True, USE_GATHER, DOT_PREC, INSERT_MAX,
+            NP, LOG_BT, LOG_BS, LOG_NP, True, USE_GATHER, DOT_PREC,
         )  # fmt: skip
-
-    if INSERT_MAX > 0:
-        # The readout below takes each token's best keys by rank: sort the set once.
-        run = _bitonic(run, LOG_BT, LOG_NP, 1, False)
 
     # Forced blocks {0, jt - 1, jt} as a set (jt = 0: {0}; jt = 1: {0, 1}); the first
     # min(n, |F|) of them, then the n - |F| best candidates.
