@@ -518,7 +518,9 @@ def _bwd(
     bn = cfg.dkv_block_n
     layout = row_tiles(info.group, cfg.dkv_block_m)
     tiles, num_tiles = _key_tiles(info, bn, q.device)
-    seg = segment_rows(info, cfg, layout.tokens, num_sms(q.device))
+    # A gated launch (skip) takes one segment per key tile: no fp32 partials, which at T = 64k
+    # would hold about 1 GiB for a backward that runs only on non-finite keys.
+    seg = segment_rows(info, cfg, layout.tokens, num_sms(q.device)) if skip is None else info.tq
     num_segs = max(1, -(-info.tq // seg))
     parts = num_tiles * info.h * num_segs if num_segs > 1 else 1
     dk_part = torch.empty(parts, bn, info.bk, dtype=torch.float32, device=q.device)
