@@ -62,8 +62,9 @@ def test_public_selected_attention_runs_the_triton_kernel() -> None:
 def test_the_core_forward_at_16k_takes_no_host_sync() -> None:
     """Without a gradient, the attention core on its default routes (cuDNN's compressed branch
     from 16k on sm_90, block scoring, the selected and sliding branches) queues its work without
-    waiting for the device: torch's sync debug mode raises on any synchronizing call. A warm-up
-    call first, so that compilation and first-use setup stay out of the check."""
+    waiting for the device: torch's sync debug mode raises on the synchronizing calls it knows
+    (a prototype: item(), nonzero, masked selects, blocking copies and the like). A warm-up call
+    first, so that compilation and first-use setup stay out of the check."""
     import nsa_core
     from nsa_core.config import NSAConfig
 
