@@ -163,54 +163,37 @@ def test_backend_refuses_packed_sequences_before_any_kernel() -> None:
         compressed_attention_cudnn(q, k, k, 16, 16, cu_seqlens=cu)
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Equal bit for bit, NaN where the other is NaN."""
-    assert a is not None
-    assert b is not None
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-
-
-@pytest.mark.triton
 @pytest.mark.parametrize("bad", ["k", "v", "none"])
-def test_non_finite_keys_with_a_gradient_are_contained_on_the_device(
+def test_non_finite_keys_with_a_gradient_go_to_the_kernels_that_contain_them(
     bad: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With a gradient too, no host check: where k_cmp or v_cmp holds a NaN, o and the
-    gradients of q, k_cmp and v_cmp are the Triton Function's, bit for bit (its forward and
-    backward overwrite the fold's, each launch gated on a device flag); with finite keys they
-    are the fold's own (here the float64 model of cuDNN, which leaks a NaN value to rows that
-    do not see its block)."""
-    from nsa_kernels.compressed import cudnn
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+    """docs/spec.md, "Non-finite values": with a gradient, a NaN in k_cmp or v_cmp sends the
+    call to the Triton Function (the host checks); finite ones go through the fold (here to the
+    float64 model of cuDNN)."""
+    from nsa_kernels.compressed import cudnn, triton_function
+
+    served: list[str] = []
+
+    def fake_triton(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        served.append("triton")
+        return torch.zeros(1), torch.zeros(1)
 
     def model(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        served.append("fold")
         return model_attend(*args)  # type: ignore[arg-type]
 
+    monkeypatch.setattr(triton_function, "compressed_attention_triton_with_lse", fake_triton)
     monkeypatch.setattr(cudnn, "cudnn_attend", model)
-    gen = torch.Generator().manual_seed(12)
-    q = torch.randn(1, 40, 2, 8, generator=gen)
-    k, v = torch.randn(1, 4, 1, 8, generator=gen), torch.randn(1, 4, 1, 8, generator=gen)
-    do = torch.randn(1, 40, 2, 8, generator=gen)
+    q = torch.randn(1, 40, 2, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(1, 4, 1, 8, dtype=torch.float64),
+        torch.randn(1, 4, 1, 8, dtype=torch.float64),
+    )
     if bad != "none":
         (k if bad == "k" else v)[0, 1, 0, 3] = float("nan")
-    call = CompressedCall(
-        scale=8**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(), cmp_block=16, cmp_stride=8
-    )
-    got_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    o, _ = cudnn.compressed_attention_cudnn_with_lse(*got_in, 16, 8)
-    o.backward(do)
-    want_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    if bad == "none":
-        want, _ = folded_attention(*want_in, call, model)
-    else:
-        want, _ = compressed_attention_triton_with_lse(*want_in, 16, 8)
-    want.backward(do)
-    assert _same(o, want)
-    for name, a, b in zip("qkv", got_in, want_in, strict=True):
-        assert _same(a.grad, b.grad), f"d{name}"
-    if bad != "none":
-        sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(40)])
-        assert torch.equal(torch.isnan(o).any(-1).any(-1)[0], sees_bad)
+    cudnn.compressed_attention_cudnn_with_lse(q, k, v, 16, 8)
+    assert served[0] == ("fold" if bad == "none" else "triton")
+    assert ("triton" in served) == (bad != "none")
 
 
 @pytest.mark.triton

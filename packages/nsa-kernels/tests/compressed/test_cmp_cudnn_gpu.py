@@ -120,56 +120,33 @@ def test_every_query_blind_keeps_a_zero_gradient(request: pytest.FixtureRequest)
     assert all(x.grad is not None and torch.count_nonzero(x.grad) == 0 for x in leaves)
 
 
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    """Equal bit for bit, NaN where the other is NaN."""
-    assert a is not None
-    assert b is not None
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-
-
-@pytest.mark.parametrize("grad", [False, True], ids=["forward", "with_grad"])
 @pytest.mark.parametrize("bad", ["k", "v", "none"])
-def test_non_finite_keys_are_contained_on_the_device(
-    bad: str, grad: bool, request: pytest.FixtureRequest
+def test_forward_without_a_gradient_contains_non_finite_keys_on_the_device(
+    bad: str, request: pytest.FixtureRequest
 ) -> None:
     """docs/spec.md, "Non-finite values", with no host sync: a NaN in k_cmp or v_cmp makes the
-    backend's o and lse (and with a gradient dq, dk_cmp, dv_cmp) the Triton kernels', bit for
-    bit, NaN only on the rows that see the block; finite keys leave cuDNN's own results (its dq
-    is not bitwise reproducible: within a bf16 rounding there, dk and dv bit for bit)."""
-    q, k, v, do = _draw(request, 2048, 128, 128, 0, torch.bfloat16)
+    backend's o and lse the Triton forward's, bit for bit (NaN only on the rows that see the
+    block); finite keys leave cuDNN's own o and lse untouched."""
+    q, k, v, _ = _draw(request, 2048, 128, 128, 0, torch.bfloat16)
     if bad != "none":
         (k if bad == "k" else v)[0, 40, 1, 7] = float("nan")
-    call = CompressedCall(
-        scale=128**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(),
-        cmp_block=L_CMP, cmp_stride=D_CMP,
-    )  # fmt: skip
-    with torch.set_grad_enabled(grad):
-        got_in = [x.clone().requires_grad_(grad) for x in (q, k, v)]
-        o, lse = compressed_attention_cudnn_with_lse(*got_in, L_CMP, D_CMP)
-        want_in = [x.clone().requires_grad_(grad) for x in (q, k, v)]
+    with torch.no_grad():
+        o, lse = compressed_attention_cudnn_with_lse(q, k, v, L_CMP, D_CMP)
         if bad == "none":
-            want_o, want_lse = folded_attention(*want_in, call, cudnn_attend)
+            call = CompressedCall(
+                scale=128**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(),
+                cmp_block=L_CMP, cmp_stride=D_CMP,
+            )  # fmt: skip
+            want_o, want_lse = folded_attention(q, k, v, call, cudnn_attend)
         else:
-            want_o, want_lse = compressed_attention_triton_with_lse(*want_in, L_CMP, D_CMP)
-    assert _same(o, want_o)
+            want_o, want_lse = compressed_attention_triton_with_lse(q, k, v, L_CMP, D_CMP)
+    assert torch.equal(o.isnan(), want_o.isnan())
+    assert torch.equal(o.nan_to_num(), want_o.nan_to_num())
     assert torch.equal(lse.nan_to_num(), want_lse.nan_to_num())
     sees_bad = torch.tensor(
         [num_cmp_blocks(t + 1, L_CMP, D_CMP) > 40 for t in range(2048)], device="cuda"
     )
     assert torch.equal(o.isnan().flatten(2).any(-1)[0], sees_bad & (bad != "none"))
-    if not grad:
-        return
-    o.backward(do)
-    want_o.backward(do)
-    for name, a, b in zip("qkv", got_in, want_in, strict=True):
-        if bad == "none" and name == "q":
-            assert a.grad is not None
-            assert b.grad is not None
-            # One bfloat16 rounding apart at most (2^-7 relative): the same fp32 sums, added
-            # in another order.
-            assert torch.allclose(a.grad.float(), b.grad.float(), rtol=2**-7, atol=1e-6), "dq"
-        else:
-            assert _same(a.grad, b.grad), f"d{name}"
 
 
 @pytest.mark.usefixtures("kernels_registered")

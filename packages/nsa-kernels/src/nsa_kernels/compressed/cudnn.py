@@ -18,9 +18,11 @@ dq once into place, where autograd on slices of q would zero-fill and add a q-si
 run.
 
 A call whose compressed keys or values hold a non-finite value is served by the Triton kernels,
-which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"): cuDNN runs,
-then the Triton forward overwrites o and lse, and the Triton backward the gradients, each launch
-gated on a device flag (no host sync; :func:`_contain`).
+which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"). Without a
+gradient, cuDNN runs and the Triton forward overwrites its output, decided on the device
+(:func:`nsa_kernels.compressed.triton_function.contain_non_finite_into`: no host sync); with a
+gradient the host checks the values (one sync) and sends such a call to the Triton Function
+(:func:`_contained`).
 
 The kernel is cuDNN's flash attention, reached through ``torch.ops.aten.
 _scaled_dot_product_cudnn_attention``: the public SDPA does not return the log-sum-exp, which block
@@ -238,17 +240,13 @@ class _FoldedFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, split: RowSplit, call: CompressedCall,
-        attend: Attend, contain: bool,
+        attend: Attend,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         k_in, v_in = k.detach().requires_grad_(), v.detach().requires_grad_()
         with torch.enable_grad():
             runs = _runs(q.detach(), k_in, v_in, split, call, attend, leaves=True)
         o, lse = _assemble(q, v.shape[-1], split.blind, runs)
-        if contain:
-            _contain(o, lse, q, k, v, call)
-            ctx.save_for_backward(q, k, v, o, lse)
         ctx.runs, ctx.k_in, ctx.v_in, ctx.q_shape = runs, k_in, v_in, q.shape
-        ctx.call, ctx.contain = call, contain
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -259,9 +257,7 @@ class _FoldedFunction(torch.autograd.Function):
         dq = grad_o.new_empty(ctx.q_shape)
         if not runs:
             dq.zero_()
-            return (
-                dq, torch.zeros_like(ctx.k_in), torch.zeros_like(ctx.v_in), None, None, None, None
-            )  # fmt: skip
+            return dq, torch.zeros_like(ctx.k_in), torch.zeros_like(ctx.v_in), None, None, None
         outs = [o_run for _, _, o_run, _ in runs]
         grads = [grad_o[:, first : first + part.shape[1]].reshape(o_run.shape)
                  for first, part, o_run, _ in runs]  # fmt: skip
@@ -272,17 +268,7 @@ class _FoldedFunction(torch.autograd.Function):
         dq[:, : runs[0][0]] = 0
         for (first, part, _, _), dq_run in zip(runs, got, strict=False):
             dq[:, first : first + part.shape[1]] = dq_run
-        dk, dv = got[-2], got[-1]
-        if ctx.contain:
-            from nsa_kernels.compressed.triton_function import contain_non_finite_grads_into
-
-            q, k, v, o, lse = ctx.saved_tensors
-            call: CompressedCall = ctx.call
-            contain_non_finite_grads_into(
-                dq, dk, dv, grad_o, q, k, v, o, lse, call.cmp_block, call.cmp_stride, call.scale,
-                q_start=call.q_start,
-            )  # fmt: skip
-        return dq, dk, dv, None, None, None, None
+        return dq, got[-2], got[-1], None, None, None
 
 
 def folded_attention(
@@ -291,44 +277,19 @@ def folded_attention(
     v_cmp: Tensor,
     call: CompressedCall,
     attend: Attend,
-    *,
-    contain: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Dense compressed attention through ``attend`` on folded queries: q [B, Tq, HQ, dk],
     k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> (o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ]
-    float32, -inf where a query sees no block).
-
-    ``contain``: where k_cmp or v_cmp holds a non-finite value, the Triton kernels overwrite o
-    and lse, and the gradients, decided on the device (:func:`_contain`)."""
+    float32, -inf where a query sees no block)."""
     split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
     last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
     if last_keys > k_cmp.shape[1]:
         raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
-        o, lse = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend, contain)  # type: ignore[no-untyped-call]
+        o, lse = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend)  # type: ignore[no-untyped-call]
         return o, lse
     runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
-    o, lse = _assemble(q, v_cmp.shape[-1], split.blind, runs)
-    if contain:
-        _contain(o, lse, q, k_cmp, v_cmp, call)
-    return o, lse
-
-
-def _contain(
-    o: Tensor, lse: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
-) -> None:
-    """docs/spec.md, "Non-finite values": a non-finite compressed key or value reaches only the
-    rows that see its block. Whether cuDNN's tiles keep such a value from rows beside them that
-    do not see it (a masked entry still meets the block's value, 0 x NaN) is not established;
-    the Triton kernels' containment is tested (tests/test_nonfinite_kernels.py). So the Triton
-    forward overwrites o and lse where a value is non-finite, decided on the device: the host
-    check it replaces cost a sync, which left the GPU idle for about 0.5 ms before the next
-    launch at T = 64k (docs/results/2026-11-26-h100-layer-8.md)."""
-    from nsa_kernels.compressed.triton_function import contain_non_finite_into
-
-    contain_non_finite_into(
-        o, lse, q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
-    )
+    return _assemble(q, v_cmp.shape[-1], split.blind, runs)
 
 
 def _with_lse(
@@ -336,7 +297,47 @@ def _with_lse(
 ) -> tuple[Tensor, Tensor]:
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
-    return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend, contain=True)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
+        # The gradients of a non-finite call come from the Triton kernels too: the route is
+        # chosen on the host, at the cost of one sync.
+        if not _keys_finite(k_cmp, v_cmp):
+            return _contained(q, k_cmp, v_cmp, call)
+        return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
+    from nsa_kernels.compressed.triton_function import contain_non_finite_into
+
+    o, lse = folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
+    # No gradient: the Triton forward overwrites both where a value is non-finite, decided on
+    # the device; the host sync left a gap of about 0.5 ms before the next launch at T = 64k
+    # (docs/results/2026-11-26-h100-layer-8.md).
+    contain_non_finite_into(
+        o, lse, q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
+    )
+    return o, lse
+
+
+def _keys_finite(k_cmp: Tensor, v_cmp: Tensor) -> bool:
+    """Whether every compressed key and value is finite (one host sync over T/d rows: 8 MiB at
+    T = 64k). Inside a CUDA graph capture, which cannot sync, the answer is yes."""
+    if k_cmp.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return True
+    return bool(torch.isfinite(k_cmp).all() & torch.isfinite(v_cmp).all())
+
+
+def _contained(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
+) -> tuple[Tensor, Tensor]:
+    """A call with a gradient and a non-finite compressed key or value, on the Triton kernels.
+
+    docs/spec.md, "Non-finite values": such a value reaches only the rows that see its block.
+    cuDNN's tiles hold rows that see a block beside rows that do not, where a masked entry still
+    meets the block's value (0 x NaN); whether its kernels keep it out is not established, and
+    the Triton kernels' containment is tested (tests/test_nonfinite_kernels.py).
+    """
+    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+
+    return compressed_attention_triton_with_lse(
+        q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
+    )
 
 
 def _output(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall) -> Tensor:

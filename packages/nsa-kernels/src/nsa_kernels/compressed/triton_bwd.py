@@ -110,7 +110,6 @@ def cmp_bwd_dq_kernel(
     tiles_ptr,
     cu_ptr,
     cmp_cu_ptr,
-    skip_ptr,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -147,17 +146,11 @@ def cmp_bwd_dq_kernel(
     VARLEN: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    SKIPPABLE: tl.constexpr,
 ):
     """dq [BM, DK], delta and lse2 [BM] of one query tile (the forward's tiling and grid).
 
     ``q``/``dq`` share strides, as do ``o``/``do`` and ``lse``/``delta``/``lse2`` [B, Tq, HQ].
     """
-    # A launch gated on a device flag (contain_non_finite_grads_into): nonzero skips it. Two
-    # ifs, so that an ungated launch compiles no load of the flag.
-    if SKIPPABLE:  # noqa: SIM102
-        if tl.load(skip_ptr) != 0:
-            return
     b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo, n_start, n_open = (
         query_tile_rows(
             tiles_ptr, cu_ptr, cmp_cu_ptr, batch, tq, q_start, num_kv_heads, window,
@@ -309,7 +302,6 @@ def cmp_bwd_dkv_kernel(
     tiles_ptr,
     cu_ptr,
     cmp_cu_ptr,
-    skip_ptr,
     stride_qb,
     stride_qt,
     stride_qh,
@@ -350,7 +342,6 @@ def cmp_bwd_dkv_kernel(
     VARLEN: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    SKIPPABLE: tl.constexpr,
 ):
     """dk [BN, DK], dv [BN, DV] of one key tile of one kv head, over one query segment.
 
@@ -361,11 +352,6 @@ def cmp_bwd_dkv_kernel(
     p -> kv head ``p % H``, tile ``(p // H) % num_tiles``,
     segment ``num_segs - 1 - p // (H * num_tiles)`` (the last segments are the fullest).
     """
-    # A launch gated on a device flag (contain_non_finite_grads_into): nonzero skips it. Two
-    # ifs, so that an ungated launch compiles no load of the flag.
-    if SKIPPABLE:  # noqa: SIM102
-        if tl.load(skip_ptr) != 0:
-            return
     pid = tl.program_id(0)
     kvh = pid % num_kv_heads
     rest = pid // num_kv_heads
@@ -452,7 +438,6 @@ def cmp_dkv_reduce_kernel(
     tiles_ptr,
     cu_ptr,
     cmp_cu_ptr,
-    skip_ptr,
     stride_kb,
     stride_kt,
     stride_kh,
@@ -476,18 +461,12 @@ def cmp_dkv_reduce_kernel(
     BN: tl.constexpr,
     VARLEN: tl.constexpr,
     WINDOWED: tl.constexpr,
-    SKIPPABLE: tl.constexpr,
 ):
     """Sum, in segment order, the partials of one key tile split over several segments.
 
     Grid: (num_tiles * H,), program p -> tile ``p // H``, kv head ``p % H``. Tiles that were not
     split were written by ``cmp_bwd_dkv_kernel``; their programs store nothing.
     """
-    # A launch gated on a device flag (contain_non_finite_grads_into): nonzero skips it. Two
-    # ifs, so that an ungated launch compiles no load of the flag.
-    if SKIPPABLE:  # noqa: SIM102
-        if tl.load(skip_ptr) != 0:
-            return
     pid = tl.program_id(0)
     kvh = pid % num_kv_heads
     tile = pid // num_kv_heads

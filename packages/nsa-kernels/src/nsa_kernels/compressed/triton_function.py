@@ -473,21 +473,12 @@ def _bwd(
     lse: torch.Tensor,
     info: _Launch,
     cfg: CmpConfig,
-    *,
-    into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    skip: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of the backward kernels, written into ``into`` when given.
-
-    ``skip``: an int32 [1] device flag; where it is nonzero every launch returns at once and
-    ``into`` keeps what it holds (no host sync either way).
-    """
     if info.tq == 0 or info.num_blocks == 0:
-        if into is not None:
-            return into
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = into or (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-    skippable = skip is not None
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     do = do.contiguous()
     o = o.contiguous()
     delta = torch.empty_like(lse)
@@ -495,13 +486,11 @@ def _bwd(
     cu, cmp_cu = _varlen_args(info, q.device)
     varlen = info.cu_seqlens is not None
     prec = dot_precision(q.dtype)
-    # Unread unless SKIPPABLE: any int32 tensor holds its place.
-    skip_flag = skip if skip is not None else cu
 
     layout = row_tiles(info.group, cfg.dq_block_m)
     tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
     cmp_bwd_dq_kernel[(num_tiles * info.h * layout.chunks,)](
-        q, k, v, o, do, lse, delta, lse2, dq, tiles, cu, cmp_cu, skip_flag,
+        q, k, v, o, do, lse, delta, lse2, dq, tiles, cu, cmp_cu,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -511,16 +500,14 @@ def _bwd(
         G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks,
         BM=cfg.dq_block_m, DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
         LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.dq_block_n,
-        VARLEN=varlen, WINDOWED=info.windowed, DOT_PREC=prec, SKIPPABLE=skippable,
+        VARLEN=varlen, WINDOWED=info.windowed, DOT_PREC=prec,
         num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
     )  # fmt: skip
 
     bn = cfg.dkv_block_n
     layout = row_tiles(info.group, cfg.dkv_block_m)
     tiles, num_tiles = _key_tiles(info, bn, q.device)
-    # A gated launch (skip) takes one segment per key tile: no fp32 partials, which at T = 64k
-    # would hold about 1 GiB for a backward that runs only on non-finite keys.
-    seg = segment_rows(info, cfg, layout.tokens, num_sms(q.device)) if skip is None else info.tq
+    seg = segment_rows(info, cfg, layout.tokens, num_sms(q.device))
     num_segs = max(1, -(-info.tq // seg))
     parts = num_tiles * info.h * num_segs if num_segs > 1 else 1
     dk_part = torch.empty(parts, bn, info.bk, dtype=torch.float32, device=q.device)
@@ -528,10 +515,10 @@ def _bwd(
     common = dict(
         DK=info.dk, BK=info.bk, DV=info.dv, BV=info.bv,
         LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=bn, VARLEN=varlen,
-        WINDOWED=info.windowed, SKIPPABLE=skippable,
+        WINDOWED=info.windowed,
     )  # fmt: skip
     cmp_bwd_dkv_kernel[(num_segs * num_tiles * info.h,)](
-        q, k, v, do, lse2, delta, dk, dv, dk_part, dv_part, tiles, cu, cmp_cu, skip_flag,
+        q, k, v, do, lse2, delta, dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -545,7 +532,7 @@ def _bwd(
     )  # fmt: skip
     if num_segs > 1:
         cmp_dkv_reduce_kernel[(num_tiles * info.h,)](
-            dk, dv, dk_part, dv_part, tiles, cu, cmp_cu, skip_flag,
+            dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_segs, seg, info.window,
@@ -598,37 +585,6 @@ def contain_non_finite_into(
     info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, None, None)
     k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
     _fwd(q.contiguous(), k_cmp, v_cmp, info, cfg, into=(o, lse), unless_finite=(k_cmp, v_cmp))
-
-
-def contain_non_finite_grads_into(
-    dq: torch.Tensor,
-    dk_cmp: torch.Tensor,
-    dv_cmp: torch.Tensor,
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    cmp_block: int,
-    cmp_stride: int,
-    scale: float | None = None,
-    *,
-    q_start: int = 0,
-) -> None:
-    """The backward of :func:`contain_non_finite_into`: where k_cmp or v_cmp holds a
-    non-finite value, overwrite dq [B, Tq, HQ, dk], dk_cmp and dv_cmp with this backward for
-    the upstream gradient ``do`` (o and lse: the contained forward's); else leave them.
-
-    Decided on the device like the forward (every launch returns at once on finite values).
-    """
-    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, None, None)
-    k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
-    skip = all_finite_flag(k_cmp, v_cmp)
-    _bwd(
-        do, q.contiguous(), k_cmp, v_cmp, o, lse.contiguous(), info, cfg,
-        into=(dq, dk_cmp, dv_cmp), skip=skip,
-    )  # fmt: skip
 
 
 def compressed_attention_bwd(
