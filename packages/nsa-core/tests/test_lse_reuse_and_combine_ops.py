@@ -377,3 +377,73 @@ def test_routing_report_says_where_the_combine_runs_inside_the_selected_launch(
         assert (note in combine) == summed, (requires_grad, combine)
         if summed:
             assert ("with grad" if requires_grad else "no grad") in combine
+
+
+def _combine(*args: torch.Tensor, toggles: Toggles) -> torch.Tensor:
+    return reference_gated_combine(*args)
+
+
+def _core_inputs(gen: torch.Generator) -> list[torch.Tensor]:
+    """q, k, v and gates of a short dense call of CONFIG, float64 leaves."""
+    t = 11
+    q = torch.randn(1, t, 4, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, t, 2, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, t, 2, 8, generator=gen, dtype=torch.float64)
+    gates = torch.sigmoid(torch.randn(1, t, 4, 3, generator=gen, dtype=torch.float64))
+    return [x.requires_grad_() for x in (q, k, v, gates)]
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_core_sums_the_three_gradients_of_q_with_the_combine_backends_fn_sum3(
+    gen: torch.Generator,
+) -> None:
+    """The three branches read q through ops.fan_out: where the combine's backend has an
+    ``fn_sum3``, the backward hands it the three branches' gradients of q once, and q's gradient
+    is its result; without one (the reference) autograd adds them. Both give the same dq."""
+    sums: list[tuple[tuple[int, ...], ...]] = []
+
+    def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, toggles: Toggles) -> torch.Tensor:
+        sums.append((tuple(a.shape), tuple(b.shape), tuple(c.shape)))
+        return a + b + c
+
+    inputs = _core_inputs(gen)
+    out = nsa_core.nsa_attention(*inputs, CONFIG)
+    do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad(out, inputs, do)
+    register_backend(
+        Backend("gated_combine", "summing", _combine, accept, priority=5, fn_sum3=sum3)
+    )
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = nsa_core.nsa_attention(*leaves, CONFIG)
+    got = torch.autograd.grad(out, leaves, do)
+    assert sums == [((1, 11, 4, 8),) * 3]
+    for name, a, b in zip(("q", "k", "v", "gates"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"d{name}")
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_fan_out_costs_nothing_without_a_gradient_and_adds_under_a_double_backward(
+    gen: torch.Generator,
+) -> None:
+    """No gradient: fan_out hands back q itself three times. A backward that builds a graph
+    (create_graph) adds the three gradients with torch, so the sum stays differentiable."""
+    sums: list[int] = []
+
+    def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, toggles: Toggles) -> torch.Tensor:
+        sums.append(1)
+        return a + b + c
+
+    register_backend(
+        Backend("gated_combine", "summing", _combine, accept, priority=5, fn_sum3=sum3)
+    )
+    q, _, _, gates = _core_inputs(gen)
+    with torch.no_grad():
+        assert all(x is q for x in ops.fan_out(q, gates))
+    views = ops.fan_out(q, gates)
+    assert all(x is not q and x.data_ptr() == q.data_ptr() for x in views)
+    loss = (views[0] ** 2).sum() + (views[1] ** 3).sum() + views[2].sum()
+    (dq,) = torch.autograd.grad(loss, q, create_graph=True)
+    assert sums == []
+    torch.testing.assert_close(dq, 2 * q + 3 * q**2 + 1)
+    (ddq,) = torch.autograd.grad(dq.sum(), q)
+    torch.testing.assert_close(ddq, 2 + 6 * q)

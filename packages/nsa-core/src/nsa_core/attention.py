@@ -132,22 +132,27 @@ def gated_output(
     Arguments as :func:`branch_outputs`, and gates [B, Tq, HQ, 3]. Where the selected branch's
     backend sums the three terms in its own launch (:func:`nsa_core.ops.selected_attention_gated`;
     with a gradient where that backend gives one), the selected branch runs last and does so:
-    the combine's pass over the three outputs is saved.
+    the combine's pass over the three outputs is saved. The branches' three gradients of q are
+    summed in one pass where the combine's backend can (:func:`nsa_core.ops.fan_out`).
     """
     scale = config.softmax_scale
+    # Each branch reads q through its own view, so that the three gradients of q meet in one
+    # fused sum (ops.fan_out) where the combine's backend has one.
+    q_cmp, q_slc, q_win = ops.fan_out(q, gates)
     o_cmp, indices = _compressed_and_indices(
-        config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
+        config, q_cmp, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
     )
-    o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
+    o_win = _sliding(config, q_win, k_win, v_win, q_start, win_start, cu_seqlens)
     o = ops.selected_attention_gated(
-        q, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=o_cmp, o_win=o_win,
+        q_slc, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=o_cmp, o_win=o_win,
         gates=gates, q_start=q_start, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     if o is not None:
         return o
     o_slc = ops.selected_attention(
-        q, k_slc, v_slc, indices, config.sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
+        q_slc, k_slc, v_slc, indices, config.sel_block, scale, q_start=q_start,
+        cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     return ops.gated_combine(o_cmp, o_slc, o_win, gates)
 
 

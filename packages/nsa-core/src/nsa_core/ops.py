@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -29,7 +29,7 @@ from nsa_core.checks import (
     check_sliding_attention,
 )
 from nsa_core.op_context import OpContext, op_context
-from nsa_core.registry import resolve_fn, resolve_fn_gated, resolve_fn_with_lse
+from nsa_core.registry import resolve_fn, resolve_fn_gated, resolve_fn_sum3, resolve_fn_with_lse
 from nsa_core.toggles import get_toggles
 
 P = ParamSpec("P")
@@ -39,6 +39,7 @@ __all__ = [
     "apply_rope",
     "compressed_attention",
     "compressed_attention_with_lse",
+    "fan_out",
     "gated_combine",
     "op_context",
     "select_blocks",
@@ -167,3 +168,50 @@ def selected_attention_gated(
         q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles,
     )  # fmt: skip
     return o
+
+
+class _FanOut(torch.autograd.Function):
+    """Three views of x for the three branches; backward: their gradients summed in one pass by
+    ``sum3`` (a backend's ``fn_sum3``) where all three arrive, else added by torch."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, sum3: Callable[..., torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.sum3 = sum3
+        return x.view_as(x), x.view_as(x), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, None]:
+        present = [g for g in grads if g is not None]
+        if not present:
+            return None, None
+        if len(present) == 3 and not torch.is_grad_enabled():
+            return ctx.sum3(*present), None
+        total = present[0]
+        for g in present[1:]:
+            total = total + g
+        return total, None
+
+
+def fan_out(
+    q: torch.Tensor, gates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, T, HQ, dk] for the compressed, selected and sliding branches: (q_cmp, q_slc, q_win).
+
+    Where q takes a gradient and the backend the registry picks for ``gated_combine`` (for
+    gates [B, T, HQ, 3]) has an ``fn_sum3``, three views of q whose gradients that backend sums
+    in one pass (three reads and one write of q's size, against two reads and a write per
+    autograd add); a higher-order backward (a graph through the gradients) adds them with
+    torch. Otherwise (q, q, q), at no cost.
+    """
+    if not (torch.is_grad_enabled() and q.requires_grad):
+        return q, q, q
+    toggles = get_toggles()
+    sum3 = resolve_fn_sum3(check_gated_combine(q, q, q, gates), toggles)
+    if sum3 is None:
+        return q, q, q
+    views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = _FanOut.apply(  # type: ignore[no-untyped-call]
+        q, functools.partial(sum3, toggles=toggles)
+    )
+    return views

@@ -73,6 +73,12 @@ class Backend:
     combine"), computed with the selected branch so that the combine's own pass is saved. The
     attention core calls it where no gradient is needed, and where one is if ``gated_grad``:
     then ``fn_gated`` is differentiable in q, k, v, o_cmp, o_win and gates.
+
+    ``fn_sum3`` (``gated_combine`` only, optional) takes three tensors of one shape and dtype
+    and the keyword ``toggles`` and returns ``a + b + c`` (float32 sums, one rounding, a new
+    tensor): the combine sums the three branches forward, and its backend sums their three
+    gradients of q backward (:func:`nsa_core.ops.fan_out`) in one pass where autograd would
+    add them two at a time.
     """
 
     op: str
@@ -84,6 +90,7 @@ class Backend:
     fn_with_lse: Callable[..., Any] | None = None
     fn_gated: Callable[..., Any] | None = None
     gated_grad: bool = False
+    fn_sum3: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,12 @@ def resolve_fn_gated(
     if (sel_ctx.requires_grad or combine_ctx.requires_grad) and not backend.gated_grad:
         return None
     return backend.fn_gated
+
+
+def resolve_fn_sum3(combine_ctx: OpContext, toggles: Toggles) -> Callable[..., Any] | None:
+    """The ``fn_sum3`` of the ``gated_combine`` backend :func:`resolve` picks, or None (the
+    reference combine has none: autograd adds the gradients)."""
+    return resolve("gated_combine", combine_ctx, toggles).backend.fn_sum3
 
 
 def _resolve_pinned(op: str, name: str, ctx: OpContext, toggles: Toggles) -> Resolution:

@@ -56,3 +56,14 @@ def test_public_op_routes_to_triton_on_cuda() -> None:
     torch.testing.assert_close(
         nsa_core.gated_combine(*inputs), gated_combine_triton(*inputs), rtol=0, atol=0
     )
+
+
+def test_sum3_in_bfloat16_is_the_float32_sum_rounded_once() -> None:
+    from nsa_kernels.combine.function import sum3_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    a, b, c = (
+        torch.randn(1, 4096 + 3, 64, 128, device="cuda", generator=gen).to(torch.bfloat16)
+        for _ in range(3)
+    )
+    assert torch.equal(sum3_triton(a, b, c), ((a.float() + b.float()) + c.float()).bfloat16())

@@ -192,3 +192,32 @@ def test_rejects_bad_arguments() -> None:
         gated_combine_triton(*inputs[:3], inputs[3][..., :2])
     with pytest.raises(TypeError, match="dtype"):
         gated_combine_triton(inputs[0], inputs[1].half(), *inputs[2:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("numel", [1, 4096, 2 * 4096 + 37], ids=["one", "one_block", "ragged"])
+def test_sum3_is_the_float32_sum_rounded_once(
+    dtype: torch.dtype, numel: int, request: pytest.FixtureRequest
+) -> None:
+    """sum3_triton (the combine backend's fn_sum3): (a + b) + c in float32, one rounding to the
+    dtype, bit for bit, over a last block that is partly masked; a non-contiguous input is read
+    by value. bfloat16 is checked on the GPU (test_combine_gpu.py)."""
+    from nsa_kernels.combine.function import sum3_triton
+
+    gen = _gen(request)
+    a, b, c = (torch.randn(numel, 2, generator=gen).to(dtype).to(DEVICE) for _ in range(3))
+    want = ((a.float() + b.float()) + c.float()).to(dtype)
+    assert torch.equal(sum3_triton(a, b, c), want)
+    strided = torch.stack([c, c], dim=-1)[..., 0]
+    assert not strided.is_contiguous()
+    assert torch.equal(sum3_triton(a, b, strided), want)
+
+
+def test_sum3_takes_one_shape_and_dtype() -> None:
+    from nsa_kernels.combine.function import sum3_triton
+
+    a = torch.zeros(4, 3, device=DEVICE)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        sum3_triton(a, a, torch.zeros(3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        sum3_triton(a, a, a.half())

@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_gated_combine
-from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel
+from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel, sum3_kernel
 from nsa_kernels.common.triton_inputs import check_dtype
 
 # Channels per chunk of a row and elements per program: a program holds BR x BD values of each
@@ -188,3 +188,30 @@ __all__ = [
     "gated_combine_triton",
     "tiles",
 ]
+
+
+# Elements per program of the three-way sum (a pass bound by memory traffic).
+SUM_BLOCK = 4096
+
+
+def sum3_triton(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a + b + c for three tensors of one shape and dtype, in one pass: float32 sums, one
+    rounding (``Backend.fn_sum3`` of the Triton combine; nsa_core.ops.fan_out sums the three
+    branches' gradients of q with it, where autograd would add them two at a time, each add
+    reading two q-sized tensors and writing one).
+
+    CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), float16, bfloat16 or float32; any
+    strides (a non-contiguous one is copied first). Returns a new contiguous tensor.
+    """
+    if not (a.shape == b.shape == c.shape) or not (a.dtype == b.dtype == c.dtype):
+        raise ValueError(
+            f"sum3 takes three tensors of one shape and dtype, got {tuple(a.shape)} {a.dtype}, "
+            f"{tuple(b.shape)} {b.dtype}, {tuple(c.shape)} {c.dtype}"
+        )
+    check_dtype(a.dtype, "three-way sum")
+    a, b, c = (x.contiguous() for x in (a, b, c))
+    out = torch.empty_like(a)
+    numel = a.numel()
+    if numel:
+        sum3_kernel[(_cdiv(numel, SUM_BLOCK),)](a, b, c, out, numel, BLOCK=SUM_BLOCK, num_warps=4)
+    return out

@@ -167,3 +167,15 @@ def combine_bwd_kernel(
         tl.store(dg_rows, dg0.to(kind), mask=row_ok)
         tl.store(dg_rows + 1, dg1.to(kind), mask=row_ok)
         tl.store(dg_rows + 2, dg2.to(kind), mask=row_ok)
+
+
+@triton.jit
+def sum3_kernel(a_ptr, b_ptr, c_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """out = a + b + c over BLOCK elements of four flat tensors of one dtype (float32 sum, one
+    rounding): the three branches' gradients of a shared input, in one pass."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    total = tl.load(a_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    total += tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    total += tl.load(c_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
