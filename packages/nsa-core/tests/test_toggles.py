@@ -39,6 +39,7 @@ DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
     "NSA_WIN_FA2": True,
     "NSA_WIN_FA2_MIN_LEN": 16,
     "NSA_COMBINE_BACKEND": "auto",
+    "NSA_COMBINE_GRAD_SUM": True,
     "NSA_DEBUG_LOG": False,
     "NSA_DEBUG_LOG_LIMIT": 10,
     "NSA_DEBUG_TIMING": False,

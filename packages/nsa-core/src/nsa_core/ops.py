@@ -199,15 +199,21 @@ def fan_out(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, T, HQ, dk] for the compressed, selected and sliding branches: (q_cmp, q_slc, q_win).
 
-    Where q takes a gradient and the backend the registry picks for ``gated_combine`` (for
-    gates [B, T, HQ, 3]) has an ``fn_sum3``, three views of q whose gradients that backend sums
-    in one pass (three reads and one write of q's size, against two reads and a write per
-    autograd add); a higher-order backward (a graph through the gradients) adds them with
-    torch. Otherwise (q, q, q), at no cost.
+    Where q takes a gradient, NSA_COMBINE_GRAD_SUM is on (the default) and the backend the
+    registry picks for ``gated_combine`` (for gates [B, T, HQ, 3]) has an ``fn_sum3``, three
+    views of q whose gradients that backend sums in one pass (three reads and one write of q's
+    size, against two reads and a write per autograd add: about 1.2 ms of a 111 ms
+    forward+backward at T = 64k on an H100). The price is memory: the three gradients are alive
+    together until the last arrives, one q-sized tensor more at the backward's peak than
+    autograd's running sum (15,559 -> 16,551 MiB at 64k; docs/results/2026-11-26-h100-layer-8.md);
+    NSA_COMBINE_GRAD_SUM=0 gives it back. A higher-order backward (a graph through the
+    gradients) adds them with torch. Otherwise (q, q, q), at no cost.
     """
     if not (torch.is_grad_enabled() and q.requires_grad):
         return q, q, q
     toggles = get_toggles()
+    if not toggles.combine_grad_sum:
+        return q, q, q
     sum3 = resolve_fn_sum3(check_gated_combine(q, q, q, gates), toggles)
     if sum3 is None:
         return q, q, q

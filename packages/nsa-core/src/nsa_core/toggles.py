@@ -24,6 +24,7 @@ the toggle. Other modules call :func:`get_toggles` and never read ``os.environ``
 | NSA_WIN_FA2 | bool | 1 | FlashAttention-2 for the sliding branch, if installed |
 | NSA_WIN_FA2_MIN_LEN | int | 16 | shortest sequence routed to FA-2 for the sliding branch |
 | NSA_COMBINE_BACKEND | str | auto | gated combine of the branches: ``auto`` or a backend name |
+| NSA_COMBINE_GRAD_SUM | bool | 1 | sum the branches' gradients of q in one pass (more memory) |
 | NSA_DEBUG_LOG | bool | 0 | structured debug logs on the ``nsa`` logger |
 | NSA_DEBUG_LOG_LIMIT | int | 10 | how many times one log tag is emitted before it goes quiet |
 | NSA_DEBUG_TIMING | bool | 0 | time every op call (``debug.timing``; synchronizes on CUDA: slow) |
@@ -161,6 +162,7 @@ class Toggles:
     win_fa2: bool = True
     win_fa2_min_len: int = 16
     combine_backend: str = "auto"
+    combine_grad_sum: bool = True
     debug_log: bool = False
     debug_log_limit: int = 10
     debug_timing: bool = False
