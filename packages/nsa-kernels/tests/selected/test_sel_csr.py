@@ -16,6 +16,7 @@ from nsa_kernels.selected.csr import (
     build_block_csr,
     build_dkv_work,
     default_segment_tokens,
+    start_block_csr,
 )
 
 
@@ -122,3 +123,27 @@ def test_work_segments_cover_every_row_once(request: pytest.FixtureRequest) -> N
 def test_default_segment_tokens_has_a_floor() -> None:
     assert default_segment_tokens(10, 132) == 256
     assert default_segment_tokens(65536 * 4 * 16, 132) == -(-(65536 * 4 * 16) // (8 * 132))
+
+
+def test_rows_given_as_sets_skip_the_repeat_search_and_give_the_same_index(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The backward hands the index its rows as sets (unique_block_rows: distinct blocks
+    ascending, then -1) and says so: the CSR is the one raw rows with repeats give."""
+    gen = _gen(request)
+    batch, tq, heads, n, sel_block, q_start = 2, 21, 2, 5, 4, 3
+    num_keys = q_start + tq
+    nb = -(-num_keys // sel_block)
+    idx = torch.randint(-1, nb, (batch, tq, heads, n), generator=gen, dtype=torch.int32)
+    ordered = torch.sort(idx, dim=-1).values
+    repeat = torch.zeros_like(ordered, dtype=torch.bool)
+    repeat[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
+    # Distinct blocks ascending, then -1: repeats and padding sort last as nb, then read -1.
+    sets = torch.sort(torch.where(repeat | (ordered < 0), nb, ordered), dim=-1).values
+    sets = sets.masked_fill(sets == nb, -1)
+    raw = build_block_csr(idx, sel_block, num_keys, q_start=q_start)
+    given = start_block_csr(sets, sel_block, num_keys, q_start=q_start, rows_are_sets=True)
+    from_sets = given.finish()
+    assert torch.equal(from_sets.rows, raw.rows)
+    assert torch.equal(from_sets.offsets, raw.offsets)
+    assert torch.equal(from_sets.host_offsets, raw.host_offsets)

@@ -181,15 +181,6 @@ def gated_combine_triton(
     return combine_fwd(o_cmp, o_slc, o_win, gates)
 
 
-__all__ = [
-    "GatedCombineFunction",
-    "combine_bwd",
-    "combine_fwd",
-    "gated_combine_triton",
-    "tiles",
-]
-
-
 # Elements per program of the three-way sum (a pass bound by memory traffic).
 SUM_BLOCK = 4096
 
@@ -215,3 +206,13 @@ def sum3_triton(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tens
     if numel:
         sum3_kernel[(_cdiv(numel, SUM_BLOCK),)](a, b, c, out, numel, BLOCK=SUM_BLOCK, num_warps=4)
     return out
+
+
+__all__ = [
+    "GatedCombineFunction",
+    "combine_bwd",
+    "combine_fwd",
+    "gated_combine_triton",
+    "sum3_triton",
+    "tiles",
+]

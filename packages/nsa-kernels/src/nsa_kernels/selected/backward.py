@@ -317,8 +317,9 @@ def backward(
     # The reverse index first, the dq launch next, then the one wait for the index's sizes: the
     # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait.
     reverse = block_csr.start_block_csr(
-        idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens
-    )
+        idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
+        rows_are_sets=True,
+    )  # fmt: skip
     for kv_path in kv_paths:
         sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
             q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,

@@ -100,24 +100,15 @@ class CSRInFlight:
     offsets: torch.Tensor
     host_offsets: torch.Tensor
     ready: torch.cuda.Event | None
-    slots: tuple[torch.Tensor, ...]
+    slots: dict[str, torch.Tensor]
 
     def finish(self) -> BlockCSR:
         if self.ready is not None:
             self.ready.synchronize()
         pairs = int(self.host_offsets[-1])
         rows = (self.sorted_keys[:pairs].to(torch.int64) % self.tq).to(torch.int32)
-        slot_b, slot_h, slot_krow0, slot_kend, slot_pos0, slot_tshift = self.slots
         return BlockCSR(
-            rows=rows,
-            offsets=self.offsets,
-            slot_b=slot_b,
-            slot_h=slot_h,
-            slot_krow0=slot_krow0,
-            slot_kend=slot_kend,
-            slot_pos0=slot_pos0,
-            slot_tshift=slot_tshift,
-            host_offsets=self.host_offsets,
+            rows=rows, offsets=self.offsets, host_offsets=self.host_offsets, **self.slots
         )
 
 
@@ -142,6 +133,7 @@ def start_block_csr(
     *,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    rows_are_sets: bool = False,
 ) -> CSRInFlight:
     """Invert ``block_indices [B, Tq, H, n]`` into the queries of each key block.
 
@@ -156,10 +148,15 @@ def start_block_csr(
         num_keys: Tk, tokens along k's T axis (dense; for varlen, the packed total).
         q_start: position of row 0 (dense).
         cu_seqlens: int32 [S+1] for packed sequences (B == 1).
+        rows_are_sets: every row already lists each block at most once (besides -1), as
+            ``nsa_kernels.selected.indices.unique_block_rows`` gives them to the kernels: the
+            per-row sort that finds repeats is skipped.
     """
     batch, tq, heads, _n = block_indices.shape
     device = block_indices.device
-    idx = torch.sort(block_indices.to(torch.int64), dim=-1).values
+    idx = block_indices.to(torch.int64)
+    if not rows_are_sets:
+        idx = torch.sort(idx, dim=-1).values
     if cu_seqlens is None:
         nb = -(-num_keys // sel_block)
         num_slots = batch * heads * nb
@@ -197,11 +194,11 @@ def start_block_csr(
         slot_kend = cu[slot_seq + 1]
         slot_tshift = -cu[slot_seq]
 
-    # A block listed twice in one row enters once: after a sort of the row, its repeats are
-    # the entries equal to their left neighbour (and leave as invalid pairs).
-    repeat = torch.zeros_like(idx, dtype=torch.bool)
-    repeat[..., 1:] = idx[..., 1:] == idx[..., :-1]
-    valid = (idx >= 0) & (idx * sel_block <= pos) & ~repeat
+    valid = (idx >= 0) & (idx * sel_block <= pos)
+    if not rows_are_sets:
+        # A block listed twice in one row enters once: after a sort of the row, its repeats are
+        # the entries equal to their left neighbour (and leave as invalid pairs).
+        valid[..., 1:] &= idx[..., 1:] != idx[..., :-1]
     rows_b = torch.arange(tq, device=device).view(1, tq, 1, 1)
     # One key per pair: slot-major, then row; invalid pairs get a sentinel that sorts last, so
     # the pairs are the sorted keys' prefix and slot s's start is the number of keys < s * Tq.
@@ -212,7 +209,10 @@ def start_block_csr(
     key = torch.sort(key).values
     offsets = torch.searchsorted(key, bounds)
     host_offsets, ready = _to_host(offsets)
-    slots = (slot_b, slot_h, slot_krow0, slot_kend, slot_pos0, slot_tshift)
+    slots = dict(
+        slot_b=slot_b, slot_h=slot_h, slot_krow0=slot_krow0, slot_kend=slot_kend,
+        slot_pos0=slot_pos0, slot_tshift=slot_tshift,
+    )  # fmt: skip
     return CSRInFlight(key, tq, offsets, host_offsets, ready, slots)
 
 
