@@ -26,6 +26,7 @@ from nsa_core.reads import expected_reads
 from nsa_core.reference.compress import CompressMLP, compress
 from nsa_core.reference.compressed_attention import cmp_visible
 from nsa_core.reference.selected_attention import selected_visibility
+from nsa_core.row_runs import RowRuns, as_tensor
 
 BRANCHES = ("cmp", "slc", "win")
 
@@ -101,9 +102,10 @@ def branch_outputs(
     Block scoring takes the compressed branch's log-sum-exp when its backend yields one
     (:func:`nsa_core.ops.compressed_attention_with_lse`), detached.
     """
-    o_cmp, indices = _compressed_and_indices(
+    cmp_out, indices = _compressed_and_indices(
         config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
     )
+    o_cmp = as_tensor(cmp_out)
     o_slc = ops.selected_attention(
         q, k_slc, v_slc, indices, config.sel_block, config.softmax_scale,
         q_start=q_start, cu_seqlens=cu_seqlens,
@@ -139,16 +141,20 @@ def gated_output(
     # Each branch reads q through its own view, so that the three gradients of q meet in one
     # fused sum (ops.fan_out) where the combine's backend has one.
     q_cmp, q_slc, q_win = ops.fan_out(q, gates)
-    o_cmp, indices = _compressed_and_indices(
-        config, q_cmp, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
-    )
+    # The sliding branch is launched first: it needs nothing from the others, and while the GPU
+    # runs it the host routes and folds the compressed branch, whose launches the GPU would
+    # otherwise wait for after the short compress kernels.
     o_win = _sliding(config, q_win, k_win, v_win, q_start, win_start, cu_seqlens)
+    cmp_runs, indices = _compressed_and_indices(
+        config, q_cmp, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens, runs=True
+    )
     o = ops.selected_attention_gated(
-        q_slc, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=o_cmp, o_win=o_win,
+        q_slc, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=cmp_runs, o_win=o_win,
         gates=gates, q_start=q_start, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     if o is not None:
         return o
+    o_cmp = as_tensor(cmp_runs)
     o_slc = ops.selected_attention(
         q_slc, k_slc, v_slc, indices, config.sel_block, scale, q_start=q_start,
         cu_seqlens=cu_seqlens,
@@ -164,12 +170,15 @@ def _compressed_and_indices(
     *,
     q_start: int,
     cu_seqlens: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """o_cmp [B, Tq, HQ, dv] and the selected block indices [B, Tq, H, n]."""
+    runs: bool = False,
+) -> tuple[torch.Tensor | RowRuns, torch.Tensor]:
+    """o_cmp [B, Tq, HQ, dv] (``runs``: as a :class:`~nsa_core.row_runs.RowRuns`, rows where its
+    backend computed them) and the selected block indices [B, Tq, H, n]."""
     cfg = config
     # The compressed branch runs first: where its backend yields the softmax's log-sum-exp,
     # block scoring reuses it instead of recomputing the normaliser (same q, k_cmp and scale).
-    o_cmp, lse = ops.compressed_attention_with_lse(
+    with_lse = ops.compressed_attention_runs_with_lse if runs else ops.compressed_attention_with_lse
+    o_cmp, lse = with_lse(
         q,
         k_cmp,
         v_cmp,

@@ -24,12 +24,22 @@ from nsa_core.checks import (
     check_apply_rope,
     check_compressed_attention,
     check_gated_combine,
+    check_same_place,
     check_select_blocks,
     check_selected_attention,
     check_sliding_attention,
+    shape,
 )
 from nsa_core.op_context import OpContext, op_context
-from nsa_core.registry import resolve_fn, resolve_fn_gated, resolve_fn_sum3, resolve_fn_with_lse
+from nsa_core.registry import (
+    gated_takes_runs,
+    resolve_fn,
+    resolve_fn_gated,
+    resolve_fn_runs_with_lse,
+    resolve_fn_sum3,
+    resolve_fn_with_lse,
+)
+from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import get_toggles
 
 P = ParamSpec("P")
@@ -38,6 +48,7 @@ R = TypeVar("R")
 __all__ = [
     "apply_rope",
     "compressed_attention",
+    "compressed_attention_runs_with_lse",
     "compressed_attention_with_lse",
     "fan_out",
     "gated_combine",
@@ -132,6 +143,40 @@ compressed_attention_with_lse.__doc__ = """:func:`compressed_attention` and, whe
     """
 
 
+def compressed_attention_runs_with_lse(
+    q: torch.Tensor,
+    k_cmp: torch.Tensor,
+    v_cmp: torch.Tensor,
+    cmp_block: int,
+    cmp_stride: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[RowRuns, torch.Tensor | None]:
+    """:func:`compressed_attention_with_lse` with o_cmp as a :class:`~nsa_core.row_runs.RowRuns`.
+
+    Where the chosen backend has a ``fn_runs_with_lse``, its rows stay where it computed them
+    (no copy into one tensor; for :func:`selected_attention_gated`, whose backend may read them
+    in place); else the one tensor as a single run. The lse is the same either way.
+    """
+    ctx = check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    toggles = get_toggles()
+    fn_runs = resolve_fn_runs_with_lse("compressed_attention", ctx, toggles)
+    if fn_runs is None:
+        o, lse = compressed_attention_with_lse(
+            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+        )
+        return RowRuns.whole(o), lse
+    runs, lse_runs = fn_runs(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens,
+        toggles=toggles,
+    )  # fmt: skip
+    return runs, None if lse_runs is None else lse_runs.detach()
+
+
 def selected_attention_gated(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -140,7 +185,7 @@ def selected_attention_gated(
     sel_block: int,
     scale: float | None = None,
     *,
-    o_cmp: torch.Tensor,
+    o_cmp: torch.Tensor | RowRuns,
     o_win: torch.Tensor,
     gates: torch.Tensor,
     q_start: int = 0,
@@ -154,8 +199,22 @@ def selected_attention_gated(
     gives one), no debug hook is on, and ``gated_combine`` itself would not run on the
     reference (a pinned reference combine is honoured): :func:`nsa_core.registry.
     resolve_fn_gated`. Otherwise it returns None and the caller runs the two ops.
+
+    o_cmp may come as a :class:`~nsa_core.row_runs.RowRuns`
+    (:func:`compressed_attention_runs_with_lse`): read in place where the backend takes runs
+    (``gated_runs``), else assembled first.
     """
-    combine_ctx = check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    if isinstance(o_cmp, RowRuns) and any(run.requires_grad for run in o_cmp.runs):
+        # Runs are for the forward alone; a gradient's routing reads o_cmp's own context.
+        o_cmp = o_cmp.assemble()
+    if isinstance(o_cmp, RowRuns):
+        if o_cmp.shape != tuple(o_win.shape):
+            raise ValueError(f"o_cmp's runs make {list(o_cmp.shape)}, o_win is {shape(o_win)}")
+        # The runs' own checks hold them alike; o_win stands in for their place and dtype.
+        check_same_place("o_cmp", o_cmp.runs[0], "o_win", o_win)
+        combine_ctx = check_gated_combine(o_win, o_win, o_win, gates)
+    else:
+        combine_ctx = check_gated_combine(o_cmp, o_cmp, o_win, gates)
     ctx = check_selected_attention(
         q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )
@@ -163,6 +222,8 @@ def selected_attention_gated(
     fn_gated = resolve_fn_gated(ctx, combine_ctx, toggles)
     if fn_gated is None:
         return None
+    if isinstance(o_cmp, RowRuns) and not gated_takes_runs(ctx, toggles):
+        o_cmp = o_cmp.assemble()
     o: torch.Tensor = fn_gated(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
         q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles,

@@ -67,12 +67,17 @@ class Backend:
     a GPU"). ``select_blocks`` backends take the keyword ``lse`` (None or that tensor) and may
     ignore it; selection takes no gradient, so they read q, k_cmp and lse detached.
 
+    ``fn_runs_with_lse`` (``compressed_attention`` only, optional) takes the same arguments and
+    returns ``(o, lse)`` as ``fn_with_lse`` does, with o as a :class:`nsa_core.row_runs.RowRuns`:
+    its rows where the backend computed them, not copied into one tensor.
+
     ``fn_gated`` (``selected_attention`` only, optional) takes the same arguments plus the
     keywords ``o_cmp``, ``o_win`` and ``gates`` and returns the gated combine of the three
     branches, ``g_cmp * o_cmp + g_slc * fn(...) + g_win * o_win`` (docs/spec.md, "Gated
     combine"), computed with the selected branch so that the combine's own pass is saved. The
     attention core calls it where no gradient is needed, and where one is if ``gated_grad``:
-    then ``fn_gated`` is differentiable in q, k, v, o_cmp, o_win and gates.
+    then ``fn_gated`` is differentiable in q, k, v, o_cmp, o_win and gates. ``gated_runs``: it
+    takes o_cmp as a :class:`nsa_core.row_runs.RowRuns` as well.
 
     ``fn_sum3`` (``gated_combine`` only, optional) takes three tensors of one shape and dtype
     and the keyword ``toggles`` and returns ``a + b + c`` (float32 sums, one rounding, a new
@@ -90,6 +95,8 @@ class Backend:
     fn_with_lse: Callable[..., Any] | None = None
     fn_gated: Callable[..., Any] | None = None
     gated_grad: bool = False
+    gated_runs: bool = False
+    fn_runs_with_lse: Callable[..., Any] | None = None
     fn_sum3: Callable[..., Any] | None = None
 
 
@@ -184,6 +191,16 @@ def resolve_fn_with_lse(op: str, ctx: OpContext, toggles: Toggles) -> Callable[.
     return resolve(op, ctx, toggles).backend.fn_with_lse
 
 
+def resolve_fn_runs_with_lse(
+    op: str, ctx: OpContext, toggles: Toggles
+) -> Callable[..., Any] | None:
+    """The ``fn_runs_with_lse`` of the backend :func:`resolve` picks, or None (as
+    :func:`resolve_fn_with_lse`: also whenever a debug hook is on)."""
+    if toggles.debug_hooks:
+        return None
+    return resolve(op, ctx, toggles).backend.fn_runs_with_lse
+
+
 def resolve_fn_gated(
     sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles
 ) -> Callable[..., Any] | None:
@@ -203,6 +220,12 @@ def resolve_fn_gated(
     if (sel_ctx.requires_grad or combine_ctx.requires_grad) and not backend.gated_grad:
         return None
     return backend.fn_gated
+
+
+def gated_takes_runs(sel_ctx: OpContext, toggles: Toggles) -> bool:
+    """Whether the ``fn_gated`` of the ``selected_attention`` backend :func:`resolve` picks takes
+    o_cmp as a :class:`nsa_core.row_runs.RowRuns` (``gated_runs``)."""
+    return resolve("selected_attention", sel_ctx, toggles).backend.gated_runs
 
 
 def resolve_fn_sum3(combine_ctx: OpContext, toggles: Toggles) -> Callable[..., Any] | None:

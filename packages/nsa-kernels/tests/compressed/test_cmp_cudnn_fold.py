@@ -10,6 +10,7 @@ gradients the same. The routing rules that need no GPU are checked here too.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from nsa_kernels.compressed.cudnn import (
     CUDNN_MIN_LEN,
     cudnn_compressed_supports,
     folded_attention,
+    folded_runs,
 )
 
 BOUND = 1e-5
@@ -289,3 +291,119 @@ def test_routing_declines_a_gradient_under_deterministic_algorithms() -> None:
         torch.use_deterministic_algorithms(previous)
     assert reason is not None
     assert "bitwise reproducible" in reason
+
+
+def like_q_layout(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """x in a new tensor whose dims are laid out in the order of q's strides (as torch's cuDNN
+    attention allocates its output: ``alloc_with_matching_layout``)."""
+    order = [*sorted(range(q.dim() - 1), key=lambda i: -q.stride(i)), q.dim() - 1]
+    out = x.new_empty([x.shape[i] for i in order]).permute(
+        *[order.index(i) for i in range(x.dim())]
+    )
+    return out.copy_(x)
+
+
+@pytest.mark.parametrize(("batch", "tq", "q_start", "h", "group", "cmp_block", "d"), CASES)
+def test_fold_runs_are_the_folded_output_where_the_calls_left_it(
+    batch: int, tq: int, q_start: int, h: int, group: int, cmp_block: int, d: int
+) -> None:
+    """Without a gradient, ``folded_runs`` gives o as one run per attention call from the first
+    query that sees a block: they make up ``folded_attention``'s o bit for bit, lse is the same,
+    and where the kernel writes its output in q's layout (as cuDNN does) every run is a view of
+    that output, not a copy."""
+    gen = torch.Generator().manual_seed(tq * 1000 + q_start + 1)
+    n = max(num_cmp_blocks(q_start + tq, cmp_block, d), 1) + 2
+    q, k, v = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64)
+        for shape in ((batch, tq, h * group, 8), (batch, n, h, 8), (batch, n, h, 6))
+    )
+    call = CompressedCall(
+        scale=8**-0.5, q_start=q_start, cu_seqlens=None, toggles=Toggles(), cmp_block=cmp_block,
+        cmp_stride=d,
+    )  # fmt: skip
+    outputs: list[torch.Tensor] = []
+
+    def cudnn_like(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = model_attend(*args)
+        outputs.append(like_q_layout(o, args[0]))
+        return outputs[-1], lse
+
+    runs, lse = folded_runs(q, k, v, call, cudnn_like)
+    want_o, want_lse = folded_attention(q, k, v, call, model_attend)
+    assert torch.equal(runs.assemble(), want_o)
+    assert torch.equal(lse, want_lse)
+    split = row_split(tq, q_start, cmp_block, d)
+    if not outputs:
+        assert runs.start == 0, "no call: one assembled run"
+        assert len(runs.runs) == 1
+        return
+    assert runs.start == split.blind
+    assert len(runs.runs) == len(outputs) == bool(split.head) + bool(split.rows) + bool(split.tail)
+    for run, out in zip(runs.runs, outputs, strict=True):
+        assert run.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("bad", ["k", "v", "none"])
+def test_fold_runs_without_a_gradient_are_contained_run_by_run(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runs route contains a non-finite k_cmp or v_cmp as the one-tensor route does: the
+    Triton forward over each run's queries at their positions overwrites that run, so NaN lands
+    on exactly the rows that see the bad block, from a model of cuDNN that leaks NaN values, and
+    every other row is the reference's. With finite keys nothing is overwritten: the runs are
+    the one-tensor route's o, bit for bit."""
+    from nsa_kernels.compressed import cudnn
+
+    monkeypatch.setattr(cudnn, "cudnn_attend", model_attend)
+    gen = torch.Generator().manual_seed(19)
+    # T = 45, l = 16, d = 8: 15 blind queries, 3 full rows, a tail of 6.
+    q = torch.randn(1, 45, 2, 8, generator=gen)
+    k, v = torch.randn(1, 5, 1, 8, generator=gen), torch.randn(1, 5, 1, 8, generator=gen)
+    if bad != "none":
+        (k if bad == "k" else v)[0, 1, 0, 3] = float("nan")
+    runs, lse = cudnn.compressed_attention_cudnn_runs_with_lse(q, k, v, 16, 8)
+    assert runs.start == 15
+    assert [r.shape[1] for r in runs.runs] == [24, 6]
+    o = runs.assemble()
+    if bad == "none":
+        o_want, lse_want = cudnn.compressed_attention_cudnn_with_lse(q, k, v, 16, 8)
+        assert torch.equal(o, o_want)
+        assert torch.equal(lse, lse_want)
+        return
+    ref = compressed_attention(q.double(), k.double(), v.double(), 16, 8)
+    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(45)])
+    assert torch.equal(torch.isnan(o).any(-1).any(-1)[0], sees_bad)
+    assert torch.equal(torch.isnan(ref).any(-1).any(-1)[0], sees_bad)
+    assert rel_err(o[0, ~sees_bad], ref[0, ~sees_bad]) < BOUND
+    want_lse = reference_lse(q, k, 16, 8, 0)[0, ~sees_bad]
+    blind = torch.isinf(want_lse)
+    assert torch.equal(torch.isneginf(lse[0, ~sees_bad]), blind)
+    assert rel_err(lse[0, ~sees_bad][~blind], want_lse[~blind]) < BOUND
+
+
+def test_fold_runs_with_a_gradient_are_one_run_of_the_differentiable_output(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from nsa_kernels.compressed import cudnn
+
+    monkeypatch.setattr(cudnn, "cudnn_attend", model_attend)
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 45, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(1, 5, 1, 8, dtype=torch.float64),
+        torch.randn(1, 5, 1, 8, dtype=torch.float64),
+    )
+    runs, _ = cudnn.compressed_attention_cudnn_runs_with_lse(q, k, v, 16, 8)
+    assert runs.start == 0
+    assert len(runs.runs) == 1
+    assert runs.runs[0].requires_grad
+    want, _ = folded_attention(q, k, v, _call(16, 8), model_attend)
+    assert torch.equal(runs.runs[0], want)
+
+
+def _call(cmp_block: int, d: int) -> CompressedCall:
+    return CompressedCall(
+        scale=8**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(), cmp_block=cmp_block,
+        cmp_stride=d,
+    )  # fmt: skip

@@ -162,3 +162,31 @@ def test_routed_from_16k() -> None:
     assert chosen(8192, 0, grad=False) != "cudnn"
     assert chosen(8192, 0, grad=True) != "cudnn"
     assert chosen(16384, 16384, grad=False) != "cudnn"
+
+
+@pytest.mark.parametrize("tq", [16384, 16384 + 7], ids=["tail_1", "tail_8"])
+def test_runs_are_cudnns_own_output_and_the_one_tensor_route_bit_for_bit(
+    tq: int, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a gradient the runs route leaves o where cuDNN wrote it: each run is a view of
+    the output of its cuDNN call (torch allocates that output in q's layout, so the folded rows
+    flatten without a copy), and together they are the one-tensor route's o, bit for bit."""
+    from nsa_kernels.compressed import cudnn
+
+    outputs: list[torch.Tensor] = []
+
+    def recording(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = cudnn_attend(*args)  # type: ignore[arg-type]
+        outputs.append(o)
+        return o, lse
+
+    q, k, v, _ = _draw(request, tq, 128, 128, 0, torch.bfloat16)
+    want_o, want_lse = compressed_attention_cudnn_with_lse(q, k, v, L_CMP, D_CMP)
+    monkeypatch.setattr(cudnn, "cudnn_attend", recording)
+    runs, lse = cudnn.compressed_attention_cudnn_runs_with_lse(q, k, v, L_CMP, D_CMP)
+    assert runs.start == L_CMP - 1
+    assert len(runs.runs) == len(outputs) == 2, "the full rows and the tail"
+    for run, out in zip(runs.runs, outputs, strict=True):
+        assert run.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert torch.equal(runs.assemble(), want_o)
+    assert torch.equal(lse, want_lse)

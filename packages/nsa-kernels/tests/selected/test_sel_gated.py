@@ -8,6 +8,7 @@ kernel, then the combine kernel), for every kind of row the selected kernel serv
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from sel_testlib import Case, make_inputs, reference
 pytest.importorskip("triton")
 
 from nsa_core.reference.combine import gated_combine
+from nsa_core.row_runs import RowRuns
 from nsa_kernels.combine.function import combine_fwd, gated_combine_triton
 from nsa_kernels.selected.function import (
     SelConfig,
@@ -211,3 +213,81 @@ def test_gated_forward_with_no_index_columns_sums_the_other_two_branches() -> No
     finite = ~torch.isnan(out)
     assert finite.sum() == out.numel() - out.shape[-1]
     torch.testing.assert_close(out[finite], want[finite], rtol=0, atol=0)
+
+
+def row_runs_of(o_cmp: torch.Tensor, start: int, cuts: list[int]) -> RowRuns:
+    """o_cmp's rows from ``start`` as runs ending at each cut (and at Tq), each in storage of
+    its own; the last in a heads-major layout (strides other than o_cmp's)."""
+    bounds = [start, *cuts, o_cmp.shape[1]]
+    runs = [o_cmp[:, a:b].clone() for a, b in itertools.pairwise(bounds)]
+    last = runs[-1]
+    runs[-1] = last.transpose(1, 2).contiguous().transpose(1, 2)
+    return RowRuns(start=start, runs=tuple(runs))
+
+
+RUN_LAYOUTS = [
+    # (start, cuts): the folded cuDNN branch's shape (blind rows, the full rows, a tail), one
+    # run after the blind rows, one run from row 0, and three runs (assembled first).
+    pytest.param(5, [13], id="blind_rows_then_two_runs"),
+    pytest.param(3, [], id="one_run_after_blind_rows"),
+    pytest.param(0, [], id="one_run_from_row_0"),
+    pytest.param(2, [6, 9], id="three_runs"),
+]
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize(("start", "cuts"), RUN_LAYOUTS)
+def test_gated_forward_reads_o_cmp_in_runs_where_they_lie(
+    case: Case, start: int, cuts: list[int]
+) -> None:
+    """o_cmp given as a RowRuns (the rows where their attention calls left them, zero before the
+    first run) gives the output of the one tensor those runs make up, bit for bit."""
+    assert DEVICE is not None
+    gen = torch.Generator().manual_seed(13)
+    q, k, v, idx, cu = make_inputs(case, gen, torch.float32, DEVICE)
+    o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
+    start = min(start, case.tq)
+    cuts = [c for c in cuts if start < c < case.tq]
+    runs = row_runs_of(o_cmp, start, cuts)
+    whole = runs.assemble()
+    assert torch.equal(whole[:, :start], torch.zeros_like(whole[:, :start]))
+    assert torch.equal(whole[:, start:], o_cmp[:, start:])
+
+    def gated(o: torch.Tensor | RowRuns) -> torch.Tensor:
+        return selected_attention_gated_triton(
+            q, k, v, idx, case.sel_block, o_cmp=o, o_win=o_win, gates=gates,
+            q_start=case.q_start, cu_seqlens=cu,
+        )  # fmt: skip
+
+    assert torch.equal(gated(runs), gated(whole))
+
+
+def test_gated_gradients_with_o_cmp_in_runs_are_those_of_the_assembled_tensor() -> None:
+    """With a gradient the runs are assembled first (autograd sees one tensor): the output and
+    every gradient, the runs' included, equal those of that tensor given whole."""
+    assert DEVICE is not None
+    case = Case("runs with grad", group=2, tq=21)
+    gen = torch.Generator().manual_seed(17)
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
+    do = torch.randn(o_cmp.shape, generator=gen).to(DEVICE)
+    base = row_runs_of(o_cmp, 4, [15])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, o_win, gates)]
+    run_leaves = tuple(run.clone().requires_grad_() for run in base.runs)
+    out = selected_attention_gated_triton(
+        *leaves[:3], idx, case.sel_block, o_cmp=RowRuns(start=4, runs=run_leaves),
+        o_win=leaves[3], gates=leaves[4],
+    )  # fmt: skip
+    got = torch.autograd.grad(out, [*leaves, *run_leaves], do)
+    whole = base.assemble().requires_grad_()
+    leaves2 = [t.clone().requires_grad_() for t in (q, k, v, o_win, gates)]
+    out2 = selected_attention_gated_triton(
+        *leaves2[:3], idx, case.sel_block, o_cmp=whole, o_win=leaves2[3], gates=leaves2[4]
+    )
+    want = torch.autograd.grad(out2, [*leaves2, whole], do)
+    assert torch.equal(out, out2)
+    for a, b in zip(got[:5], want[:5], strict=True):
+        assert torch.equal(a, b)
+    d_whole = want[5]
+    assert torch.equal(got[5], d_whole[:, 4:15])
+    assert torch.equal(got[6], d_whole[:, 15:])

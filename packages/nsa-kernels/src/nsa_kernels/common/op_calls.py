@@ -25,6 +25,7 @@ from torch import Tensor
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_compressed_attention, check_sliding_attention
+from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.common.intervals import (
     compressed_intervals,
@@ -76,8 +77,11 @@ class CompressedCall(_WindowedCall):
 
 
 SlidingAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SlidingCall], torch.Tensor]
-# What a compressed backend's attend returns: o, or (o, lse) for a backend's ``fn_with_lse``.
-_Out = TypeVar("_Out", torch.Tensor, tuple[torch.Tensor, torch.Tensor])
+# What a compressed backend's attend returns: o, or (o, lse) for a backend's ``fn_with_lse``,
+# or (o as RowRuns, lse) for its ``fn_runs_with_lse``.
+_Out = TypeVar(
+    "_Out", torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[RowRuns, torch.Tensor]
+)
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:

@@ -27,6 +27,7 @@ from nsa_kernels.common.sdpa import compressed_attention_sdpa
 from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 from nsa_kernels.compressed.cudnn import (
     compressed_attention_cudnn,
+    compressed_attention_cudnn_runs_with_lse,
     compressed_attention_cudnn_with_lse,
     cudnn_compressed_supports,
 )
@@ -53,7 +54,8 @@ def backends() -> list[Backend]:
     triton_with_lse = triton_fn(_TRITON_MODULE, "compressed_attention_triton_with_lse")
     return [
         Backend(OP, "cudnn", compressed_attention_cudnn, cudnn_compressed_supports, CUDNN_PRIORITY,
-                fn_with_lse=compressed_attention_cudnn_with_lse),
+                fn_with_lse=compressed_attention_cudnn_with_lse,
+                fn_runs_with_lse=compressed_attention_cudnn_runs_with_lse),
         Backend(OP, "fa2", fa2, routing.fa2_compressed_supports, routing.FA2_PRIORITY,
                 requested_by=routing.fa2_compressed_requested),
         Backend(OP, "triton_cmp", triton, triton_cmp_supports, TRITON_PRIORITY,

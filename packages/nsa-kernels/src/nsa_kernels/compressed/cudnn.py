@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from nsa_core.registry import OpContext
+from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import Toggles
 from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
 from nsa_kernels.compressed.cmp_fold import RowSplit, row_split
@@ -216,19 +217,28 @@ def _runs(
     return runs
 
 
+def _assemble_lse(q: Tensor, blind: int, runs: list[_Run]) -> Tensor:
+    """lse [B, Tq, HQ] float32: each run's written once into its place, -inf on the blind
+    queries."""
+    batch, tq, hq, _ = q.shape
+    lse = torch.empty(batch, tq, hq, dtype=torch.float32, device=q.device)
+    lse[:, :blind] = float("-inf")
+    for first, part, _, lse_run in runs:
+        n = part.shape[1]
+        lse[:, first : first + n].view(lse_run.shape).copy_(lse_run)
+    return lse
+
+
 def _assemble(q: Tensor, dv: int, blind: int, runs: list[_Run]) -> tuple[Tensor, Tensor]:
     """o [B, Tq, HQ, dv] and lse [B, Tq, HQ]: each run written once into its place, the blind
     queries 0 and -inf."""
     batch, tq, hq, _ = q.shape
     o = q.new_empty(batch, tq, hq, dv)
-    lse = torch.empty(batch, tq, hq, dtype=torch.float32, device=q.device)
     o[:, :blind] = 0
-    lse[:, :blind] = float("-inf")
-    for first, part, o_run, lse_run in runs:
+    for first, part, o_run, _ in runs:
         n = part.shape[1]
         o[:, first : first + n].view(o_run.shape).copy_(o_run.detach())
-        lse[:, first : first + n].view(lse_run.shape).copy_(lse_run)
-    return o, lse
+    return o, _assemble_lse(q, blind, runs)
 
 
 class _FoldedFunction(torch.autograd.Function):
@@ -292,6 +302,29 @@ def folded_attention(
     return _assemble(q, v_cmp.shape[-1], split.blind, runs)
 
 
+def folded_runs(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall, attend: Attend
+) -> tuple[RowRuns, Tensor]:
+    """:func:`folded_attention` without a gradient, o as the attention calls left it: a
+    :class:`~nsa_core.row_runs.RowRuns` from the first query that sees a block, one run per call
+    (each [B, n, HQ, dv], a view of that call's output where its layout allows), and lse
+    [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size (0.71 ms
+    at T = 64k, H100; docs/results/2026-11-26-h100-layer-8.md), which a consumer that reads the
+    runs in place (the selected branch's gated launch) does without."""
+    split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
+    last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
+    if last_keys > k_cmp.shape[1]:
+        raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
+    runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
+    if not runs:
+        o, lse = _assemble(q, v_cmp.shape[-1], split.blind, runs)
+        return RowRuns.whole(o), lse
+    # A run's rows are (query, head) ordered as in q: the full rows [B, R, d, HQ, dv] flatten
+    # to [B, R*d, HQ, dv] without a copy where cuDNN wrote them in q's layout.
+    o_runs = tuple(o_run.flatten(1, -3) for _, _, o_run, _ in runs)
+    return RowRuns(start=split.blind, runs=o_runs), _assemble_lse(q, split.blind, runs)
+
+
 def _with_lse(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
 ) -> tuple[Tensor, Tensor]:
@@ -313,6 +346,31 @@ def _with_lse(
         o, lse, q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
     )
     return o, lse
+
+
+def _runs_with_lse(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
+) -> tuple[RowRuns, Tensor]:
+    """:func:`_with_lse` with o as a :class:`~nsa_core.row_runs.RowRuns` (:func:`folded_runs`)
+    where no gradient is taken; with one, o in one tensor as a single run."""
+    if call.cu_seqlens is not None:
+        raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
+        o, lse = _with_lse(q, k_cmp, v_cmp, call)
+        return RowRuns.whole(o), lse
+    from nsa_kernels.compressed.triton_function import contain_non_finite_into
+
+    runs, lse = folded_runs(q, k_cmp, v_cmp, call, cudnn_attend)
+    # As in _with_lse, run by run: each run's queries start at their own position.
+    row = runs.start
+    for run in runs.runs:
+        n = run.shape[1]
+        contain_non_finite_into(
+            run, lse[:, row : row + n], q[:, row : row + n], k_cmp, v_cmp, call.cmp_block,
+            call.cmp_stride, call.scale, q_start=call.q_start + row,
+        )  # fmt: skip
+        row += n
+    return runs, lse
 
 
 def _keys_finite(k_cmp: Tensor, v_cmp: Tensor) -> bool:
@@ -345,6 +403,7 @@ def _output(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall) -> Te
 
 
 # nsa_core's compressed_attention on cuDNN, with its signature; dense inputs only. The second
-# returns (o, lse), the registry's fn_with_lse.
+# returns (o, lse), the registry's fn_with_lse; the third (RowRuns, lse), its fn_runs_with_lse.
 compressed_attention_cudnn = CompressedBackend(_output)
 compressed_attention_cudnn_with_lse = CompressedBackend(_with_lse)
+compressed_attention_cudnn_runs_with_lse = CompressedBackend(_runs_with_lse)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from nsa_core.debug_log import debug_log
 from nsa_core.registry import Backend, OpContext
+from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import Toggles, get_toggles, legacy_sel_tiles
 from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
 
@@ -201,12 +202,13 @@ selected_attention_backend = SelectedBackend(_triton)
 
 def selected_attention_gated_backend(
     q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
-    scale: float | None = None, *, o_cmp: Tensor, o_win: Tensor, gates: Tensor,
+    scale: float | None = None, *, o_cmp: Tensor | RowRuns, o_win: Tensor, gates: Tensor,
     q_start: int = 0, cu_seqlens: Tensor | None = None, toggles: Toggles | None = None,
 ) -> Tensor:  # fmt: skip
     """The registered ``fn_gated``: :func:`selected_attention_gated_triton` with the routing's
-    toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp and o_win
-    [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] -> o [B, Tq, HQ, dv], differentiable in all six."""
+    toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp (a tensor or a
+    :class:`~nsa_core.row_runs.RowRuns`) and o_win [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] ->
+    o [B, Tq, HQ, dv], differentiable in all six."""
     from nsa_kernels.selected.function import selected_attention_gated_triton
 
     _log_device(q.device)
@@ -233,5 +235,6 @@ def backends() -> list[Backend]:
             requested_by=_requested,
             fn_gated=selected_attention_gated_backend,
             gated_grad=True,
+            gated_runs=True,
         )
     ]

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_core.row_runs import RowRuns, as_tensor
 from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.online_softmax import online_softmax_step
@@ -33,20 +34,54 @@ from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_
 
 
 @triton.jit
+def _cmp_row(
+    cmp_ptr, cmp2_ptr, b, r, heads, offs_v, ok, stride_cb, stride_ct, stride_ch,
+    stride_c2b, stride_c2t, stride_c2h, cmp_start, cmp_rows, CMP_RUNS: tl.constexpr,
+):  # fmt: skip
+    """o_cmp [BG, BV] at query row r: from one tensor, or (CMP_RUNS) from the two runs of a
+    ``RowRuns`` (rows before ``cmp_start`` read 0, the first run holds ``cmp_rows`` rows from
+    there, the second the rest; see :class:`GatedSum`)."""
+    if CMP_RUNS:
+        r1 = r - cmp_start
+        r2 = r1 - cmp_rows
+        in_first = (r1 >= 0) & (r1 < cmp_rows)
+        x1 = tl.load(
+            cmp_ptr + b * stride_cb + r1 * stride_ct + heads[:, None] * stride_ch
+            + offs_v[None, :],
+            mask=ok & in_first, other=0.0, eviction_policy="evict_first",
+        )  # fmt: skip
+        x2 = tl.load(
+            cmp2_ptr + b * stride_c2b + r2 * stride_c2t + heads[:, None] * stride_c2h
+            + offs_v[None, :],
+            mask=ok & (r2 >= 0), other=0.0, eviction_policy="evict_first",
+        )  # fmt: skip
+        # A select, not a sum: 0 + x would turn a -0.0 of o_cmp into +0.0.
+        x = tl.where(in_first, x1, x2)
+    else:
+        x = tl.load(
+            cmp_ptr + b * stride_cb + r * stride_ct + heads[:, None] * stride_ch + offs_v[None, :],
+            mask=ok, other=0.0, eviction_policy="evict_first",
+        )  # fmt: skip
+    return x
+
+
+@triton.jit
 def _gated_sum(
-    o_slc, cmp_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
-    stride_cb, stride_ct, stride_ch, stride_wb, stride_wt, stride_wh,
-    stride_gb, stride_gt, stride_gh, stride_gc,
+    o_slc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
+    stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t, stride_c2h, cmp_start, cmp_rows,
+    stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh, stride_gc,
+    CMP_RUNS: tl.constexpr,
 ):  # fmt: skip
     """[BG, BV] float32 ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` at query row r of
-    batch row b, heads ``heads`` [BG] and channels ``offs_v`` [BV]; o_slc [BG, BV] float32.
+    batch row b, heads ``heads`` [BG] and channels ``offs_v`` [BV]; o_slc [BG, BV] float32;
+    o_cmp as :func:`_cmp_row` reads it.
 
     o_cmp and o_win are read once and not again: ``evict_first`` keeps K/V in L2 over them.
     """
     ok = g_mask[:, None] & v_mask[None, :]
-    o_cmp = tl.load(
-        cmp_ptr + b * stride_cb + r * stride_ct + heads[:, None] * stride_ch + offs_v[None, :],
-        mask=ok, other=0.0, eviction_policy="evict_first",
+    o_cmp = _cmp_row(
+        cmp_ptr, cmp2_ptr, b, r, heads, offs_v, ok, stride_cb, stride_ct, stride_ch,
+        stride_c2b, stride_c2t, stride_c2h, cmp_start, cmp_rows, CMP_RUNS,
     ).to(tl.float32)  # fmt: skip
     o_win = tl.load(
         win_ptr + b * stride_wb + r * stride_wt + heads[:, None] * stride_wh + offs_v[None, :],
@@ -62,7 +97,7 @@ def _gated_sum(
 @triton.jit
 def sel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
-    cmp_ptr, win_ptr, gate_ptr, slc_ptr,
+    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -70,14 +105,15 @@ def sel_fwd_kernel(
     stride_lb, stride_lt,
     stride_ib, stride_it, stride_ih,
     stride_cb, stride_ct, stride_ch,
+    stride_c2b, stride_c2t, stride_c2h,
     stride_wb, stride_wt, stride_wh,
     stride_gb, stride_gt, stride_gh, stride_gc,
-    n_rows, tq, tk, q_start, nsel, qk_scale,
+    n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
+    V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr, CMP_RUNS: tl.constexpr,
 ):  # fmt: skip
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
@@ -102,7 +138,8 @@ def sel_fwd_kernel(
     expression), o_cmp and o_win [B, Tq, HQ, dv] read at the row's heads, gates [B, Tq, HQ, 3]:
     the combine's pass over the three outputs is saved, and o_slc never goes to memory unless
     STORE_SLC: then o_slc is stored too, at o's strides in slc [B, Tq, HQ, dv] (the backward of
-    the gated sum reads it).
+    the gated sum reads it). CMP_RUNS: o_cmp comes as two runs of rows (cmp and cmp2, from row
+    ``cmp_start``, the first ``cmp_rows`` long; :class:`GatedSum`).
     """
     if (tl.load(finite_ptr) != 0) != V_TMA:
         return
@@ -187,9 +224,10 @@ def sel_fwd_kernel(
                     mask=g_mask[:, None] & v_mask[None, :],
                 )
             o = _gated_sum(
-                o, cmp_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
-                stride_cb, stride_ct, stride_ch, stride_wb, stride_wt, stride_wh,
-                stride_gb, stride_gt, stride_gh, stride_gc,
+                o, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
+                stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t, stride_c2h, cmp_start,
+                cmp_rows, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
+                stride_gc, CMP_RUNS,
             )  # fmt: skip
         tl.store(
             o_rows + offs_v[None, :],
@@ -217,11 +255,23 @@ class GatedSum:
     """What the selected forward sums its output with (docs/spec.md, "Output"): the other
     two branches o_cmp and o_win [B, Tq, HQ, dv] in q's dtype, and gates [B, Tq, HQ, 3] ordered
     (cmp, slc, win), on q's device. The kernel reads them; their gradients, where wanted, come
-    from :class:`nsa_kernels.selected.function.GatedSelectedFunction`."""
+    from :class:`nsa_kernels.selected.function.GatedSelectedFunction`. o_cmp may be a
+    :class:`~nsa_core.row_runs.RowRuns` of at most two runs (the folded cuDNN branch's full rows
+    and its tail), read where they lie; more runs are assembled first."""
 
-    o_cmp: Tensor
+    o_cmp: Tensor | RowRuns
     o_win: Tensor
     gates: Tensor
+
+
+def _cmp_operands(o_cmp: Tensor | RowRuns) -> tuple[Tensor, Tensor, int, int, bool]:
+    """(cmp, cmp2, cmp_start, cmp_rows, CMP_RUNS) of sel_fwd_kernel for o_cmp."""
+    if isinstance(o_cmp, RowRuns) and len(o_cmp.runs) > 2:
+        o_cmp = o_cmp.assemble()
+    if isinstance(o_cmp, Tensor):
+        return o_cmp, o_cmp, 0, o_cmp.shape[1], False
+    first, last = o_cmp.runs[0], o_cmp.runs[-1]
+    return first, last, o_cmp.start, first.shape[1], True
 
 
 def forward(
@@ -249,7 +299,7 @@ def forward(
             # o_slc = 0, its product still taken (a non-finite gate makes its row non-finite,
             # docs/spec.md "Output"), in the combine kernel's float32.
             g, o_slc = gated.gates.float(), o.float()
-            total = g[..., 0:1] * gated.o_cmp.float() + g[..., 1:2] * o_slc
+            total = g[..., 0:1] * as_tensor(gated.o_cmp).float() + g[..., 1:2] * o_slc
             o = (total + g[..., 2:3] * gated.o_win.float()).to(q.dtype)
         return o, lse
     seq_ids, cu = varlen_args(info, q.device)
@@ -266,9 +316,10 @@ def forward(
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
     finite, v_paths = finite_path_launches(v_tma, v)
     # Without a gated sum the kernel never reads these: o stands in for the pointers.
-    parts = (o, o, o) if gated is None else (gated.o_cmp, gated.o_win, gated.gates)
+    cmp, cmp2, cmp_start, cmp_rows, cmp_runs = _cmp_operands(o if gated is None else gated.o_cmp)
+    parts = (cmp, cmp2, o, o) if gated is None else (cmp, cmp2, gated.o_win, gated.gates)
     slc = o if slc_out is None else slc_out
-    part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[2].stride(-1)]
+    part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[3].stride(-1)]
     for v_path in v_paths:
         sel_fwd_kernel[grid](
             q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc, *parts, slc,
@@ -280,6 +331,7 @@ def forward(
             idx.stride(0), idx.stride(1), idx.stride(2),
             *part_strides,
             info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
+            cmp_start, cmp_rows,
             G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
             DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
             DV=info.dv, BV=cfg.block_dv,
@@ -287,6 +339,7 @@ def forward(
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
             V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,
+            CMP_RUNS=cmp_runs,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse

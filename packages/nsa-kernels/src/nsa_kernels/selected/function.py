@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from nsa_core.checks import check_gated_combine, check_same_place, shape
+from nsa_core.checks import check_gated_combine, check_same_place
+from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import Toggles
 from nsa_kernels.combine.function import combine_bwd
 from nsa_kernels.selected.backward import backward
@@ -65,7 +66,7 @@ def selected_attention_fwd(
 
 def selected_attention_gated_triton(
     q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
-    scale: float | None = None, *, o_cmp: Tensor, o_win: Tensor, gates: Tensor,
+    scale: float | None = None, *, o_cmp: Tensor | RowRuns, o_win: Tensor, gates: Tensor,
     q_start: int = 0, cu_seqlens: Tensor | None = None,
     config: SelConfig | None = None, toggles: Toggles | None = None,
 ) -> Tensor:  # fmt: skip
@@ -85,20 +86,31 @@ def selected_attention_gated_triton(
     Args:
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles: as
             :func:`selected_attention_triton`.
-        o_cmp, o_win: [B, Tq, HQ, dv] the compressed and sliding branches' outputs, q's dtype.
+        o_cmp, o_win: [B, Tq, HQ, dv] the compressed and sliding branches' outputs, q's dtype;
+            o_cmp may be a :class:`~nsa_core.row_runs.RowRuns` (read in place without a
+            gradient, assembled with one).
         gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    cmp_runs = o_cmp if isinstance(o_cmp, RowRuns) else RowRuns.whole(o_cmp)
+    if isinstance(o_cmp, RowRuns):
+        # The runs' own checks hold them alike; o_win stands in for their shape and place.
+        check_gated_combine(o_win, o_win, o_win, gates)
+        check_same_place("o_cmp", o_cmp.runs[0], "o_win", o_win)
+    else:
+        check_gated_combine(o_cmp, o_cmp, o_win, gates)
     info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
     expected = (info.batch, info.tq, info.hq, info.dv)
-    if tuple(o_cmp.shape) != expected:
-        raise ValueError(f"o_cmp {shape(o_cmp)} must be [B, Tq, HQ, dv] = {list(expected)}")
-    check_same_place("o_cmp", o_cmp, "q", q)
-    inputs = (q, k, v, o_cmp, o_win, gates)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+    if tuple(cmp_runs.shape) != expected:
+        raise ValueError(f"o_cmp {list(cmp_runs.shape)} must be [B, Tq, HQ, dv] = {list(expected)}")
+    check_same_place("o_cmp", cmp_runs.runs[0], "q", q)
+    grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q, k, v, o_win, gates, *cmp_runs.runs)
+    )
+    if grad:
+        inputs = (q, k, v, cmp_runs.assemble(), o_win, gates)
         out = GatedSelectedFunction.apply(*inputs, block_indices, info)  # type: ignore[no-untyped-call]
         assert isinstance(out, torch.Tensor)
         return out

@@ -1,0 +1,83 @@
+"""A branch output held as runs of consecutive rows, for a consumer that reads it in place.
+
+A backend that computes its rows in several calls (the folded cuDNN compressed branch:
+:mod:`nsa_kernels.compressed.cudnn`) has each call's rows in a buffer of its own. Putting them
+in one tensor is a copy of the whole output (0.7 ms at T = 64k on an H100,
+docs/results/2026-11-26-h100-layer-9.md); a consumer that can read the runs where they lie (the
+selected branch's gated launch) skips it, and every other consumer calls :meth:`RowRuns.assemble`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nsa_core.checks import check_rank, check_same_place, shape
+
+
+@dataclass(frozen=True)
+class RowRuns:
+    """x [B, T, HQ, D] as runs: rows ``[0, start)`` are 0, then ``runs[0]`` [B, n_0, HQ, D],
+    ``runs[1]`` [B, n_1, HQ, D], ... in row order, ending at row T. Each run has unit stride
+    in D; the runs share dtype and device."""
+
+    start: int
+    runs: tuple[torch.Tensor, ...]
+
+    def __post_init__(self) -> None:
+        if self.start < 0:
+            raise ValueError(f"start must be >= 0, got {self.start}")
+        if not self.runs:
+            raise ValueError("RowRuns needs at least one run (a run may hold 0 rows)")
+        first = self.runs[0]
+        for i, run in enumerate(self.runs):
+            check_rank(f"runs[{i}]", run, 4, "[B, n, HQ, D]")
+            if run.shape[0] != first.shape[0] or run.shape[2:] != first.shape[2:]:
+                raise ValueError(f"runs[{i}] {shape(run)} differs from runs[0] {shape(first)}")
+            check_same_place(f"runs[{i}]", run, "runs[0]", first)
+            if run.shape[3] > 1 and run.stride(3) != 1:
+                raise ValueError(f"runs[{i}] needs unit stride in D, has strides {run.stride()}")
+
+    @classmethod
+    def whole(cls, x: torch.Tensor) -> RowRuns:
+        """x [B, T, HQ, D] as one run from row 0 (no copy)."""
+        return cls(start=0, runs=(x,))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, T, HQ, D) of the tensor the runs make up."""
+        batch, _, heads, dim = self.runs[0].shape
+        return batch, self.rows, heads, dim
+
+    @property
+    def rows(self) -> int:
+        """T: the zero rows and every run's."""
+        return self.start + sum(run.shape[1] for run in self.runs)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runs[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.runs[0].device
+
+    def assemble(self) -> torch.Tensor:
+        """The tensor [B, T, HQ, D]: a run from row 0 alone is returned as it is, else the
+        zero rows and the runs are copied into a new tensor."""
+        if self.start == 0 and len(self.runs) == 1:
+            return self.runs[0]
+        batch, rows, heads, dim = self.shape
+        out = self.runs[0].new_empty(batch, rows, heads, dim)
+        out[:, : self.start] = 0
+        row = self.start
+        for run in self.runs:
+            out[:, row : row + run.shape[1]] = run
+            row += run.shape[1]
+        return out
+
+
+def as_tensor(x: torch.Tensor | RowRuns) -> torch.Tensor:
+    """x itself, or the tensor its runs make up (:meth:`RowRuns.assemble`)."""
+    return x.assemble() if isinstance(x, RowRuns) else x
