@@ -141,13 +141,10 @@ def gated_output(
     # Each branch reads q through its own view, so that the three gradients of q meet in one
     # fused sum (ops.fan_out) where the combine's backend has one.
     q_cmp, q_slc, q_win = ops.fan_out(q, gates)
-    # The sliding branch is launched first: it needs nothing from the others, and while the GPU
-    # runs it the host routes and folds the compressed branch, whose launches the GPU would
-    # otherwise wait for after the short compress kernels.
-    o_win = _sliding(config, q_win, k_win, v_win, q_start, win_start, cu_seqlens)
     cmp_runs, indices = _compressed_and_indices(
         config, q_cmp, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens, runs=True
     )
+    o_win = _sliding(config, q_win, k_win, v_win, q_start, win_start, cu_seqlens)
     o = ops.selected_attention_gated(
         q_slc, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=cmp_runs, o_win=o_win,
         gates=gates, q_start=q_start, cu_seqlens=cu_seqlens,

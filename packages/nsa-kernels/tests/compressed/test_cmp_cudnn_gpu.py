@@ -170,7 +170,11 @@ def test_runs_are_cudnns_own_output_and_the_one_tensor_route_bit_for_bit(
 ) -> None:
     """Without a gradient the runs route leaves o where cuDNN wrote it: each run is a view of
     the output of its cuDNN call (torch allocates that output in q's layout, so the folded rows
-    flatten without a copy), and together they are the one-tensor route's o, bit for bit."""
+    flatten without a copy), and together they are the one-tensor route's o, bit for bit. The
+    lse too, but for a tail of one query: cuDNN's kernel for a single query row is not bitwise
+    reproducible in its lse from call to call (2 or 3 of 64 heads differ by up to 4.8e-7 over
+    three repeats of the same call, docs/results/2026-11-26-h100-layer-9.md), so that row is
+    held to float32 rounding (2^-20 relative)."""
     from nsa_kernels.compressed import cudnn
 
     outputs: list[torch.Tensor] = []
@@ -189,4 +193,9 @@ def test_runs_are_cudnns_own_output_and_the_one_tensor_route_bit_for_bit(
     for run, out in zip(runs.runs, outputs, strict=True):
         assert run.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
     assert torch.equal(runs.assemble(), want_o)
-    assert torch.equal(lse, want_lse)
+    one_query_tail = tq - (L_CMP - 1) - runs.runs[0].shape[1] == 1
+    assert torch.equal(lse[:, :-1], want_lse[:, :-1])
+    if one_query_tail:
+        torch.testing.assert_close(lse[:, -1], want_lse[:, -1], rtol=2**-20, atol=0)
+    else:
+        assert torch.equal(lse[:, -1], want_lse[:, -1])

@@ -44,6 +44,7 @@ from torch.autograd.function import once_differentiable
 from nsa_core.registry import OpContext
 from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import Toggles
+from nsa_kernels.common.finite_flag import all_finite_flag
 from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
 from nsa_kernels.compressed.cmp_fold import RowSplit, row_split
 
@@ -362,12 +363,13 @@ def _runs_with_lse(
 
     runs, lse = folded_runs(q, k_cmp, v_cmp, call, cudnn_attend)
     # As in _with_lse, run by run: each run's queries start at their own position.
+    finite = all_finite_flag(k_cmp, v_cmp)
     row = runs.start
     for run in runs.runs:
         n = run.shape[1]
         contain_non_finite_into(
             run, lse[:, row : row + n], q[:, row : row + n], k_cmp, v_cmp, call.cmp_block,
-            call.cmp_stride, call.scale, q_start=call.q_start + row,
+            call.cmp_stride, call.scale, q_start=call.q_start + row, finite=finite,
         )  # fmt: skip
         row += n
     return runs, lse

@@ -390,13 +390,13 @@ def _fwd(
     cfg: CmpConfig,
     *,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
-    unless_finite: tuple[torch.Tensor, ...] = (),
+    unless_finite: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of the forward kernel, written into ``into`` when given.
 
-    ``unless_finite``: launch the containing path alone, gated on :func:`all_finite_flag` of
-    these tensors, so that its programs work only where one of them holds a non-finite value
-    and otherwise leave ``into`` as it is (no host sync either way).
+    ``unless_finite``: an :func:`all_finite_flag`; launch the containing path alone, gated on
+    it, so that its programs work only where the flagged tensors hold a non-finite value and
+    otherwise leave ``into`` as it is (no host sync either way).
     """
     o, lse = into or forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if info.tq == 0:
@@ -410,8 +410,8 @@ def _fwd(
     # Two launches, one of which returns at once: see cmp_fwd_kernel (the finite path does not
     # contain non-finite values).
     finite_paths: tuple[bool, ...]
-    if unless_finite:
-        finite, finite_paths = all_finite_flag(*unless_finite), (False,)
+    if unless_finite is not None:
+        finite, finite_paths = unless_finite, (False,)
     else:
         finite, finite_paths = finite_path_launches(True, v)
     for finite_path in finite_paths:
@@ -573,6 +573,7 @@ def contain_non_finite_into(
     scale: float | None = None,
     *,
     q_start: int = 0,
+    finite: torch.Tensor | None = None,
 ) -> None:
     """Where k_cmp or v_cmp holds a non-finite value, overwrite o [B, Tq, HQ, dv] and lse
     [B, Tq, HQ] (float32) with this forward, which keeps such a value to the rows that see its
@@ -581,10 +582,13 @@ def contain_non_finite_into(
     Decided on the device (one launch whose programs return at once when every value is
     finite), so a caller that computed o and lse with another kernel needs no host sync to
     honour the rule. Dense inputs; arguments as :func:`compressed_attention_triton_with_lse`.
+    ``finite``: :func:`all_finite_flag` of k_cmp and v_cmp, where the caller has it (several
+    calls over parts of one output), else computed here.
     """
     info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, None, None)
     k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
-    _fwd(q.contiguous(), k_cmp, v_cmp, info, cfg, into=(o, lse), unless_finite=(k_cmp, v_cmp))
+    flag = all_finite_flag(k_cmp, v_cmp) if finite is None else finite
+    _fwd(q.contiguous(), k_cmp, v_cmp, info, cfg, into=(o, lse), unless_finite=flag)
 
 
 def compressed_attention_bwd(

@@ -42,21 +42,20 @@ def _cmp_row(
     ``RowRuns`` (rows before ``cmp_start`` read 0, the first run holds ``cmp_rows`` rows from
     there, the second the rest; see :class:`GatedSum`)."""
     if CMP_RUNS:
+        # One load from whichever run holds row r: the run's row pointer and head stride are
+        # picked as scalars, and the rows before the first run read 0 through the mask.
         r1 = r - cmp_start
-        r2 = r1 - cmp_rows
-        in_first = (r1 >= 0) & (r1 < cmp_rows)
-        x1 = tl.load(
-            cmp_ptr + b * stride_cb + r1 * stride_ct + heads[:, None] * stride_ch
-            + offs_v[None, :],
-            mask=ok & in_first, other=0.0, eviction_policy="evict_first",
+        in_first = r1 < cmp_rows
+        row_ptr = tl.where(
+            in_first,
+            cmp_ptr + b * stride_cb + r1 * stride_ct,
+            cmp2_ptr + b * stride_c2b + (r1 - cmp_rows) * stride_c2t,
+        )
+        head_stride = tl.where(in_first, stride_ch, stride_c2h)
+        x = tl.load(
+            row_ptr + heads[:, None] * head_stride + offs_v[None, :],
+            mask=ok & (r1 >= 0), other=0.0, eviction_policy="evict_first",
         )  # fmt: skip
-        x2 = tl.load(
-            cmp2_ptr + b * stride_c2b + r2 * stride_c2t + heads[:, None] * stride_c2h
-            + offs_v[None, :],
-            mask=ok & (r2 >= 0), other=0.0, eviction_policy="evict_first",
-        )  # fmt: skip
-        # A select, not a sum: 0 + x would turn a -0.0 of o_cmp into +0.0.
-        x = tl.where(in_first, x1, x2)
     else:
         x = tl.load(
             cmp_ptr + b * stride_cb + r * stride_ct + heads[:, None] * stride_ch + offs_v[None, :],
