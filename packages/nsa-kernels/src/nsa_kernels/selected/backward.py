@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_kernels.common.finite_flag import all_finite_flag
+from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.key_rows import store_key_grads
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.selected import csr as block_csr
@@ -39,7 +39,7 @@ from nsa_kernels.selected.row_walk import LOG2E, LOG2E_CONST, query_row, selecte
 
 
 @triton.jit
-def _sel_bwd_dq_rows(
+def sel_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
     finite_ptr, k_desc, v_desc,
     stride_qb, stride_qt, stride_qh,
@@ -55,7 +55,21 @@ def _sel_bwd_dq_rows(
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
 ):  # fmt: skip
-    """The body of :func:`sel_bwd_dq_kernel` for one K/V path (KV_TMA or not)."""
+    """dq [BG, BK] and delta [BG] of one query row for HPP heads of one kv head's group.
+
+    q, dq [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o, do [B, Tq, HQ, dv],
+    lse, delta [B, Tq, HQ], idx [B, Tq, H, n]. ``q``/``dq`` share strides, as do ``o``/``do``,
+    and ``lse``/``delta``. Grid: (ceil(rows / RPP), H * NCH).
+
+    KV_TMA (BK == DK, BV == DV): K and V tiles come whole through tensor descriptors over k and v
+    viewed as [B * Tk, H * d], keys the row cannot see included: they meet p = 0 in ds and dq,
+    exact only where every key and value is finite. So the call launches the kernel twice, KV_TMA
+    and not, and finite [1] int32 (nonzero: every element of k and v is finite) picks the launch
+    that works; the other one's programs return at once. A call without TMA launches it once,
+    with masked pointer loads and a zero flag.
+    """
+    if (tl.load(finite_ptr) != 0) != KV_TMA:
+        return
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
@@ -118,67 +132,6 @@ def _sel_bwd_dq_rows(
             (dq * scale).to(dq_ptr.dtype.element_ty),
             mask=g_mask[:, None] & k_mask[None, :],
         )
-
-
-@triton.jit
-def sel_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
-    finite_ptr, k_desc, v_desc,
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_ob, stride_ot, stride_oh,
-    stride_db, stride_dt, stride_dh,
-    stride_lb, stride_lt,
-    stride_ib, stride_it, stride_ih,
-    n_rows, tq, tk, q_start, nsel, qk_scale, scale,
-    G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
-    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
-    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
-):  # fmt: skip
-    """dq [BG, BK] and delta [BG] of one query row for HPP heads of one kv head's group.
-
-    q, dq [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o, do [B, Tq, HQ, dv],
-    lse, delta [B, Tq, HQ], idx [B, Tq, H, n]. ``q``/``dq`` share strides, as do ``o``/``do``,
-    and ``lse``/``delta``. Grid: (ceil(rows / RPP), H * NCH).
-
-    KV_TMA (BK == DK, BV == DV): K and V tiles come whole through tensor descriptors over k and v
-    viewed as [B * Tk, H * d], keys the row cannot see included: they meet p = 0 in ds and dq,
-    exact only where every key and value is finite. So finite [1] int32 (nonzero: every element
-    of k and v is finite) picks, in each program, the body with whole tiles or the one with
-    masked pointer loads, in one launch (as sel_fwd_kernel: a second launch of programs that
-    return at once cost 162 us at T = 64k, H = 4). Without KV_TMA the kernel has the masked
-    body alone.
-    """
-    if KV_TMA:
-        if tl.load(finite_ptr) != 0:
-            _sel_bwd_dq_rows(
-                q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr,
-                cu_ptr, finite_ptr, k_desc, v_desc, stride_qb, stride_qt, stride_qh, stride_kb,
-                stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_ot,
-                stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lt, stride_ib,
-                stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale, scale, G, HPP, BG,
-                DK, BK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC, True,
-            )  # fmt: skip
-        else:
-            _sel_bwd_dq_rows(
-                q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr,
-                cu_ptr, finite_ptr, k_desc, v_desc, stride_qb, stride_qt, stride_qh, stride_kb,
-                stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_ot,
-                stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lt, stride_ib,
-                stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale, scale, G, HPP, BG,
-                DK, BK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC, False,
-            )  # fmt: skip
-    else:
-        _sel_bwd_dq_rows(
-            q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr,
-            cu_ptr, finite_ptr, k_desc, v_desc, stride_qb, stride_qt, stride_qh, stride_kb,
-            stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob, stride_ot,
-            stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lt, stride_ib,
-            stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale, scale, G, HPP, BG, DK,
-            BK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC, False,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -355,35 +308,36 @@ def backward(
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
     delta = torch.empty_like(lse)
-    # K and V through TMA where the forward takes TMA K loads and dv fits one tile too, and
-    # every key and value is finite: picked in the kernel by the flag (see sel_bwd_dq_kernel).
+    # K and V through TMA where the forward takes TMA K loads and dv fits one tile too: two
+    # launches, one per kind of keys and values (see sel_bwd_dq_kernel).
     kv_tma = cfg.tma == 1 and info.dk == bk and values_fit_tma(bv, info)
     k_desc: Any = kv_descriptor(k, cfg.block_l) if kv_tma else k
     v_desc: Any = kv_descriptor(v, cfg.block_l) if kv_tma else v
-    finite = all_finite_flag(k, v) if kv_tma else torch.zeros(1, dtype=torch.int32, device=q.device)
+    finite, kv_paths = finite_path_launches(kv_tma, k, v)
     # The reverse index first, the dq launch next, then the one wait for the index's sizes: the
     # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait.
     reverse = block_csr.start_block_csr(
         idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
         rows_are_sets=True,
     )  # fmt: skip
-    sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
-        q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        lse.stride(0), lse.stride(1),
-        idx.stride(0), idx.stride(1), idx.stride(2),
-        info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E, info.scale,
-        G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
-        DK=info.dk, BK=bk, DV=info.dv, BV=bv,
-        SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
-        RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
-        VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_tma,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-    )  # fmt: skip
+    for kv_path in kv_paths:
+        sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
+            q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            o.stride(0), o.stride(1), o.stride(2),
+            dq.stride(0), dq.stride(1), dq.stride(2),
+            lse.stride(0), lse.stride(1),
+            idx.stride(0), idx.stride(1), idx.stride(2),
+            info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E, info.scale,
+            G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
+            DK=info.dk, BK=bk, DV=info.dv, BV=bv,
+            SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
+            RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
+            VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        )  # fmt: skip
     dkv_backward(
         q, k, v, do, lse, delta, dk, dv, reverse.finish(), sel_block, info.scale, cfg, prec
     )
