@@ -277,3 +277,35 @@ def test_tma_and_masked_loads_agree_bit_for_bit_on_finite_inputs(
         assert via_tma is not None
         assert masked is not None
         assert torch.equal(via_tma, masked), name
+
+
+def test_a_strided_launch_walks_every_row_block_as_one_program_per_block_does(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """STRIDED (the masked launch beside a TMA one, which returns at once on finite values): a
+    few programs per SM stride over the row blocks. Run as the only launch here, it gives the
+    forward and every gradient of one program per row block, bit for bit, with more row blocks
+    than programs (each program walks several)."""
+    from nsa_kernels.selected import backward, forward
+    from nsa_kernels.selected.launch import strided_grid
+
+    assert DEVICE is not None
+    case = Case("strided", batch=2, tq=45, h=2, group=3, n=3, indices="random", config={})
+    gen = _gen(request)
+    q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
+    do = torch.randn((*q.shape[:3], case.dv), generator=gen).to(DEVICE)
+    assert strided_grid((case.batch * case.tq, case.h), q.device)[0] < case.batch * case.tq
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = selected_attention_triton(*leaves, idx, case.sel_block, config=SelConfig(tma=2))
+        o.backward(do)
+        return [o.detach(), *(t.grad for t in leaves if t.grad is not None)]
+
+    per_block = run()
+    for module in (forward, backward):
+        monkeypatch.setattr(module, "path_launches", lambda tma: ((False, True),))
+    strided = run()
+    assert len(strided) == len(per_block) == 4
+    for name, a, b in zip(["o", "dq", "dk", "dv"], strided, per_block, strict=True):
+        assert torch.equal(a, b), name

@@ -32,6 +32,8 @@ from nsa_kernels.selected.launch import (
     dot_precision,
     kv_hint,
     num_sms,
+    path_launches,
+    strided_grid,
     values_fit_tma,
     varlen_args,
 )
@@ -39,7 +41,8 @@ from nsa_kernels.selected.row_walk import LOG2E, LOG2E_CONST, query_row, selecte
 
 
 @triton.jit
-def sel_bwd_dq_kernel(
+def _sel_bwd_dq_rows(
+    blk,
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
     finite_ptr, k_desc, v_desc,
     stride_qb, stride_qt, stride_qh,
@@ -55,26 +58,12 @@ def sel_bwd_dq_kernel(
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
 ):  # fmt: skip
-    """dq [BG, BK] and delta [BG] of one query row for HPP heads of one kv head's group.
-
-    q, dq [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o, do [B, Tq, HQ, dv],
-    lse, delta [B, Tq, HQ], idx [B, Tq, H, n]. ``q``/``dq`` share strides, as do ``o``/``do``,
-    and ``lse``/``delta``. Grid: (ceil(rows / RPP), H * NCH).
-
-    KV_TMA (BK == DK, BV == DV): K and V tiles come whole through tensor descriptors over k and v
-    viewed as [B * Tk, H * d], keys the row cannot see included: they meet p = 0 in ds and dq,
-    exact only where every key and value is finite. So the call launches the kernel twice, KV_TMA
-    and not, and finite [1] int32 (nonzero: every element of k and v is finite) picks the launch
-    that works; the other one's programs return at once. A call without TMA launches it once,
-    with masked pointer loads and a zero flag.
-    """
-    if (tl.load(finite_ptr) != 0) != KV_TMA:
-        return
+    """The body of :func:`sel_bwd_dq_kernel` for the rows of row block ``blk``."""
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
         b, r, t, tok0, h, heads, g_mask, idx_row = query_row(
-            rr, n_rows, tq, q_start, seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
+            blk, rr, n_rows, tq, q_start, seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
             G=G, HPP=HPP, BG=BG, RPP=RPP, VARLEN=VARLEN,
         )  # fmt: skip
         offs_k = tl.arange(0, BK)
@@ -132,6 +121,64 @@ def sel_bwd_dq_kernel(
             (dq * scale).to(dq_ptr.dtype.element_ty),
             mask=g_mask[:, None] & k_mask[None, :],
         )
+
+
+@triton.jit
+def sel_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
+    finite_ptr, k_desc, v_desc,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_db, stride_dt, stride_dh,
+    stride_lb, stride_lt,
+    stride_ib, stride_it, stride_ih,
+    n_rows, tq, tk, q_start, nsel, qk_scale, scale,
+    G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
+    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
+    STRIDED: tl.constexpr,
+):  # fmt: skip
+    """dq [BG, BK] and delta [BG] of one query row for HPP heads of one kv head's group.
+
+    q, dq [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o, do [B, Tq, HQ, dv],
+    lse, delta [B, Tq, HQ], idx [B, Tq, H, n]. ``q``/``dq`` share strides, as do ``o``/``do``,
+    and ``lse``/``delta``. Grid: (ceil(rows / RPP), H * NCH).
+
+    KV_TMA (BK == DK, BV == DV): K and V tiles come whole through tensor descriptors over k and v
+    viewed as [B * Tk, H * d], keys the row cannot see included: they meet p = 0 in ds and dq,
+    exact only where every key and value is finite. So the call launches the kernel twice, KV_TMA
+    and not, and finite [1] int32 (nonzero: every element of k and v is finite) picks the launch
+    that works; the other one's programs return at once. A call without TMA launches it once,
+    with masked pointer loads and a zero flag. STRIDED: as in sel_fwd_kernel, the launch
+    without KV_TMA beside one with it strides a few programs per SM over the row blocks.
+    """
+    if (tl.load(finite_ptr) != 0) != KV_TMA:
+        return
+    if STRIDED:
+        num_blocks = tl.cdiv(n_rows, RPP)
+        for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+            _sel_bwd_dq_rows(
+                blk, q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr,
+                seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc, stride_qb, stride_qt, stride_qh,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob,
+                stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lt,
+                stride_ib, stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale, scale,
+                G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC,
+                KV_TMA,
+            )  # fmt: skip
+    else:
+        _sel_bwd_dq_rows(
+            tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+            idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc, stride_qb, stride_qt,
+            stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb,
+            stride_lt, stride_ib, stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale,
+            scale, G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC,
+            KV_TMA,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -313,15 +360,16 @@ def backward(
     kv_tma = cfg.tma == 1 and info.dk == bk and values_fit_tma(bv, info)
     k_desc: Any = kv_descriptor(k, cfg.block_l) if kv_tma else k
     v_desc: Any = kv_descriptor(v, cfg.block_l) if kv_tma else v
-    finite, kv_paths = finite_path_launches(kv_tma, k, v)
+    finite, _ = finite_path_launches(kv_tma, k, v)
     # The reverse index first, the dq launch next, then the one wait for the index's sizes: the
     # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait.
     reverse = block_csr.start_block_csr(
         idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
         rows_are_sets=True,
     )  # fmt: skip
-    for kv_path in kv_paths:
-        sel_bwd_dq_kernel[(-(-info.rows // cfg.rows_per_prog), info.h * nch)](
+    grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch)
+    for kv_path, strided in path_launches(kv_tma):
+        sel_bwd_dq_kernel[strided_grid(grid, q.device) if strided else grid](
             q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -335,7 +383,7 @@ def backward(
             DK=info.dk, BK=bk, DV=info.dv, BV=bv,
             SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
-            VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path,
+            VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path, STRIDED=strided,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
     dkv_backward(

@@ -27,6 +27,8 @@ from nsa_kernels.selected.launch import (
     Launch,
     dot_precision,
     kv_hint,
+    path_launches,
+    strided_grid,
     values_fit_tma,
     varlen_args,
 )
@@ -94,7 +96,8 @@ def _gated_sum(
 
 
 @triton.jit
-def sel_fwd_kernel(
+def _sel_fwd_rows(
+    blk,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
     cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr,
     stride_qb, stride_qt, stride_qh,
@@ -114,40 +117,13 @@ def sel_fwd_kernel(
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
     V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr, CMP_RUNS: tl.constexpr,
 ):  # fmt: skip
-    """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
-
-    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o [B, Tq, HQ, dv], lse [B, Tq, HQ],
-    idx [B, Tq, H, n] (index rows as sets, :mod:`nsa_kernels.selected.indices`).
-    Grid: (ceil(rows / RPP), H * ceil(G / HPP), ceil(DV / BV)). Axis 0 varies fastest, so the
-    programs in flight share one kv head and its K/V stays in L2 (KV_HINT="evict_last" asks L2
-    to keep K/V over the streamed q and o).
-
-    TMA (NK == 1, BK == DK): K tiles come through a tensor descriptor over k viewed as
-    [B * Tk, H * dk]; a tile is loaded whole (the visibility mask applies to s), rows past the end
-    read as 0. V_TMA (BV == DV): V tiles come whole through a descriptor over v as well. A whole
-    V tile holds rows the query cannot see, whose weight 0 times a NaN there is NaN (docs/spec.md,
-    "Non-finite values"), and zeroing them with a select costs the tile a round trip through
-    shared memory; so V_TMA serves values that are all finite only: the call launches the kernel
-    twice, V_TMA and not, and finite [1] int32 (nonzero: every value of v is finite) picks the
-    launch that works; the other one's programs return at once. A call without V_TMA launches it
-    once, with masked V loads and a zero flag.
-
-    GATED (forward only, :func:`forward`'s ``gated``): o is the gated sum of the three branches,
-    ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` over float32 values (the combine kernel's
-    expression), o_cmp and o_win [B, Tq, HQ, dv] read at the row's heads, gates [B, Tq, HQ, 3]:
-    the combine's pass over the three outputs is saved, and o_slc never goes to memory unless
-    STORE_SLC: then o_slc is stored too, at o's strides in slc [B, Tq, HQ, dv] (the backward of
-    the gated sum reads it). CMP_RUNS: o_cmp comes as two runs of rows (cmp and cmp2, from row
-    ``cmp_start``, the first ``cmp_rows`` long; :class:`GatedSum`).
-    """
-    if (tl.load(finite_ptr) != 0) != V_TMA:
-        return
+    """The body of :func:`sel_fwd_kernel` for the rows of row block ``blk``."""
     pid_v = tl.program_id(2)
     # RPP consecutive rows per program: rows of one query block share their forced blocks
     # (0, jt-1, jt), which the second row then finds in L1.
     for rr in range(RPP):
         b, r, t, tok0, h, heads, g_mask, idx_row = query_row(
-            rr, n_rows, tq, q_start, seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
+            blk, rr, n_rows, tq, q_start, seq_ptr, cu_ptr, idx_ptr, stride_ib, stride_it, stride_ih,
             G=G, HPP=HPP, BG=BG, RPP=RPP, VARLEN=VARLEN,
         )  # fmt: skip
         offs_v = pid_v * BV + tl.arange(0, BV)
@@ -240,6 +216,87 @@ def sel_fwd_kernel(
             tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
 
 
+@triton.jit
+def sel_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
+    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt,
+    stride_ib, stride_it, stride_ih,
+    stride_cb, stride_ct, stride_ch,
+    stride_c2b, stride_c2t, stride_c2h,
+    stride_wb, stride_wt, stride_wh,
+    stride_gb, stride_gt, stride_gh, stride_gc,
+    n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows,
+    G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
+    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
+    V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr, CMP_RUNS: tl.constexpr,
+    STRIDED: tl.constexpr,
+):  # fmt: skip
+    """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
+
+    q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], o [B, Tq, HQ, dv], lse [B, Tq, HQ],
+    idx [B, Tq, H, n] (index rows as sets, :mod:`nsa_kernels.selected.indices`).
+    Grid: (ceil(rows / RPP), H * ceil(G / HPP), ceil(DV / BV)). Axis 0 varies fastest, so the
+    programs in flight share one kv head and its K/V stays in L2 (KV_HINT="evict_last" asks L2
+    to keep K/V over the streamed q and o).
+
+    TMA (NK == 1, BK == DK): K tiles come through a tensor descriptor over k viewed as
+    [B * Tk, H * dk]; a tile is loaded whole (the visibility mask applies to s), rows past the end
+    read as 0. V_TMA (BV == DV): V tiles come whole through a descriptor over v as well. A whole
+    V tile holds rows the query cannot see, whose weight 0 times a NaN there is NaN (docs/spec.md,
+    "Non-finite values"), and zeroing them with a select costs the tile a round trip through
+    shared memory; so V_TMA serves values that are all finite only: the call launches the kernel
+    twice, V_TMA and not, and finite [1] int32 (nonzero: every value of v is finite) picks the
+    launch that works; the other one's programs return at once. A call without V_TMA launches it
+    once, with masked V loads and a zero flag. STRIDED (the launch without V_TMA beside one with
+    it): a grid of a few programs per SM whose programs stride over the row blocks, so that when
+    it returns at once it costs a few microseconds, where one program per row block cost 162 us
+    at T = 64k, H = 4 on an H100 (docs/results/2026-11-26-h100-layer-9.md).
+
+    GATED (forward only, :func:`forward`'s ``gated``): o is the gated sum of the three branches,
+    ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` over float32 values (the combine kernel's
+    expression), o_cmp and o_win [B, Tq, HQ, dv] read at the row's heads, gates [B, Tq, HQ, 3]:
+    the combine's pass over the three outputs is saved, and o_slc never goes to memory unless
+    STORE_SLC: then o_slc is stored too, at o's strides in slc [B, Tq, HQ, dv] (the backward of
+    the gated sum reads it). CMP_RUNS: o_cmp comes as two runs of rows (cmp and cmp2, from row
+    ``cmp_start``, the first ``cmp_rows`` long; :class:`GatedSum`).
+    """
+    if (tl.load(finite_ptr) != 0) != V_TMA:
+        return
+    if STRIDED:
+        num_blocks = tl.cdiv(n_rows, RPP)
+        for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+            _sel_fwd_rows(
+                blk, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr,
+                k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, stride_qb,
+                stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_ib,
+                stride_it, stride_ih, stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t,
+                stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
+                stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP,
+                BG, DK, BK, NK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC, TMA,
+                V_TMA, GATED, STORE_SLC, CMP_RUNS,
+            )  # fmt: skip
+    else:
+        _sel_fwd_rows(
+            tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr,
+            finite_ptr, k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, stride_qb,
+            stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+            stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_ib,
+            stride_it, stride_ih, stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t,
+            stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
+            stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP, BG,
+            DK, BK, NK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC, TMA, V_TMA, GATED,
+            STORE_SLC, CMP_RUNS,
+        )  # fmt: skip
+
+
 def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
     """The TMA descriptor over x [B, Tk, H, D] (k or v) as [B * Tk, H * D] with [block_l, D]
     boxes; the config resolved D to one power-of-two tile (``tma`` = 1, :func:`values_fit_tma`)."""
@@ -313,14 +370,14 @@ def forward(
     # sel_fwd_kernel), else one with masked V loads.
     v_tma = tma and values_fit_tma(cfg.block_dv, info)
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
-    finite, v_paths = finite_path_launches(v_tma, v)
+    finite, _ = finite_path_launches(v_tma, v)
     # Without a gated sum the kernel never reads these: o stands in for the pointers.
     cmp, cmp2, cmp_start, cmp_rows, cmp_runs = _cmp_operands(o if gated is None else gated.o_cmp)
     parts = (cmp, cmp2, o, o) if gated is None else (cmp, cmp2, gated.o_win, gated.gates)
     slc = o if slc_out is None else slc_out
     part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[3].stride(-1)]
-    for v_path in v_paths:
-        sel_fwd_kernel[grid](
+    for v_path, strided in path_launches(v_tma):
+        sel_fwd_kernel[strided_grid(grid, q.device) if strided else grid](
             q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc, *parts, slc,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -338,7 +395,7 @@ def forward(
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
             V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,
-            CMP_RUNS=cmp_runs,
+            CMP_RUNS=cmp_runs, STRIDED=strided,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse

@@ -329,3 +329,26 @@ def values_fit_tma(block_dv: int, info: Launch) -> bool:
     """Whether V tiles can come whole through a TMA descriptor: dv a power of two in one
     ``block_dv`` tile (where the config's ``tma`` is 1)."""
     return info.dv == block_dv and info.dv & (info.dv - 1) == 0
+
+
+# Programs per SM of a strided launch (sel_fwd_kernel's and sel_bwd_dq_kernel's STRIDED): enough
+# to fill the GPU where that launch does the work (values that are not all finite), few enough
+# that it costs microseconds where it returns at once.
+STRIDED_PROGRAMS_PER_SM = 8
+
+
+def strided_grid(grid: tuple[int, ...], device: torch.device) -> tuple[int, ...]:
+    """``grid`` with its row-block axis cut to STRIDED_PROGRAMS_PER_SM programs an SM (over the
+    other axes), for a STRIDED launch whose programs stride over the row blocks."""
+    others = 1
+    for n in grid[1:]:
+        others *= n
+    cap = max(1, -(-STRIDED_PROGRAMS_PER_SM * num_sms(device) // others))
+    return (min(grid[0], cap), *grid[1:])
+
+
+def path_launches(tma: bool) -> tuple[tuple[bool, bool], ...]:
+    """(TMA path, STRIDED) of each launch of a kernel with a TMA path for finite K/V and a masked
+    one (sel_fwd_kernel's V_TMA, sel_bwd_dq_kernel's KV_TMA): with TMA both, the masked one
+    strided (it returns at once wherever the values are finite); else the masked one alone."""
+    return ((True, False), (False, True)) if tma else ((False, False),)

@@ -28,6 +28,7 @@ LN2_CONST = tl.constexpr(LN2)
 
 @triton.jit
 def query_row(
+    blk,
     rr,
     n_rows,
     tq,
@@ -44,10 +45,12 @@ def query_row(
     RPP: tl.constexpr,
     VARLEN: tl.constexpr,
 ):
-    """(b, r, t, tok0, h, heads [BG], g_mask [BG], idx_row) of the program's row ``rr`` (int64).
+    """(b, r, t, tok0, h, heads [BG], g_mask [BG], idx_row) of row ``rr`` of row block ``blk``
+    (int64).
 
-    A program walks RPP consecutive rows of the B * Tq rows: ``program_id(0) * RPP + rr``
-    (clamped to the last row, so a program's spare rows redo it); ``program_id(1)`` is
+    A row block is RPP consecutive rows of the B * Tq rows: ``blk * RPP + rr`` (clamped to the
+    last row, so a block's spare rows redo it; ``blk`` is ``program_id(0)``, or each block a
+    strided program walks); ``program_id(1)`` is
     ``h * NCH + chunk`` with NCH = ceil(G / HPP) head chunks of HPP heads each.
     b, r: the row's batch and index along q's T axis; t: its position; tok0: the first token of
     its sequence (varlen, else 0); heads: its query heads, valid where g_mask; idx_row: the
@@ -57,7 +60,9 @@ def query_row(
     pid_h = tl.program_id(1)
     h = pid_h // NCH
     chunk = pid_h - h * NCH
-    row = tl.minimum(tl.program_id(0).to(tl.int64) * RPP + rr, n_rows - 1)
+    # int64 before the product; blk may come as a Python int (a strided loop under the
+    # interpreter) or as a tensor.
+    row = tl.minimum((tl.zeros([], tl.int64) + blk) * RPP + rr, n_rows - 1)
     if VARLEN:
         # Packed sequences: row indexes T directly; tok0 is the sequence's first token.
         tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
