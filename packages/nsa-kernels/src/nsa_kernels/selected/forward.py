@@ -54,9 +54,12 @@ def _cmp_row(
             cmp2_ptr + b * stride_c2b + (r1 - cmp_rows) * stride_c2t,
         )
         head_stride = tl.where(in_first, stride_ch, stride_c2h)
+        # The row test broadcast first: the Triton 3.9 interpreter reads a mask made with a
+        # scalar comparison as int32 and refuses it.
+        after_start = (offs_v * 0 + r1) >= 0
         x = tl.load(
             row_ptr + heads[:, None] * head_stride + offs_v[None, :],
-            mask=ok & (r1 >= 0), other=0.0, eviction_policy="evict_first",
+            mask=ok & after_start[None, :], other=0.0, eviction_policy="evict_first",
         )  # fmt: skip
     else:
         x = tl.load(
