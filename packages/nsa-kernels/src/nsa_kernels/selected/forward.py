@@ -324,9 +324,12 @@ class GatedSum:
 
 
 def _cmp_operands(o_cmp: Tensor | RowRuns) -> tuple[Tensor, Tensor, int, int, bool]:
-    """(cmp, cmp2, cmp_start, cmp_rows, CMP_RUNS) of sel_fwd_kernel for o_cmp."""
-    if isinstance(o_cmp, RowRuns) and len(o_cmp.runs) > 2:
-        o_cmp = o_cmp.assemble()
+    """(cmp, cmp2, cmp_start, cmp_rows, CMP_RUNS) of sel_fwd_kernel for o_cmp: one run from
+    row 0 is a plain tensor (the kernel without CMP_RUNS), more than two are assembled."""
+    if isinstance(o_cmp, RowRuns):
+        whole = o_cmp.start == 0 and len(o_cmp.runs) == 1
+        if whole or len(o_cmp.runs) > 2:
+            o_cmp = o_cmp.assemble()
     if isinstance(o_cmp, Tensor):
         return o_cmp, o_cmp, 0, o_cmp.shape[1], False
     first, last = o_cmp.runs[0], o_cmp.runs[-1]
