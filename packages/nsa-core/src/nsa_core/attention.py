@@ -135,7 +135,10 @@ def gated_output(
     backend sums the three terms in its own launch (:func:`nsa_core.ops.selected_attention_gated`;
     with a gradient where that backend gives one), the selected branch runs last and does so:
     the combine's pass over the three outputs is saved. The branches' three gradients of q are
-    summed in one pass where the combine's backend can (:func:`nsa_core.ops.fan_out`).
+    summed in one pass where the combine's backend can (:func:`nsa_core.ops.fan_out`). The
+    compressed branch's output reaches that one-launch sum as runs of rows where its backend and
+    the selected one allow (:func:`nsa_core.ops.compressed_attention_runs_with_lse`): no copy
+    into one tensor first.
     """
     scale = config.softmax_scale
     # Each branch reads q through its own view, so that the three gradients of q meet in one
