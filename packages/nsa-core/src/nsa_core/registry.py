@@ -95,9 +95,10 @@ class Backend:
     fn_with_lse: Callable[..., Any] | None = None
     fn_gated: Callable[..., Any] | None = None
     gated_grad: bool = False
+    fn_sum3: Callable[..., Any] | None = None
+    # Added after the fields above, so that a backend built with them in order keeps its meaning.
     gated_runs: bool = False
     fn_runs_with_lse: Callable[..., Any] | None = None
-    fn_sum3: Callable[..., Any] | None = None
 
 
 @dataclass(frozen=True)
