@@ -13,9 +13,10 @@ output 0, lse -inf, no gradient.
 
 A forward without a gradient on one sequence puts the slots into the batch dimension instead,
 every slot reading one stride-0 view of the keys (faster there); each run of queries is written
-once into the output. With a gradient, :class:`_FoldedFunction` keeps each run's graph and writes
-dq once into place, where autograd on slices of q would zero-fill and add a q-sized gradient per
-run.
+once into the output, or left where cuDNN wrote it (:func:`folded_runs`, the backend's
+``fn_runs_with_lse``: a :class:`~nsa_core.row_runs.RowRuns`). With a gradient,
+:class:`_FoldedFunction` keeps each run's graph and writes dq once into place, where autograd on
+slices of q would zero-fill and add a q-sized gradient per run.
 
 A call whose compressed keys or values hold a non-finite value is served by the Triton kernels,
 which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"). Without a
