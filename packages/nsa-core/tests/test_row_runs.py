@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nsa_core
-from nsa_core import NSAConfig, ops
+from nsa_core import NSAConfig, ops, registry
 from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
@@ -207,3 +207,23 @@ def test_without_fn_runs_the_compressed_output_is_one_run(gen: torch.Generator) 
     torch.testing.assert_close(
         runs.runs[0], nsa_core.compressed_attention(q, k_cmp, v_cmp, 4, 2), rtol=0, atol=0
     )
+
+
+@pytest.mark.usefixtures("isolated_registry")
+@pytest.mark.parametrize(
+    ("gated_runs", "requires_grad", "shown"),
+    [(True, False, True), (False, False, False), (True, True, False)],
+    ids=["runs_no_grad", "gated_step_takes_tensors", "with_grad"],
+)
+def test_routing_report_says_where_the_compressed_output_goes_as_runs(
+    gated_runs: bool, requires_grad: bool, shown: bool
+) -> None:
+    spy = RunsSpy(gated_runs=gated_runs, gated_grad=True)
+    spy.register()
+    ctx = OpContext.for_config(
+        CONFIG, device=torch.device("cpu"), dtype=torch.float32, seq_len=64,
+        requires_grad=requires_grad,
+    )  # fmt: skip
+    line = next(x for x in registry.routing_report(ctx).splitlines() if "compressed_attention" in x)
+    assert line.startswith("compressed_attention   -> cmp_runs_spy")
+    assert ("as runs of rows" in line) == shown

@@ -253,7 +253,8 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
 
     Where the attention core would sum the gated combine inside the selected branch's launch
     (:func:`resolve_fn_gated` gives a ``fn_gated`` for this context), the ``gated_combine`` line
-    says so.
+    says so; where it would hand the compressed output to that launch as runs of rows
+    (``fn_runs_with_lse`` and ``gated_runs``), the ``compressed_attention`` line does.
     """
     toggles = get_toggles() if toggles is None else toggles
     lines = []
@@ -264,8 +265,20 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
         if op == "gated_combine" and resolve_fn_gated(ctx, ctx, toggles) is not None:
             need = "with grad" if ctx.requires_grad else "no grad"
             line += f"   ({need}: summed inside selected_attention's launch)"
+        if op == "compressed_attention" and _runs_in_place(res.backend, ctx, toggles):
+            line += "   (no grad: its output reaches selected_attention's launch as runs of rows)"
         lines.append(line)
     return "\n".join(lines)
+
+
+def _runs_in_place(compressed: Backend, ctx: OpContext, toggles: Toggles) -> bool:
+    """Whether the attention core hands this compressed backend's output to the selected
+    step's one-launch sum as runs of rows, read in place: no gradient, no debug hook, the
+    backend has ``fn_runs_with_lse`` and the selected backend's ``fn_gated`` serves and takes runs
+    (whether the backend then splits its output is its own call)."""
+    if ctx.requires_grad or toggles.debug_hooks or compressed.fn_runs_with_lse is None:
+        return False
+    return resolve_fn_gated(ctx, ctx, toggles) is not None and gated_takes_runs(ctx, toggles)
 
 
 def _always(ctx: OpContext, toggles: Toggles) -> str | None:
