@@ -24,22 +24,19 @@ from nsa_core.checks import (
     check_apply_rope,
     check_compressed_attention,
     check_gated_combine,
-    check_same_place,
     check_select_blocks,
     check_selected_attention,
     check_sliding_attention,
-    shape,
 )
 from nsa_core.op_context import OpContext, op_context
 from nsa_core.registry import (
-    gated_takes_runs,
     resolve_fn,
-    resolve_fn_gated,
     resolve_fn_runs_with_lse,
     resolve_fn_sum3,
     resolve_fn_with_lse,
+    resolve_gated,
 )
-from nsa_core.row_runs import RowRuns
+from nsa_core.row_runs import RowRuns, check_gated_combine_runs
 from nsa_core.toggles import get_toggles
 
 P = ParamSpec("P")
@@ -207,24 +204,17 @@ def selected_attention_gated(
     if isinstance(o_cmp, RowRuns) and any(run.requires_grad for run in o_cmp.runs):
         # Runs are for the forward alone; a gradient's routing reads o_cmp's own context.
         o_cmp = o_cmp.assemble()
-    if isinstance(o_cmp, RowRuns):
-        if o_cmp.shape != tuple(o_win.shape):
-            raise ValueError(f"o_cmp's runs make {list(o_cmp.shape)}, o_win is {shape(o_win)}")
-        # The runs' own checks hold them alike; o_win stands in for their place and dtype.
-        check_same_place("o_cmp", o_cmp.runs[0], "o_win", o_win)
-        combine_ctx = check_gated_combine(o_win, o_win, o_win, gates)
-    else:
-        combine_ctx = check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    combine_ctx = check_gated_combine_runs(o_cmp, o_win, gates)
     ctx = check_selected_attention(
         q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )
     toggles = get_toggles()
-    fn_gated = resolve_fn_gated(ctx, combine_ctx, toggles)
-    if fn_gated is None:
+    gated = resolve_gated(ctx, combine_ctx, toggles)
+    if gated is None or gated.fn_gated is None:
         return None
-    if isinstance(o_cmp, RowRuns) and not gated_takes_runs(ctx, toggles):
+    if isinstance(o_cmp, RowRuns) and not gated.gated_runs:
         o_cmp = o_cmp.assemble()
-    o: torch.Tensor = fn_gated(
+    o: torch.Tensor = gated.fn_gated(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
         q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles,
     )  # fmt: skip

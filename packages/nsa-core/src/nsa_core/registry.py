@@ -202,31 +202,34 @@ def resolve_fn_runs_with_lse(
     return resolve(op, ctx, toggles).backend.fn_runs_with_lse
 
 
-def resolve_fn_gated(
-    sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles
-) -> Callable[..., Any] | None:
-    """The ``fn_gated`` of the ``selected_attention`` backend :func:`resolve` picks, or None.
+def resolve_gated(sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles) -> Backend | None:
+    """The ``selected_attention`` backend :func:`resolve` picks, where its ``fn_gated`` serves
+    the one-step gated sum; else None.
 
-    The one rule for the one-step gated sum: None where a debug hook is on (the hooks observe
-    ``fn``), ``gated_combine`` resolves to the reference (a pinned reference combine is
-    honoured), the selected backend has no ``fn_gated``, or either call needs a gradient and
-    the backend's ``fn_gated`` gives none (``gated_grad``); the caller then runs the selected
-    branch and the combine apart.
+    The one rule for that sum: None where a debug hook is on (the hooks observe ``fn``),
+    ``gated_combine`` resolves to the reference (a pinned reference combine is honoured), the
+    selected backend has no ``fn_gated``, or either call needs a gradient and the backend's
+    ``fn_gated`` gives none (``gated_grad``); the caller then runs the selected branch and the
+    combine apart. The backend's ``gated_runs`` says whether it takes o_cmp as runs of rows.
     """
     if toggles.debug_hooks:
         return None
     if resolve("gated_combine", combine_ctx, toggles).backend.name == "reference":
         return None
     backend = resolve("selected_attention", sel_ctx, toggles).backend
+    if backend.fn_gated is None:
+        return None
     if (sel_ctx.requires_grad or combine_ctx.requires_grad) and not backend.gated_grad:
         return None
-    return backend.fn_gated
+    return backend
 
 
-def gated_takes_runs(sel_ctx: OpContext, toggles: Toggles) -> bool:
-    """Whether the ``fn_gated`` of the ``selected_attention`` backend :func:`resolve` picks takes
-    o_cmp as a :class:`nsa_core.row_runs.RowRuns` (``gated_runs``)."""
-    return resolve("selected_attention", sel_ctx, toggles).backend.gated_runs
+def resolve_fn_gated(
+    sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles
+) -> Callable[..., Any] | None:
+    """The ``fn_gated`` of :func:`resolve_gated`'s backend, or None."""
+    backend = resolve_gated(sel_ctx, combine_ctx, toggles)
+    return None if backend is None else backend.fn_gated
 
 
 def resolve_fn_sum3(combine_ctx: OpContext, toggles: Toggles) -> Callable[..., Any] | None:
@@ -276,9 +279,10 @@ def _runs_in_place(compressed: Backend, ctx: OpContext, toggles: Toggles) -> boo
     step's one-launch sum as runs of rows, read in place: no gradient, no debug hook, the
     backend has ``fn_runs_with_lse`` and the selected backend's ``fn_gated`` serves and takes runs
     (whether the backend then splits its output is its own call)."""
-    if ctx.requires_grad or toggles.debug_hooks or compressed.fn_runs_with_lse is None:
+    if ctx.requires_grad or compressed.fn_runs_with_lse is None:
         return False
-    return resolve_fn_gated(ctx, ctx, toggles) is not None and gated_takes_runs(ctx, toggles)
+    gated = resolve_gated(ctx, ctx, toggles)
+    return gated is not None and gated.gated_runs
 
 
 def _always(ctx: OpContext, toggles: Toggles) -> str | None:

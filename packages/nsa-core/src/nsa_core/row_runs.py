@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nsa_core.checks import check_rank, check_same_place, shape
+from nsa_core.checks import check_gated_combine, check_rank, check_same_place, shape
+from nsa_core.op_context import OpContext
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,20 @@ class RowRuns:
             out[:, row : row + run.shape[1]] = run
             row += run.shape[1]
         return out
+
+
+def check_gated_combine_runs(
+    o_cmp: torch.Tensor | RowRuns, o_win: torch.Tensor, gates: torch.Tensor
+) -> OpContext:
+    """:func:`nsa_core.checks.check_gated_combine` of (o_cmp, o_slc, o_win, gates) for the
+    one-step gated sum, o_slc not yet computed: o_cmp may be a :class:`RowRuns` (its own checks
+    hold the runs alike; the tensor they make up must match o_win)."""
+    if not isinstance(o_cmp, RowRuns):
+        return check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    if o_cmp.shape != tuple(o_win.shape):
+        raise ValueError(f"o_cmp's runs make {list(o_cmp.shape)}, o_win is {shape(o_win)}")
+    check_same_place("o_cmp", o_cmp.runs[0], "o_win", o_win)
+    return check_gated_combine(o_win, o_win, o_win, gates)
 
 
 def as_tensor(x: torch.Tensor | RowRuns) -> torch.Tensor:

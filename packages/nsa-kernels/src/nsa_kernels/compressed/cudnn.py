@@ -283,6 +283,15 @@ class _FoldedFunction(torch.autograd.Function):
         return dq, got[-2], got[-1], None, None, None
 
 
+def _checked_split(q: Tensor, k_cmp: Tensor, call: CompressedCall) -> RowSplit:
+    """The :class:`RowSplit` of q's queries, k_cmp holding every block they see."""
+    split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
+    last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
+    if last_keys > k_cmp.shape[1]:
+        raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
+    return split
+
+
 def folded_attention(
     q: Tensor,
     k_cmp: Tensor,
@@ -293,10 +302,7 @@ def folded_attention(
     """Dense compressed attention through ``attend`` on folded queries: q [B, Tq, HQ, dk],
     k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> (o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ]
     float32, -inf where a query sees no block)."""
-    split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
-    last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
-    if last_keys > k_cmp.shape[1]:
-        raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
+    split = _checked_split(q, k_cmp, call)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
         o, lse = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend)  # type: ignore[no-untyped-call]
         return o, lse
@@ -313,10 +319,7 @@ def folded_runs(
     [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size (0.71 ms
     at T = 64k, H100; docs/results/2026-11-26-h100-layer-8.md), which a consumer that reads the
     runs in place (the selected branch's gated launch) does without."""
-    split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
-    last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
-    if last_keys > k_cmp.shape[1]:
-        raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
+    split = _checked_split(q, k_cmp, call)
     runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
     if not runs:
         o, lse = _assemble(q, v_cmp.shape[-1], split.blind, runs)

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from nsa_core.checks import check_gated_combine, check_same_place
-from nsa_core.row_runs import RowRuns
+from nsa_core.checks import check_same_place
+from nsa_core.row_runs import RowRuns, check_gated_combine_runs
 from nsa_core.toggles import Toggles
 from nsa_kernels.combine.function import combine_bwd
 from nsa_kernels.selected.backward import backward
@@ -95,12 +95,7 @@ def selected_attention_gated_triton(
         o [B, Tq, HQ, dv] in q's dtype.
     """
     cmp_runs = o_cmp if isinstance(o_cmp, RowRuns) else RowRuns.whole(o_cmp)
-    if isinstance(o_cmp, RowRuns):
-        # The runs' own checks hold them alike; o_win stands in for their shape and place.
-        check_gated_combine(o_win, o_win, o_win, gates)
-        check_same_place("o_cmp", o_cmp.runs[0], "o_win", o_win)
-    else:
-        check_gated_combine(o_cmp, o_cmp, o_win, gates)
+    check_gated_combine_runs(o_cmp, o_win, gates)
     info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
     expected = (info.batch, info.tq, info.hq, info.dv)
     if tuple(cmp_runs.shape) != expected:
