@@ -170,14 +170,16 @@ def test_core_assembles_the_runs_for_the_combine_when_no_gated_step_serves(
 
 
 @pytest.mark.usefixtures("isolated_registry")
-def test_runs_that_take_a_gradient_reach_the_gated_step_as_one_tensor(
-    gen: torch.Generator,
+@pytest.mark.parametrize("gated_runs", [True, False], ids=["takes_runs", "takes_tensors"])
+def test_runs_that_take_a_gradient_reach_the_gated_step_as_it_takes_them(
+    gen: torch.Generator, gated_runs: bool
 ) -> None:
-    """Runs are for the forward: runs that need a gradient are assembled (a differentiable
-    copy) before the one-launch sum, whose routing then sees o_cmp's own context; their
-    gradients are the assembled tensor's, g_cmp on every channel."""
+    """With a gradient too, a gated step that takes runs gets them as they are (each run an
+    input of the graph) and one that does not gets the assembled tensor (a differentiable
+    copy); the routing sees the runs' need of a gradient either way. Each run's gradient is
+    g_cmp on its rows, on every channel."""
     q, k, v, gates = _inputs(gen)
-    spy = RunsSpy(gated_runs=True, gated_grad=True)
+    spy = RunsSpy(gated_runs=gated_runs, gated_grad=True)
     spy.register()
     o_win = torch.randn(1, q.shape[1], 4, 8, generator=gen, dtype=torch.float64)
     head = torch.randn(1, 6, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
@@ -187,13 +189,53 @@ def test_runs_that_take_a_gradient_reach_the_gated_step_as_one_tensor(
         q, k, v, idx, 4, o_cmp=RowRuns(start=3, runs=(head, tail)), o_win=o_win, gates=gates
     )
     assert out is not None
-    assert isinstance(spy.o_cmp_given[-1], torch.Tensor)
+    given = spy.o_cmp_given[-1]
+    assert isinstance(given, RowRuns) == gated_runs
+    if gated_runs:
+        assert given.runs[0] is head
+        assert given.runs[1] is tail
     out.sum().backward()
     g_cmp = gates[..., 0:1].expand(-1, -1, -1, 8)
     assert head.grad is not None
     assert tail.grad is not None
     torch.testing.assert_close(head.grad, g_cmp[:, 3:9], rtol=0, atol=0)
     torch.testing.assert_close(tail.grad, g_cmp[:, 9:], rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_a_gated_step_without_gradient_support_is_passed_over_for_runs_that_need_one(
+    gen: torch.Generator,
+) -> None:
+    """The runs' need of a gradient reaches the routing: a gated step without one
+    (``gated_grad`` False) is not called, and the caller runs the two ops."""
+    q, k, v, gates = _inputs(gen)
+    spy = RunsSpy(gated_runs=True, gated_grad=False)
+    spy.register()
+    o_win = torch.randn(1, q.shape[1], 4, 8, generator=gen, dtype=torch.float64)
+    head = torch.randn(1, 6, 4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(1, 6, 4, 8, generator=gen, dtype=torch.float64)
+    idx, _ = ops.select_blocks(q, nsa_core.compress(k, 4, 2), 4, 2, 4, 3)
+    out = ops.selected_attention_gated(
+        q, k, v, idx, 4, o_cmp=RowRuns(start=3, runs=(head, tail)), o_win=o_win, gates=gates
+    )
+    assert out is None
+    assert spy.o_cmp_given == []
+
+
+def test_assembled_runs_give_each_run_its_rows_of_the_gradient(gen: torch.Generator) -> None:
+    head = torch.randn(1, 4, 2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    tail = torch.randn(1, 2, 2, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+    whole = RowRuns(start=3, runs=(head, tail)).assemble()
+    assert whole.shape == (1, 9, 2, 3)
+    torch.testing.assert_close(whole[:, :3], torch.zeros(1, 3, 2, 3, dtype=torch.float64))
+    torch.testing.assert_close(whole[:, 3:7], head, rtol=0, atol=0)
+    torch.testing.assert_close(whole[:, 7:], tail, rtol=0, atol=0)
+    up = torch.randn(1, 9, 2, 3, generator=gen, dtype=torch.float64)
+    whole.backward(up)
+    assert head.grad is not None
+    assert tail.grad is not None
+    torch.testing.assert_close(head.grad, up[:, 3:7], rtol=0, atol=0)
+    torch.testing.assert_close(tail.grad, up[:, 7:], rtol=0, atol=0)
 
 
 @pytest.mark.usefixtures("isolated_registry")

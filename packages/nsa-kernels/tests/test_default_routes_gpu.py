@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -113,3 +115,64 @@ def test_the_selected_backward_waits_only_for_its_index_sizes() -> None:
         grads.append([x.grad for x in leaves])
     for name, a, b in zip("qkv", *grads, strict=True):
         assert torch.equal(a, b), f"d{name} differs between the two runs"
+
+
+def test_the_core_with_a_gradient_reads_the_compressed_runs_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From 16k on sm_90 the core's compressed output reaches the selected branch's gated launch
+    as cuDNN's own buffers with a gradient too (no copy into one tensor in the forward, each
+    run's gradient its rows of d o_cmp in the backward). Against the same core given that output
+    as one tensor: o and the gates' gradient bit for bit (the same kernels read the same values);
+    q, k and v's gradients within the spec's bfloat16 bound (cuDNN's dq is not bitwise
+    reproducible from call to call)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the cuDNN compressed branch is routed on sm_90 only")
+    from kernel_testlib import BOUND, rel_err
+
+    import nsa_core
+    from nsa_core.config import NSAConfig
+    from nsa_core.row_runs import RowRuns
+    from nsa_kernels.compressed import cudnn
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    t = 16384 + 5
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    q, k, v, do = draw(1, t, 64, 128), draw(1, t, 4, 128), draw(1, t, 4, 128), draw(1, t, 64, 128)
+    gates = torch.sigmoid(draw(1, t, 64, 3))
+    config = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
+    given: list[RowRuns] = []
+    folded_runs = cudnn.folded_runs
+
+    def recording(*args: Any) -> tuple[RowRuns, torch.Tensor]:
+        runs, lse = folded_runs(*args)
+        given.append(runs)
+        return runs, lse
+
+    def one_tensor(*args: Any) -> tuple[RowRuns, torch.Tensor]:
+        runs, lse = folded_runs(*args)
+        return RowRuns.whole(runs.assemble()), lse
+
+    results = []
+    for route in (recording, one_tensor):
+        monkeypatch.setattr(cudnn, "folded_runs", route)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gates)]
+        out = nsa_core.nsa_attention(*leaves, config)
+        out.backward(do)
+        results.append((out.detach(), [x.grad for x in leaves]))
+    assert len(given) == 1
+    assert given[0].start == config.cmp_block - 1
+    assert len(given[0].runs) == 2, "the full rows and the tail"
+    assert all(run.requires_grad for run in given[0].runs)
+    (o_runs, grads_runs), (o_whole, grads_whole) = results
+    assert torch.equal(o_runs, o_whole)
+    assert grads_runs[3] is not None
+    assert torch.equal(grads_runs[3], grads_whole[3]), "d gates"
+    for name, a, b in zip("qkv", grads_runs[:3], grads_whole[:3], strict=True):
+        assert a is not None
+        assert b is not None
+        err = rel_err(a, b)
+        assert err < BOUND[torch.bfloat16], f"d{name}: relative error {err:.2e}"

@@ -199,11 +199,8 @@ def selected_attention_gated(
 
     o_cmp may come as a :class:`~nsa_core.row_runs.RowRuns`
     (:func:`compressed_attention_runs_with_lse`): read in place where the backend takes runs
-    (``gated_runs``), else assembled first.
+    (``gated_runs``; with a gradient, each run gets its own), else assembled first.
     """
-    if isinstance(o_cmp, RowRuns) and any(run.requires_grad for run in o_cmp.runs):
-        # Runs are for the forward alone; a gradient's routing reads o_cmp's own context.
-        o_cmp = o_cmp.assemble()
     combine_ctx = check_gated_combine_runs(o_cmp, o_win, gates)
     ctx = check_selected_attention(
         q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens

@@ -77,7 +77,8 @@ class Backend:
     combine"), computed with the selected branch so that the combine's own pass is saved. The
     attention core calls it where no gradient is needed, and where one is if ``gated_grad``:
     then ``fn_gated`` is differentiable in q, k, v, o_cmp, o_win and gates. ``gated_runs``: it
-    takes o_cmp as a :class:`nsa_core.row_runs.RowRuns` as well.
+    takes o_cmp as a :class:`nsa_core.row_runs.RowRuns` as well, with a gradient too (then
+    differentiable in each run).
 
     ``fn_sum3`` (``gated_combine`` only, optional) takes three tensors of one shape and dtype
     and the keyword ``toggles`` and returns ``a + b + c`` (float32 sums, one rounding, a new

@@ -9,7 +9,9 @@ selected branch's gated launch) skips it, and every other consumer calls :meth:`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -66,17 +68,43 @@ class RowRuns:
 
     def assemble(self) -> torch.Tensor:
         """The tensor [B, T, HQ, D]: a run from row 0 alone is returned as it is, else the
-        zero rows and the runs are copied into a new tensor."""
+        zero rows and the runs are copied into a new tensor (differentiable in each run: its
+        gradient is its rows of the upstream gradient, a view)."""
         if self.start == 0 and len(self.runs) == 1:
             return self.runs[0]
-        batch, rows, heads, dim = self.shape
-        out = self.runs[0].new_empty(batch, rows, heads, dim)
-        out[:, : self.start] = 0
-        row = self.start
-        for run in self.runs:
-            out[:, row : row + run.shape[1]] = run
-            row += run.shape[1]
-        return out
+        if torch.is_grad_enabled() and any(run.requires_grad for run in self.runs):
+            out = _Assemble.apply(self.start, *self.runs)  # type: ignore[no-untyped-call]
+            assert isinstance(out, torch.Tensor)
+            return out
+        return _assembled(self.start, self.runs)
+
+
+def _assembled(start: int, runs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The zero rows [0, start) and the runs after them, copied into one new tensor."""
+    batch, _, heads, dim = runs[0].shape
+    rows = start + sum(run.shape[1] for run in runs)
+    out = runs[0].new_empty(batch, rows, heads, dim)
+    out[:, :start] = 0
+    row = start
+    for run in runs:
+        out[:, row : row + run.shape[1]] = run
+        row += run.shape[1]
+    return out
+
+
+class _Assemble(torch.autograd.Function):
+    """:meth:`RowRuns.assemble` with a gradient: each run's gradient is a view of its rows of
+    the upstream one (autograd's slice assignments would copy the whole gradient per run)."""
+
+    @staticmethod
+    def forward(ctx: Any, start: int, *runs: torch.Tensor) -> torch.Tensor:
+        ctx.spans = [(start + sum(r.shape[1] for r in runs[:i]), run.shape[1])
+                     for i, run in enumerate(runs)]  # fmt: skip
+        return _assembled(start, runs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *(grad[:, row : row + n] for row, n in ctx.spans))
 
 
 def check_gated_combine_runs(
@@ -84,13 +112,16 @@ def check_gated_combine_runs(
 ) -> OpContext:
     """:func:`nsa_core.checks.check_gated_combine` of (o_cmp, o_slc, o_win, gates) for the
     one-step gated sum, o_slc not yet computed: o_cmp may be a :class:`RowRuns` (its own checks
-    hold the runs alike; the tensor they make up must match o_win)."""
+    hold the runs alike; the tensor they make up must match o_win). The context needs a
+    gradient where a run needs one, as where o_cmp is one tensor."""
     if not isinstance(o_cmp, RowRuns):
         return check_gated_combine(o_cmp, o_cmp, o_win, gates)
     if o_cmp.shape != tuple(o_win.shape):
         raise ValueError(f"o_cmp's runs make {list(o_cmp.shape)}, o_win is {shape(o_win)}")
     check_same_place("o_cmp", o_cmp.runs[0], "o_win", o_win)
-    return check_gated_combine(o_win, o_win, o_win, gates)
+    ctx = check_gated_combine(o_win, o_win, o_win, gates)
+    runs_grad = torch.is_grad_enabled() and any(run.requires_grad for run in o_cmp.runs)
+    return dataclasses.replace(ctx, requires_grad=ctx.requires_grad or runs_grad)
 
 
 def as_tensor(x: torch.Tensor | RowRuns) -> torch.Tensor:

@@ -10,6 +10,7 @@ bfloat16 is checked on the GPU (test_combine_gpu.py).
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import pytest
@@ -22,9 +23,10 @@ pytest.importorskip("triton")
 
 from nsa_core.reference.combine import gated_combine  # noqa: E402
 from nsa_core.registry import OpContext  # noqa: E402
+from nsa_core.row_runs import RowRuns  # noqa: E402
 from nsa_core.toggles import Toggles  # noqa: E402
 from nsa_kernels.combine.backends import triton_combine_supports  # noqa: E402
-from nsa_kernels.combine.function import gated_combine_triton, tiles  # noqa: E402
+from nsa_kernels.combine.function import combine_bwd, gated_combine_triton, tiles  # noqa: E402
 
 SHAPES = {
     "dense": (2, 9, 3, 16),
@@ -165,6 +167,36 @@ def test_nonfinite_values_follow_the_reference(request: pytest.FixtureRequest) -
         assert torch.equal(got[got_inf], want[want_inf])  # same signs
         finite = torch.isfinite(want)
         torch.testing.assert_close(got[finite], want[finite])
+
+
+@pytest.mark.parametrize(
+    ("start", "cuts"),
+    [
+        pytest.param(3, [6], id="blind_rows_then_two_runs"),
+        pytest.param(2, [], id="one_run_after_blind_rows"),
+        pytest.param(1, [3, 5], id="three_runs"),
+    ],
+)
+def test_backward_reads_o_cmp_in_runs_where_they_lie(
+    start: int, cuts: list[int], request: pytest.FixtureRequest
+) -> None:
+    """The backward kernel given o_cmp as runs of rows (zero rows first, each run in storage of
+    its own, the last with other strides) gives the four gradients of the tensor they make up,
+    bit for bit."""
+    assert DEVICE is not None
+    gen = _gen(request)
+    o_cmp, o_slc, o_win, gates = draw(gen, (2, 9, 3, 16), torch.float32, DEVICE)
+    o_cmp[:, :start] = 0
+    do = torch.randn(o_cmp.shape, generator=gen).to(DEVICE)
+    bounds = [start, *cuts, o_cmp.shape[1]]
+    runs = [o_cmp[:, a:b].clone() for a, b in itertools.pairwise(bounds)]
+    runs[-1] = runs[-1].transpose(1, 2).contiguous().transpose(1, 2)
+    got = combine_bwd(do, RowRuns(start=start, runs=tuple(runs)), o_slc, o_win, gates)
+    want = combine_bwd(do, o_cmp, o_slc, o_win, gates)
+    for a, b in zip(got, want, strict=True):
+        assert a is not None
+        assert b is not None
+        assert torch.equal(a, b)
 
 
 def test_tiles_and_routing() -> None:

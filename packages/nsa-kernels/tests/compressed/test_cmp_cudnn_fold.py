@@ -303,18 +303,19 @@ def like_q_layout(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return out.copy_(x)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "forward_only"])
 @pytest.mark.parametrize(("batch", "tq", "q_start", "h", "group", "cmp_block", "d"), CASES)
 def test_fold_runs_are_the_folded_output_where_the_calls_left_it(
-    batch: int, tq: int, q_start: int, h: int, group: int, cmp_block: int, d: int
+    batch: int, tq: int, q_start: int, h: int, group: int, cmp_block: int, d: int, grad: bool
 ) -> None:
-    """Without a gradient, ``folded_runs`` gives o as one run per attention call from the first
-    query that sees a block: they make up ``folded_attention``'s o bit for bit, lse is the same,
-    and where the kernel writes its output in q's layout (as cuDNN does) every run is a view of
-    that output, not a copy."""
+    """``folded_runs`` gives o as one run per attention call from the first query that sees a
+    block: they make up ``folded_attention``'s o bit for bit, lse is the same, and where the
+    kernel writes its output in q's layout (as cuDNN does) every run is a view of that output,
+    not a copy; with a gradient as well, each run then differentiable on its own."""
     gen = torch.Generator().manual_seed(tq * 1000 + q_start + 1)
     n = max(num_cmp_blocks(q_start + tq, cmp_block, d), 1) + 2
     q, k, v = (
-        torch.randn(*shape, generator=gen, dtype=torch.float64)
+        torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(grad)
         for shape in ((batch, tq, h * group, 8), (batch, n, h, 8), (batch, n, h, 6))
     )
     call = CompressedCall(
@@ -334,13 +335,45 @@ def test_fold_runs_are_the_folded_output_where_the_calls_left_it(
     assert torch.equal(lse, want_lse)
     split = row_split(tq, q_start, cmp_block, d)
     if not outputs:
-        assert runs.start == 0, "no call: one assembled run"
-        assert len(runs.runs) == 1
+        assert sum(run.shape[1] for run in runs.runs) == 0 if grad else runs.start == 0
         return
     assert runs.start == split.blind
     assert len(runs.runs) == len(outputs) == bool(split.head) + bool(split.rows) + bool(split.tail)
     for run, out in zip(runs.runs, outputs, strict=True):
         assert run.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+        assert run.requires_grad == grad
+
+
+def test_fold_runs_with_a_gradient_give_the_reference_gradients_run_by_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cuDNN backend's runs with a gradient (its ``fn_runs_with_lse``): one upstream gradient
+    per run, never put in one tensor, gives the reference's gradients of q, k_cmp and v_cmp."""
+    from nsa_kernels.compressed import cudnn
+
+    monkeypatch.setattr(cudnn, "cudnn_attend", model_attend)
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 45, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (
+        torch.randn(1, 5, 1, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+        for dim in (8, 6)
+    )
+    runs, _ = cudnn.compressed_attention_cudnn_runs_with_lse(q, k, v, 16, 8)
+    split = row_split(45, 0, 16, 8)
+    assert runs.start == split.blind
+    assert len(runs.runs) == 2, "the full rows and the cut row after them"
+    ref = compressed_attention(q, k, v, 16, 8)
+    do = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    do[:, : runs.start] = 0  # the blind rows' output is 0 whatever q
+    row, grads = runs.start, []
+    for run in runs.runs:
+        assert run.requires_grad
+        grads.append(do[:, row : row + run.shape[1]])
+        row += run.shape[1]
+    got = torch.autograd.grad(runs.runs, (q, k, v), grads)
+    want = torch.autograd.grad(ref, (q, k, v), do)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        assert rel_err(a, b) < BOUND, f"d{name}"
 
 
 @pytest.mark.triton
@@ -380,26 +413,6 @@ def test_fold_runs_without_a_gradient_are_contained_run_by_run(
     blind = torch.isinf(want_lse)
     assert torch.equal(torch.isneginf(lse[0, ~sees_bad]), blind)
     assert rel_err(lse[0, ~sees_bad][~blind], want_lse[~blind]) < BOUND
-
-
-def test_fold_runs_with_a_gradient_are_one_run_of_the_differentiable_output(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from nsa_kernels.compressed import cudnn
-
-    monkeypatch.setattr(cudnn, "cudnn_attend", model_attend)
-    gen = torch.Generator().manual_seed(23)
-    q = torch.randn(1, 45, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (
-        torch.randn(1, 5, 1, 8, dtype=torch.float64),
-        torch.randn(1, 5, 1, 8, dtype=torch.float64),
-    )
-    runs, _ = cudnn.compressed_attention_cudnn_runs_with_lse(q, k, v, 16, 8)
-    assert runs.start == 0
-    assert len(runs.runs) == 1
-    assert runs.runs[0].requires_grad
-    want, _ = folded_attention(q, k, v, _call(16, 8), model_attend)
-    assert torch.equal(runs.runs[0], want)
 
 
 def _call(cmp_block: int, d: int) -> CompressedCall:

@@ -262,20 +262,24 @@ def test_gated_forward_reads_o_cmp_in_runs_where_they_lie(
     assert torch.equal(gated(runs), gated(whole))
 
 
-def test_gated_gradients_with_o_cmp_in_runs_are_those_of_the_assembled_tensor() -> None:
-    """With a gradient the runs are assembled first (autograd sees one tensor): the output and
-    every gradient, the runs' included, equal those of that tensor given whole."""
+@pytest.mark.parametrize(("start", "cuts"), RUN_LAYOUTS)
+def test_gated_gradients_with_o_cmp_in_runs_are_those_of_the_assembled_tensor(
+    start: int, cuts: list[int]
+) -> None:
+    """With a gradient too the runs are read where they lie, each an input of the graph: the
+    output and every gradient equal those of the one tensor they make up, given whole; each
+    run's gradient is that tensor's gradient on the run's rows."""
     assert DEVICE is not None
     case = Case("runs with grad", group=2, tq=21)
     gen = torch.Generator().manual_seed(17)
     q, k, v, idx, _ = make_inputs(case, gen, torch.float32, DEVICE)
     o_cmp, o_win, gates = other_branches(case, gen, torch.float32)
     do = torch.randn(o_cmp.shape, generator=gen).to(DEVICE)
-    base = row_runs_of(o_cmp, 4, [15])
+    base = row_runs_of(o_cmp, start, cuts)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, o_win, gates)]
     run_leaves = tuple(run.clone().requires_grad_() for run in base.runs)
     out = selected_attention_gated_triton(
-        *leaves[:3], idx, case.sel_block, o_cmp=RowRuns(start=4, runs=run_leaves),
+        *leaves[:3], idx, case.sel_block, o_cmp=RowRuns(start=start, runs=run_leaves),
         o_win=leaves[3], gates=leaves[4],
     )  # fmt: skip
     got = torch.autograd.grad(out, [*leaves, *run_leaves], do)
@@ -288,6 +292,7 @@ def test_gated_gradients_with_o_cmp_in_runs_are_those_of_the_assembled_tensor() 
     assert torch.equal(out, out2)
     for a, b in zip(got[:5], want[:5], strict=True):
         assert torch.equal(a, b)
-    d_whole = want[5]
-    assert torch.equal(got[5], d_whole[:, 4:15])
-    assert torch.equal(got[6], d_whole[:, 15:])
+    d_whole, row = want[5], start
+    for run, d_run in zip(run_leaves, got[5:], strict=True):
+        assert torch.equal(d_run, d_whole[:, row : row + run.shape[1]])
+        row += run.shape[1]

@@ -22,8 +22,10 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_gated_combine
+from nsa_core.row_runs import RowRuns
 from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel, sum3_kernel
 from nsa_kernels.common.triton_inputs import check_dtype
+from nsa_kernels.common.two_runs import two_runs
 
 # Channels per chunk of a row and elements per program: a program holds BR x BD values of each
 # tensor it reads (four in the backward) in registers, and the pass is bound by memory traffic.
@@ -84,7 +86,7 @@ def combine_fwd(
 
 def combine_bwd(
     do: torch.Tensor,
-    o_cmp: torch.Tensor,
+    o_cmp: torch.Tensor | RowRuns,
     o_slc: torch.Tensor,
     o_win: torch.Tensor,
     gates: torch.Tensor,
@@ -94,13 +96,16 @@ def combine_bwd(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """d o_cmp, d o_slc, d o_win [B, T, HQ, dv] and d gates [B, T, HQ, 3] for upstream ``do``.
 
-    ``want_branches`` / ``want_gates`` False: those gradients are None (not computed).
+    ``want_branches`` / ``want_gates`` False: those gradients are None (not computed). o_cmp
+    may come as a :class:`~nsa_core.row_runs.RowRuns` (unit stride along dv), read where its
+    runs lie; d o_cmp is one tensor all the same.
     """
-    batch, t, hq, dv = o_cmp.shape
+    batch, t, hq, dv = o_slc.shape
     do = _unit_last(do)
-    o_cmp, o_slc, o_win = _unit_last(o_cmp), _unit_last(o_slc), _unit_last(o_win)
+    cmp = two_runs(o_cmp if isinstance(o_cmp, RowRuns) else _unit_last(o_cmp))
+    o_slc, o_win = _unit_last(o_slc), _unit_last(o_win)
     n_rows = batch * t * hq
-    kind, device = o_cmp.dtype, o_cmp.device
+    kind, device = o_slc.dtype, o_slc.device
     d_branches = [
         torch.empty(batch, t, hq, dv, dtype=kind, device=device) if want_branches else None
         for _ in range(3)
@@ -113,13 +118,13 @@ def combine_bwd(
         dcmp, dslc, dwin = (d if d is not None else dummy for d in d_branches)
         br, bd = tiles(dv)
         combine_bwd_kernel[(_cdiv(n_rows, br),)](
-            do, o_cmp, o_slc, o_win, gates,
-            dcmp, dslc, dwin, d_gates if d_gates is not None else dummy,
-            *_strides3(do), *_strides3(o_cmp), *_strides3(o_slc), *_strides3(o_win),
-            *_strides3(gates), gates.stride(3),
-            n_rows, t, hq,
+            do, cmp.first, o_slc, o_win, gates,
+            dcmp, dslc, dwin, d_gates if d_gates is not None else dummy, cmp.second,
+            *_strides3(do), *_strides3(cmp.first), *_strides3(cmp.second), *_strides3(o_slc),
+            *_strides3(o_win), *_strides3(gates), gates.stride(3),
+            n_rows, t, hq, cmp.start, cmp.first_rows,
             DV=dv, BR=br, BD=bd, WRITE_DO=want_branches, WRITE_DG=want_gates,
-            num_warps=NUM_WARPS,
+            CMP_RUNS=cmp.runs, num_warps=NUM_WARPS,
         )  # fmt: skip
     return d_branches[0], d_branches[1], d_branches[2], d_gates
 

@@ -32,6 +32,26 @@ def _row_offsets(rows, T, HQ, stride_b, stride_t, stride_h):
 
 
 @triton.jit
+def _run_row_ptrs(
+    first_ptr, second_ptr, rows, T, HQ, s1_b, s1_t, s1_h, s2_b, s2_t, s2_h, start, first_rows
+):
+    """Pointers [BR] to rows r = (b * T + t) * HQ + head of a tensor held as two runs of rows
+    (the first holds ``first_rows`` rows from row ``start``, the second the rest), and whether
+    each row lies in a run (rows before ``start`` do not; their pointers must not be read)."""
+    head = rows % HQ
+    t = (rows // HQ) % T
+    b = rows // (HQ * T)
+    r1 = t - start
+    in_first = r1 < first_rows
+    at = tl.where(
+        in_first,
+        first_ptr + b * s1_b + r1 * s1_t + head * s1_h,
+        second_ptr + b * s2_b + (r1 - first_rows) * s2_t + head * s2_h,
+    )
+    return at, r1 >= 0
+
+
+@triton.jit
 def _load_gates(g_ptr, rows, row_ok, T, HQ, s_g_b, s_g_t, s_g_h, s_g_c):
     """g0, g1, g2 [BR, 1] float32: the three gates of each row (0 on rows past the end)."""
     g_rows = g_ptr + _row_offsets(rows, T, HQ, s_g_b, s_g_t, s_g_h)
@@ -106,12 +126,16 @@ def combine_bwd_kernel(
     dslc_ptr,
     dwin_ptr,
     dg_ptr,
+    cmp2_ptr,
     s_do_b,
     s_do_t,
     s_do_h,
     s_cmp_b,
     s_cmp_t,
     s_cmp_h,
+    s_cmp2_b,
+    s_cmp2_t,
+    s_cmp2_h,
     s_slc_b,
     s_slc_t,
     s_slc_h,
@@ -125,20 +149,33 @@ def combine_bwd_kernel(
     n_rows,
     T,
     HQ,
+    cmp_start,
+    cmp_rows,
     DV: tl.constexpr,
     BR: tl.constexpr,
     BD: tl.constexpr,
     WRITE_DO: tl.constexpr,
     WRITE_DG: tl.constexpr,
+    CMP_RUNS: tl.constexpr,
 ):
     """d o_cmp, d o_slc, d o_win [B, T, HQ, DV] (contiguous) and d gates [B, T, HQ, 3]
     (contiguous) for BR rows. WRITE_DO / WRITE_DG: whether the branch / gate gradients are
-    wanted (the others are neither computed nor stored)."""
+    wanted (the others are neither computed nor stored). CMP_RUNS: o_cmp comes as two runs of
+    rows (``nsa_core.row_runs.RowRuns``): rows before ``cmp_start`` read 0, the first run
+    (``cmp_ptr``) holds ``cmp_rows`` rows from there, the second (``cmp2_ptr``) the rest."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows
     do_rows = do_ptr + _row_offsets(rows, T, HQ, s_do_b, s_do_t, s_do_h)
     g0, g1, g2 = _load_gates(g_ptr, rows, row_ok, T, HQ, s_g_b, s_g_t, s_g_h, s_g_c)
-    cmp_rows = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
+    cmp_ok = row_ok
+    if CMP_RUNS:
+        cmp_at, in_runs = _run_row_ptrs(
+            cmp_ptr, cmp2_ptr, rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h, s_cmp2_b, s_cmp2_t,
+            s_cmp2_h, cmp_start, cmp_rows,
+        )  # fmt: skip
+        cmp_ok = row_ok & in_runs
+    else:
+        cmp_at = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
     slc_rows = slc_ptr + _row_offsets(rows, T, HQ, s_slc_b, s_slc_t, s_slc_h)
     win_rows = win_ptr + _row_offsets(rows, T, HQ, s_win_b, s_win_t, s_win_h)
     out_rows = rows * DV
@@ -155,7 +192,7 @@ def combine_bwd_kernel(
             tl.store(dslc_ptr + dst, (g1 * do).to(dslc_ptr.dtype.element_ty), mask=ok)
             tl.store(dwin_ptr + dst, (g2 * do).to(dwin_ptr.dtype.element_ty), mask=ok)
         if WRITE_DG:
-            a = _load_chunk(cmp_rows, cols, ok)
+            a = _load_chunk(cmp_at, cols, ok & cmp_ok[:, None])
             b = _load_chunk(slc_rows, cols, ok)
             c = _load_chunk(win_rows, cols, ok)
             dg0 += tl.sum(do * a, axis=1)

@@ -15,8 +15,9 @@ A forward without a gradient on one sequence puts the slots into the batch dimen
 every slot reading one stride-0 view of the keys (faster there); each run of queries is written
 once into the output, or left where cuDNN wrote it (:func:`folded_runs`, the backend's
 ``fn_runs_with_lse``: a :class:`~nsa_core.row_runs.RowRuns`). With a gradient,
-:class:`_FoldedFunction` keeps each run's graph and writes dq once into place, where autograd on
-slices of q would zero-fill and add a q-sized gradient per run.
+:class:`_FoldedFunction` keeps each run's graph, gives each run as a differentiable output (left
+where cuDNN wrote it as well) and writes dq once into place, where autograd on slices of q would
+zero-fill and add a q-sized gradient per run.
 
 A call whose compressed keys or values hold a non-finite value is served by the Triton kernels,
 which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"). Without a
@@ -231,48 +232,42 @@ def _assemble_lse(q: Tensor, blind: int, runs: list[_Run]) -> Tensor:
     return lse
 
 
-def _assemble(q: Tensor, dv: int, blind: int, runs: list[_Run]) -> tuple[Tensor, Tensor]:
-    """o [B, Tq, HQ, dv] and lse [B, Tq, HQ]: each run written once into its place, the blind
-    queries 0 and -inf."""
-    batch, tq, hq, _ = q.shape
-    o = q.new_empty(batch, tq, hq, dv)
-    o[:, :blind] = 0
-    for first, part, o_run, _ in runs:
-        n = part.shape[1]
-        o[:, first : first + n].view(o_run.shape).copy_(o_run.detach())
-    return o, _assemble_lse(q, blind, runs)
-
-
 class _FoldedFunction(torch.autograd.Function):
-    """:func:`folded_attention` with a gradient. Each run keeps its own graph over detached
-    inputs, and the backward writes dq once into place: autograd on slices of q would fill a
-    zero tensor the size of q for every run and add them (at T = 64k, five fills and adds of
-    1 GiB; docs/results/2026-11-26-h100-layer-6.md, run 9)."""
+    """:func:`folded_runs` with a gradient: (lse, *o_runs), each run differentiable. Each run
+    keeps its own graph over detached inputs, and the backward writes dq once into place:
+    autograd on slices of q would fill a zero tensor the size of q for every run and add them
+    (at T = 64k, five fills and adds of 1 GiB; docs/results/2026-11-26-h100-layer-6.md, run 9).
+    Without a run (every query blind) o_runs is one run of 0 rows."""
 
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, split: RowSplit, call: CompressedCall,
         attend: Attend,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, ...]:  # fmt: skip
         k_in, v_in = k.detach().requires_grad_(), v.detach().requires_grad_()
         with torch.enable_grad():
             runs = _runs(q.detach(), k_in, v_in, split, call, attend, leaves=True)
-        o, lse = _assemble(q, v.shape[-1], split.blind, runs)
+        lse = _assemble_lse(q, split.blind, runs)
         ctx.runs, ctx.k_in, ctx.v_in, ctx.q_shape = runs, k_in, v_in, q.shape
         ctx.mark_non_differentiable(lse)
-        return o, lse
+        if not runs:
+            return lse, q.new_zeros(q.shape[0], 0, q.shape[2], v.shape[-1])
+        # A run's rows are (query, head) ordered as in q: the full rows [B, R, d, HQ, dv]
+        # flatten to [B, R*d, HQ, dv] without a copy where cuDNN wrote them in q's layout.
+        return lse, *(o_run.detach().flatten(1, -3) for _, _, o_run, _ in runs)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_o: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    def backward(
+        ctx: Any, _grad_lse: Tensor | None, *grad_runs: Tensor
+    ) -> tuple[Tensor | None, ...]:
         runs: list[_Run] = ctx.runs
-        dq = grad_o.new_empty(ctx.q_shape)
+        dq = grad_runs[0].new_empty(ctx.q_shape)
         if not runs:
             dq.zero_()
             return dq, torch.zeros_like(ctx.k_in), torch.zeros_like(ctx.v_in), None, None, None
         outs = [o_run for _, _, o_run, _ in runs]
-        grads = [grad_o[:, first : first + part.shape[1]].reshape(o_run.shape)
-                 for first, part, o_run, _ in runs]  # fmt: skip
+        grads = [grad.reshape(o_run.shape) for grad, o_run in zip(grad_runs, outs, strict=True)]
         leaves = [part for _, part, _, _ in runs] + [ctx.k_in, ctx.v_in]
         # The runs' graphs live as long as this node: a second backward through a retained
         # outer graph finds them again; the engine drops both together otherwise.
@@ -302,32 +297,32 @@ def folded_attention(
     """Dense compressed attention through ``attend`` on folded queries: q [B, Tq, HQ, dk],
     k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> (o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ]
     float32, -inf where a query sees no block)."""
-    split = _checked_split(q, k_cmp, call)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
-        o, lse = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend)  # type: ignore[no-untyped-call]
-        return o, lse
-    runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
-    return _assemble(q, v_cmp.shape[-1], split.blind, runs)
+    runs, lse = folded_runs(q, k_cmp, v_cmp, call, attend)
+    return runs.assemble(), lse
 
 
 def folded_runs(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall, attend: Attend
 ) -> tuple[RowRuns, Tensor]:
-    """:func:`folded_attention` without a gradient, o as the attention calls left it: a
+    """:func:`folded_attention` with o as the attention calls left it: a
     :class:`~nsa_core.row_runs.RowRuns` from the first query that sees a block, one run per call
     (each [B, n, HQ, dv], a view of that call's output where its layout allows), and lse
     [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size (0.71 ms
     at T = 64k, H100; docs/results/2026-11-26-h100-layer-8.md), which a consumer that reads the
-    runs in place (the selected branch's gated launch) does without."""
+    runs in place (the selected branch's gated launch, forward and backward) does without.
+    With a gradient (:class:`_FoldedFunction`) each run is differentiable in q, k_cmp and v_cmp;
+    the full rows then carry their slots in the heads (the batch layout's backward was slower)."""
     split = _checked_split(q, k_cmp, call)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
+        lse, *o_runs = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend)  # type: ignore[no-untyped-call]
+        return RowRuns(start=split.blind, runs=tuple(o_runs)), lse
     runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
+    lse = _assemble_lse(q, split.blind, runs)
     if not runs:
-        o, lse = _assemble(q, v_cmp.shape[-1], split.blind, runs)
+        o = q.new_zeros(q.shape[0], q.shape[1], q.shape[2], v_cmp.shape[-1])
         return RowRuns.whole(o), lse
-    # A run's rows are (query, head) ordered as in q: the full rows [B, R, d, HQ, dv] flatten
-    # to [B, R*d, HQ, dv] without a copy where cuDNN wrote them in q's layout.
     o_runs = tuple(o_run.flatten(1, -3) for _, _, o_run, _ in runs)
-    return RowRuns(start=split.blind, runs=o_runs), _assemble_lse(q, split.blind, runs)
+    return RowRuns(start=split.blind, runs=o_runs), lse
 
 
 def _with_lse(
@@ -361,8 +356,11 @@ def _runs_with_lse(
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
-        o, lse = _with_lse(q, k_cmp, v_cmp, call)
-        return RowRuns.whole(o), lse
+        # As in _with_lse: a non-finite call goes to the Triton kernels, one tensor.
+        if not _keys_finite(k_cmp, v_cmp):
+            o, lse = _contained(q, k_cmp, v_cmp, call)
+            return RowRuns.whole(o), lse
+        return folded_runs(q, k_cmp, v_cmp, call, cudnn_attend)
     from nsa_kernels.compressed.triton_function import contain_non_finite_into
 
     runs, lse = folded_runs(q, k_cmp, v_cmp, call, cudnn_attend)

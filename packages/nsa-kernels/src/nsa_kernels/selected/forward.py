@@ -23,6 +23,7 @@ from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.common.two_runs import two_runs
 from nsa_kernels.selected.launch import (
     Launch,
     dot_precision,
@@ -323,19 +324,6 @@ class GatedSum:
     gates: Tensor
 
 
-def _cmp_operands(o_cmp: Tensor | RowRuns) -> tuple[Tensor, Tensor, int, int, bool]:
-    """(cmp, cmp2, cmp_start, cmp_rows, CMP_RUNS) of sel_fwd_kernel for o_cmp: one run from
-    row 0 is a plain tensor (the kernel without CMP_RUNS), more than two are assembled."""
-    if isinstance(o_cmp, RowRuns):
-        whole = o_cmp.start == 0 and len(o_cmp.runs) == 1
-        if whole or len(o_cmp.runs) > 2:
-            o_cmp = o_cmp.assemble()
-    if isinstance(o_cmp, Tensor):
-        return o_cmp, o_cmp, 0, o_cmp.shape[1], False
-    first, last = o_cmp.runs[0], o_cmp.runs[-1]
-    return first, last, o_cmp.start, first.shape[1], True
-
-
 def forward(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch, gated: GatedSum | None = None,
     slc_out: Tensor | None = None,
@@ -378,8 +366,12 @@ def forward(
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
     finite, _ = finite_path_launches(v_tma, v)
     # Without a gated sum the kernel never reads these: o stands in for the pointers.
-    cmp, cmp2, cmp_start, cmp_rows, cmp_runs = _cmp_operands(o if gated is None else gated.o_cmp)
-    parts = (cmp, cmp2, o, o) if gated is None else (cmp, cmp2, gated.o_win, gated.gates)
+    cmp = two_runs(o if gated is None else gated.o_cmp)
+    parts = (
+        (cmp.first, cmp.second, o, o)
+        if gated is None
+        else (cmp.first, cmp.second, gated.o_win, gated.gates)
+    )
     slc = o if slc_out is None else slc_out
     part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[3].stride(-1)]
     for v_path, strided in path_launches(v_tma):
@@ -393,7 +385,7 @@ def forward(
             idx.stride(0), idx.stride(1), idx.stride(2),
             *part_strides,
             info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
-            cmp_start, cmp_rows,
+            cmp.start, cmp.first_rows,
             G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
             DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
             DV=info.dv, BV=cfg.block_dv,
@@ -401,7 +393,7 @@ def forward(
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
             V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,
-            CMP_RUNS=cmp_runs, STRIDED=strided,
+            CMP_RUNS=cmp.runs, STRIDED=strided,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse

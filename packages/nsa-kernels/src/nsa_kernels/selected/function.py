@@ -87,8 +87,8 @@ def selected_attention_gated_triton(
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles: as
             :func:`selected_attention_triton`.
         o_cmp, o_win: [B, Tq, HQ, dv] the compressed and sliding branches' outputs, q's dtype;
-            o_cmp may be a :class:`~nsa_core.row_runs.RowRuns` (read in place without a
-            gradient, assembled with one).
+            o_cmp may be a :class:`~nsa_core.row_runs.RowRuns`, read where its runs lie with or
+            without a gradient (no copy into one tensor; each run gets its own gradient).
         gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
 
     Returns:
@@ -105,8 +105,9 @@ def selected_attention_gated_triton(
         t.requires_grad for t in (q, k, v, o_win, gates, *cmp_runs.runs)
     )
     if grad:
-        inputs = (q, k, v, cmp_runs.assemble(), o_win, gates)
-        out = GatedSelectedFunction.apply(*inputs, block_indices, info)  # type: ignore[no-untyped-call]
+        out = GatedSelectedFunction.apply(  # type: ignore[no-untyped-call]
+            q, k, v, o_win, gates, block_indices, info, cmp_runs.start, *cmp_runs.runs
+        )
         assert isinstance(out, torch.Tensor)
         return out
     parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
@@ -115,35 +116,45 @@ def selected_attention_gated_triton(
 
 class GatedSelectedFunction(torch.autograd.Function):
     """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
-    branch and the sum in one launch; backward: the combine's backward kernel (d o_cmp, d o_slc,
-    d o_win, d gates from one read of do), then the selected branch's, without atomics. Its
-    kernels give no graph of their own (once_differentiable): a second derivative through them
-    raises where the upstream gradient carries a graph."""
+    branch and the sum in one launch; o_cmp comes as the runs of a
+    :class:`~nsa_core.row_runs.RowRuns` from row ``cmp_start`` (each a differentiable input, read
+    in place). Backward: the combine's backward kernel (d o_cmp, d o_slc, d o_win, d gates from
+    one read of do; each run's gradient a slice of d o_cmp), then the selected branch's, without
+    atomics. Its kernels give no graph of their own (once_differentiable): a second derivative
+    through them raises where the upstream gradient carries a graph."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, o_cmp: Tensor, o_win: Tensor, gates: Tensor,
-        block_indices: Tensor, info: Launch,
+        ctx: Any, q: Tensor, k: Tensor, v: Tensor, o_win: Tensor, gates: Tensor,
+        block_indices: Tensor, info: Launch, cmp_start: int, *cmp_runs: Tensor,
     ) -> Tensor:  # fmt: skip
         q, k, v, idx = _operands(q, k, v, block_indices, info)
+        o_cmp = RowRuns(start=cmp_start, runs=cmp_runs)
         o_slc = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
         parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
         o, lse = forward(q, k, v, idx, info, parts, slc_out=o_slc)
-        ctx.save_for_backward(q, k, v, o_slc, lse, idx, o_cmp, o_win, gates)
-        ctx.info = info
+        ctx.save_for_backward(q, k, v, o_slc, lse, idx, o_win, gates, *cmp_runs)
+        ctx.info, ctx.cmp_start = info, cmp_start
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, o_slc, lse, idx, o_cmp, o_win, gates = ctx.saved_tensors
-        want_gates = ctx.needs_input_grad[5]
+        q, k, v, o_slc, lse, idx, o_win, gates, *cmp_runs = ctx.saved_tensors
+        want_gates = ctx.needs_input_grad[4]
+        o_cmp = RowRuns(start=ctx.cmp_start, runs=tuple(cmp_runs))
         d_cmp, d_slc, d_win, d_gates = combine_bwd(
             do, o_cmp, o_slc, o_win, gates, want_gates=want_gates
         )
+        assert d_cmp is not None
         assert d_slc is not None
         dq, dk, dv = backward(d_slc, q, k, v, o_slc, lse, idx, ctx.info)
-        return dq, dk, dv, d_cmp, d_win, d_gates, None, None
+        # Each run's gradient is its rows of d o_cmp (a view).
+        d_runs, row = [], ctx.cmp_start
+        for run in cmp_runs:
+            d_runs.append(d_cmp[:, row : row + run.shape[1]])
+            row += run.shape[1]
+        return dq, dk, dv, d_win, d_gates, None, None, None, *d_runs
 
 
 def selected_attention_bwd(
