@@ -61,12 +61,15 @@ def test_public_selected_attention_runs_the_triton_kernel() -> None:
     assert torch.equal(out, selected_attention_triton(q, k, v, idx, l_sel))
 
 
-def test_the_core_forward_at_16k_takes_no_host_sync() -> None:
-    """Without a gradient, the attention core on its default routes (cuDNN's compressed branch
-    from 16k on sm_90, block scoring, the selected and sliding branches) queues its work without
-    waiting for the device: torch's sync debug mode raises on the synchronizing calls it knows
-    (a prototype: item(), nonzero, masked selects, blocking copies and the like). A warm-up call
-    first, so that compilation and first-use setup stay out of the check."""
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_the_core_forward_at_16k_takes_no_host_sync(grad: bool) -> None:
+    """With or without a gradient, the attention core's forward on its default routes (cuDNN's
+    compressed branch from 16k on sm_90, block scoring, the selected and sliding branches)
+    queues its work without waiting for the device: torch's sync debug mode raises on the
+    synchronizing calls it knows (a prototype: item(), nonzero, masked selects, blocking copies
+    and the like). With a gradient the compressed keys' finite flag goes to the host behind the
+    forward, read by the backward. A warm-up call first, so that compilation and first-use
+    setup stay out of the check."""
     import nsa_core
     from nsa_core.config import NSAConfig
 
@@ -79,13 +82,16 @@ def test_the_core_forward_at_16k_takes_no_host_sync() -> None:
     q, k, v = draw(1, t, 64, 128), draw(1, t, 4, 128), draw(1, t, 4, 128)
     gates = torch.sigmoid(draw(1, t, 64, 3))
     config = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
-    with torch.no_grad():
+    if grad:
+        q, k, v, gates = (x.requires_grad_() for x in (q, k, v, gates))
+    with torch.set_grad_enabled(grad):
         want = nsa_core.nsa_attention(q, k, v, gates, config)
         torch.cuda.set_sync_debug_mode("error")
         try:
             got = nsa_core.nsa_attention(q, k, v, gates, config)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    assert got.requires_grad == grad
     assert torch.equal(got, want)
 
 

@@ -149,6 +149,46 @@ def test_forward_without_a_gradient_contains_non_finite_keys_on_the_device(
     assert torch.equal(o.isnan().flatten(2).any(-1)[0], sees_bad & (bad != "none"))
 
 
+@pytest.mark.parametrize("bad", ["k", "none"])
+def test_with_a_gradient_non_finite_keys_take_the_triton_backward_without_a_host_sync(
+    bad: str, request: pytest.FixtureRequest
+) -> None:
+    """docs/spec.md, "Non-finite values", with a gradient: the forward queues no host sync (sync
+    debug mode), contains o and lse on the device, and the backward reads the finite flag on the
+    host: a NaN in k_cmp gives the Triton Function's o and gradients (NaN exactly where it puts
+    them; the rest within the bfloat16 bound, its tiles grouping rows run by run); finite keys
+    give cuDNN's gradients, within the bound of the float32 reference."""
+    q, k, v, do = _draw(request, 2048 + 3, 128, 128, 0, torch.bfloat16)
+    if bad != "none":
+        k[0, 40, 1, 7] = float("nan")
+
+    def run(fn: object, sync_check: bool) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if sync_check:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            o, _ = fn(*leaves, L_CMP, D_CMP)  # type: ignore[operator]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        return [o.detach(), *torch.autograd.grad(o, leaves, do)]
+
+    run(compressed_attention_cudnn_with_lse, sync_check=False)  # warm-up: first-use setup
+    got = run(compressed_attention_cudnn_with_lse, sync_check=True)
+    if bad == "none":
+        ref = [x.float().requires_grad_() for x in (q, k, v)]
+        o_ref = compressed_attention(*ref, L_CMP, D_CMP)
+        want = [o_ref.detach(), *torch.autograd.grad(o_ref, ref, do.float())]
+        for name, a, b in zip(["o", "dq", "dk", "dv"], got, want, strict=True):
+            assert rel_err(a, b) < 2 * BOUND[torch.bfloat16], name
+        return
+    want = run(compressed_attention_triton_with_lse, sync_check=False)
+    assert bool(got[0].isnan().any()), "the NaN reaches the rows that see its block"
+    for name, a, b in zip(["o", "dq", "dk", "dv"], got, want, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()), name
+        finite = ~a.isnan()
+        assert rel_err(a[finite], b[finite]) < BOUND[torch.bfloat16], name
+
+
 @pytest.mark.usefixtures("kernels_registered")
 def test_routed_from_16k() -> None:
     def chosen(tq: int, q_start: int, grad: bool) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -31,3 +33,37 @@ def finite_path_launches(fast: bool, *xs: torch.Tensor) -> tuple[torch.Tensor, t
     if fast:
         return all_finite_flag(*xs), (True, False)
     return torch.zeros(1, dtype=torch.int32, device=xs[0].device), (False,)
+
+
+@dataclass(frozen=True)
+class HostFlag:
+    """A device flag on its way to the host: sent without a wait, read later.
+
+    :meth:`send` queues the copy (pinned memory) and records an event after it; :meth:`read`
+    waits for that event alone. Read well after the send (a backward reading its forward's
+    flag), the wait returns at once and the device keeps the work queued since. Inside a CUDA
+    graph capture, which cannot wait on the host, nothing is sent and the flag reads nonzero.
+    """
+
+    value: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def send(cls, flag: torch.Tensor) -> HostFlag:
+        """``flag`` (int32 [1], e.g. :func:`all_finite_flag`) copied to the host, asynchronously
+        on CUDA."""
+        if flag.device.type != "cuda":
+            return cls(value=flag.clone(), ready=None)
+        if torch.cuda.is_current_stream_capturing():
+            return cls(value=torch.ones(1, dtype=flag.dtype), ready=None)
+        host = torch.empty(1, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        ready.record()
+        return cls(value=host, ready=ready)
+
+    def read(self) -> bool:
+        """Whether the flag is nonzero (waits for its copy, and for nothing queued after it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return bool(self.value[0] != 0)

@@ -20,11 +20,12 @@ where cuDNN wrote it as well) and writes dq once into place, where autograd on s
 zero-fill and add a q-sized gradient per run.
 
 A call whose compressed keys or values hold a non-finite value is served by the Triton kernels,
-which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"). Without a
-gradient, cuDNN runs and the Triton forward overwrites its output, decided on the device
-(:func:`nsa_kernels.compressed.triton_function.contain_non_finite_into`: no host sync); with a
-gradient the host checks the values (one sync) and sends such a call to the Triton Function
-(:func:`_contained`).
+which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"): cuDNN runs,
+then the Triton forward overwrites its output where the keys are not all finite, decided on the
+device (:func:`nsa_kernels.compressed.triton_function.contain_non_finite_into`: no host sync).
+With a gradient the flag also travels to the host behind the forward, and the backward reads it
+there (by then long arrived: no wait on the device): the Triton backward serves a contained
+forward, cuDNN's the rest.
 
 The kernel is cuDNN's flash attention, reached through ``torch.ops.aten.
 _scaled_dot_product_cudnn_attention``: the public SDPA does not return the log-sum-exp, which block
@@ -46,7 +47,7 @@ from torch.autograd.function import once_differentiable
 from nsa_core.registry import OpContext
 from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import Toggles
-from nsa_kernels.common.finite_flag import all_finite_flag
+from nsa_kernels.common.finite_flag import HostFlag, all_finite_flag
 from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
 from nsa_kernels.compressed.cmp_fold import RowSplit, row_split
 
@@ -237,12 +238,16 @@ class _FoldedFunction(torch.autograd.Function):
     keeps its own graph over detached inputs, and the backward writes dq once into place:
     autograd on slices of q would fill a zero tensor the size of q for every run and add them
     (at T = 64k, five fills and adds of 1 GiB; docs/results/2026-11-26-h100-layer-6.md, run 9).
-    Without a run (every query blind) o_runs is one run of 0 rows."""
+    Without a run (every query blind) o_runs is one run of 0 rows.
+
+    ``contain``: the runs and lse are contained on the device (:func:`_contain_runs`), and the
+    finite flag goes to the host (:class:`HostFlag`); where the backward reads it as not finite,
+    the Triton backward of the contained forward gives the gradients, not cuDNN's graphs."""
 
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, split: RowSplit, call: CompressedCall,
-        attend: Attend,
+        attend: Attend, contain: bool,
     ) -> tuple[Tensor, ...]:  # fmt: skip
         k_in, v_in = k.detach().requires_grad_(), v.detach().requires_grad_()
         with torch.enable_grad():
@@ -250,11 +255,18 @@ class _FoldedFunction(torch.autograd.Function):
         lse = _assemble_lse(q, split.blind, runs)
         ctx.runs, ctx.k_in, ctx.v_in, ctx.q_shape = runs, k_in, v_in, q.shape
         ctx.mark_non_differentiable(lse)
+        ctx.finite, ctx.call, ctx.start = None, call, split.blind
         if not runs:
             return lse, q.new_zeros(q.shape[0], 0, q.shape[2], v.shape[-1])
         # A run's rows are (query, head) ordered as in q: the full rows [B, R, d, HQ, dv]
         # flatten to [B, R*d, HQ, dv] without a copy where cuDNN wrote them in q's layout.
-        return lse, *(o_run.detach().flatten(1, -3) for _, _, o_run, _ in runs)
+        o_runs = tuple(o_run.detach().flatten(1, -3) for _, _, o_run, _ in runs)
+        if contain:
+            finite = all_finite_flag(k, v)
+            _contain_runs(RowRuns(start=split.blind, runs=o_runs), lse, q, k, v, call, finite)
+            ctx.finite = HostFlag.send(finite)
+            ctx.save_for_backward(q, k, v, lse, *o_runs)
+        return lse, *o_runs
 
     @staticmethod
     @once_differentiable
@@ -262,10 +274,15 @@ class _FoldedFunction(torch.autograd.Function):
         ctx: Any, _grad_lse: Tensor | None, *grad_runs: Tensor
     ) -> tuple[Tensor | None, ...]:
         runs: list[_Run] = ctx.runs
+        if ctx.finite is not None and not ctx.finite.read():
+            dq, dk, dv = _contained_backward(ctx, grad_runs)
+            return dq, dk, dv, None, None, None, None
         dq = grad_runs[0].new_empty(ctx.q_shape)
         if not runs:
             dq.zero_()
-            return dq, torch.zeros_like(ctx.k_in), torch.zeros_like(ctx.v_in), None, None, None
+            return (
+                dq, torch.zeros_like(ctx.k_in), torch.zeros_like(ctx.v_in), None, None, None, None
+            )  # fmt: skip
         outs = [o_run for _, _, o_run, _ in runs]
         grads = [grad.reshape(o_run.shape) for grad, o_run in zip(grad_runs, outs, strict=True)]
         leaves = [part for _, part, _, _ in runs] + [ctx.k_in, ctx.v_in]
@@ -275,7 +292,45 @@ class _FoldedFunction(torch.autograd.Function):
         dq[:, : runs[0][0]] = 0
         for (first, part, _, _), dq_run in zip(runs, got, strict=False):
             dq[:, first : first + part.shape[1]] = dq_run
-        return dq, got[-2], got[-1], None, None, None
+        return dq, got[-2], got[-1], None, None, None, None
+
+
+def _contain_runs(
+    runs: RowRuns, lse: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall,
+    finite: Tensor,
+) -> None:  # fmt: skip
+    """docs/spec.md, "Non-finite values": a non-finite compressed key or value reaches only the
+    rows that see its block. Whether cuDNN's tiles keep such a value from rows beside them that
+    do not see it (a masked entry still meets the block's value, 0 x NaN) is not established;
+    the Triton kernels' containment is tested (tests/test_nonfinite_kernels.py). So the Triton
+    forward overwrites each run of o and its rows of lse where ``finite`` (an
+    :func:`all_finite_flag` of k_cmp and v_cmp) is 0, decided on the device: a host check
+    would cost a sync, and the GPU idles while the host catches up after one."""
+    from nsa_kernels.compressed.triton_function import contain_non_finite_into
+
+    row = runs.start
+    for run in runs.runs:
+        n = run.shape[1]
+        # Each run's queries start at their own position.
+        contain_non_finite_into(
+            run, lse[:, row : row + n], q[:, row : row + n], k_cmp, v_cmp, call.cmp_block,
+            call.cmp_stride, call.scale, q_start=call.q_start + row, finite=finite,
+        )  # fmt: skip
+        row += n
+
+
+def _contained_backward(ctx: Any, grad_runs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk_cmp, dv_cmp of a contained forward (keys not all finite) on the Triton kernels,
+    from the o and lse they wrote (:func:`_contain_runs`) and the runs' upstream gradients."""
+    from nsa_kernels.compressed.triton_function import compressed_attention_bwd
+
+    q, k, v, lse, *o_runs = ctx.saved_tensors
+    call: CompressedCall = ctx.call
+    do = RowRuns(start=ctx.start, runs=tuple(g.contiguous() for g in grad_runs)).assemble()
+    o = RowRuns(start=ctx.start, runs=tuple(o_runs)).assemble()
+    return compressed_attention_bwd(
+        do, q, k, v, o, lse, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
+    )
 
 
 def _checked_split(q: Tensor, k_cmp: Tensor, call: CompressedCall) -> RowSplit:
@@ -293,16 +348,24 @@ def folded_attention(
     v_cmp: Tensor,
     call: CompressedCall,
     attend: Attend,
+    *,
+    contain: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Dense compressed attention through ``attend`` on folded queries: q [B, Tq, HQ, dk],
     k_cmp [B, N, H, dk], v_cmp [B, N, H, dv] -> (o [B, Tq, HQ, dv] in q's dtype, lse [B, Tq, HQ]
-    float32, -inf where a query sees no block)."""
-    runs, lse = folded_runs(q, k_cmp, v_cmp, call, attend)
+    float32, -inf where a query sees no block). ``contain``: as :func:`folded_runs`."""
+    runs, lse = folded_runs(q, k_cmp, v_cmp, call, attend, contain=contain)
     return runs.assemble(), lse
 
 
 def folded_runs(
-    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall, attend: Attend
+    q: Tensor,
+    k_cmp: Tensor,
+    v_cmp: Tensor,
+    call: CompressedCall,
+    attend: Attend,
+    *,
+    contain: bool = False,
 ) -> tuple[RowRuns, Tensor]:
     """:func:`folded_attention` with o as the attention calls left it: a
     :class:`~nsa_core.row_runs.RowRuns` from the first query that sees a block, one run per call
@@ -311,18 +374,23 @@ def folded_runs(
     at T = 64k, H100; docs/results/2026-11-26-h100-layer-8.md), which a consumer that reads the
     runs in place (the selected branch's gated launch, forward and backward) does without.
     With a gradient (:class:`_FoldedFunction`) each run is differentiable in q, k_cmp and v_cmp;
-    the full rows then carry their slots in the heads (the batch layout's backward was slower)."""
+    the full rows then carry their slots in the heads (the batch layout's backward was slower).
+
+    ``contain``: where k_cmp or v_cmp holds a non-finite value, the Triton kernels give o and
+    lse (and the gradients), decided without a host sync (:func:`_contain_runs`)."""
     split = _checked_split(q, k_cmp, call)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
-        lse, *o_runs = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend)  # type: ignore[no-untyped-call]
+        lse, *o_runs = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend, contain)  # type: ignore[no-untyped-call]
         return RowRuns(start=split.blind, runs=tuple(o_runs)), lse
     runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
     lse = _assemble_lse(q, split.blind, runs)
     if not runs:
         o = q.new_zeros(q.shape[0], q.shape[1], q.shape[2], v_cmp.shape[-1])
         return RowRuns.whole(o), lse
-    o_runs = tuple(o_run.flatten(1, -3) for _, _, o_run, _ in runs)
-    return RowRuns(start=split.blind, runs=o_runs), lse
+    o_runs = RowRuns(start=split.blind, runs=tuple(o_run.flatten(1, -3) for _, _, o_run, _ in runs))
+    if contain:
+        _contain_runs(o_runs, lse, q, k_cmp, v_cmp, call, all_finite_flag(k_cmp, v_cmp))
+    return o_runs, lse
 
 
 def _with_lse(
@@ -330,76 +398,17 @@ def _with_lse(
 ) -> tuple[Tensor, Tensor]:
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
-        # The gradients of a non-finite call come from the Triton kernels too: the route is
-        # chosen on the host, at the cost of one sync.
-        if not _keys_finite(k_cmp, v_cmp):
-            return _contained(q, k_cmp, v_cmp, call)
-        return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
-    from nsa_kernels.compressed.triton_function import contain_non_finite_into
-
-    o, lse = folded_attention(q, k_cmp, v_cmp, call, cudnn_attend)
-    # No gradient: the Triton forward overwrites both where a value is non-finite, decided on
-    # the device; the host sync left a gap of about 0.5 ms before the next launch at T = 64k
-    # (docs/results/2026-11-26-h100-layer-8.md).
-    contain_non_finite_into(
-        o, lse, q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
-    )
-    return o, lse
+    return folded_attention(q, k_cmp, v_cmp, call, cudnn_attend, contain=True)
 
 
 def _runs_with_lse(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
 ) -> tuple[RowRuns, Tensor]:
-    """:func:`_with_lse` with o as a :class:`~nsa_core.row_runs.RowRuns` (:func:`folded_runs`)
-    where no gradient is taken; with one, o in one tensor as a single run."""
+    """:func:`_with_lse` with o as a :class:`~nsa_core.row_runs.RowRuns` (:func:`folded_runs`),
+    with or without a gradient."""
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
-        # As in _with_lse: a non-finite call goes to the Triton kernels, one tensor.
-        if not _keys_finite(k_cmp, v_cmp):
-            o, lse = _contained(q, k_cmp, v_cmp, call)
-            return RowRuns.whole(o), lse
-        return folded_runs(q, k_cmp, v_cmp, call, cudnn_attend)
-    from nsa_kernels.compressed.triton_function import contain_non_finite_into
-
-    runs, lse = folded_runs(q, k_cmp, v_cmp, call, cudnn_attend)
-    # As in _with_lse, run by run: each run's queries start at their own position.
-    finite = all_finite_flag(k_cmp, v_cmp)
-    row = runs.start
-    for run in runs.runs:
-        n = run.shape[1]
-        contain_non_finite_into(
-            run, lse[:, row : row + n], q[:, row : row + n], k_cmp, v_cmp, call.cmp_block,
-            call.cmp_stride, call.scale, q_start=call.q_start + row, finite=finite,
-        )  # fmt: skip
-        row += n
-    return runs, lse
-
-
-def _keys_finite(k_cmp: Tensor, v_cmp: Tensor) -> bool:
-    """Whether every compressed key and value is finite (one host sync over T/d rows: 8 MiB at
-    T = 64k). Inside a CUDA graph capture, which cannot sync, the answer is yes."""
-    if k_cmp.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return True
-    return bool(torch.isfinite(k_cmp).all() & torch.isfinite(v_cmp).all())
-
-
-def _contained(
-    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
-) -> tuple[Tensor, Tensor]:
-    """A call with a gradient and a non-finite compressed key or value, on the Triton kernels.
-
-    docs/spec.md, "Non-finite values": such a value reaches only the rows that see its block.
-    cuDNN's tiles hold rows that see a block beside rows that do not, where a masked entry still
-    meets the block's value (0 x NaN); whether its kernels keep it out is not established, and
-    the Triton kernels' containment is tested (tests/test_nonfinite_kernels.py).
-    """
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
-
-    return compressed_attention_triton_with_lse(
-        q, k_cmp, v_cmp, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
-    )
+    return folded_runs(q, k_cmp, v_cmp, call, cudnn_attend, contain=True)
 
 
 def _output(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall) -> Tensor:
