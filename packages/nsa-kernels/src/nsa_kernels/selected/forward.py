@@ -33,7 +33,13 @@ from nsa_kernels.selected.launch import (
     values_fit_tma,
     varlen_args,
 )
-from nsa_kernels.selected.row_walk import LN2_CONST, LOG2E, query_row, selected_tile
+from nsa_kernels.selected.row_walk import (
+    LN2_CONST,
+    LOG2E,
+    query_row,
+    selected_tile,
+    walk_steps,
+)
 
 
 @triton.jit
@@ -117,9 +123,10 @@ def _sel_fwd_rows(
     n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
-    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr, CMP_RUNS: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
+    RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
+    CMP_RUNS: tl.constexpr,
 ):  # fmt: skip
     """The body of :func:`sel_fwd_kernel` for the rows of row block ``blk``."""
     pid_v = tl.program_id(2)
@@ -146,7 +153,8 @@ def _sel_fwd_rows(
         m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BG], dtype=tl.float32)
         acc = tl.zeros([BG, BV], dtype=tl.float32)
-        for it in range(nsel * NSUB):
+        # Tiles that hold no key the row sees end the walk: left out (walk_steps).
+        for it in range(walk_steps(idx_row, nsel, t, SEL=SEL, BL=BL, NSUB=NSUB, NP=NP)):
             pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
             kv_row = (b * tk + tok0 + first).to(tl.int32)
@@ -237,9 +245,10 @@ def sel_fwd_kernel(
     n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
-    KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr,
-    V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr, CMP_RUNS: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
+    RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
+    CMP_RUNS: tl.constexpr,
     STRIDED: tl.constexpr,
 ):  # fmt: skip
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
@@ -284,7 +293,7 @@ def sel_fwd_kernel(
                 stride_it, stride_ih, stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t,
                 stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
                 stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP,
-                BG, DK, BK, NK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC, TMA,
+                BG, DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA,
                 V_TMA, GATED, STORE_SLC, CMP_RUNS,
             )  # fmt: skip
     else:
@@ -296,8 +305,8 @@ def sel_fwd_kernel(
             stride_it, stride_ih, stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t,
             stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
             stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP, BG,
-            DK, BK, NK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC, TMA, V_TMA, GATED,
-            STORE_SLC, CMP_RUNS,
+            DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA, V_TMA,
+            GATED, STORE_SLC, CMP_RUNS,
         )  # fmt: skip
 
 
@@ -389,7 +398,7 @@ def forward(
             G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
             DK=info.dk, BK=cfg.block_d, NK=-(-info.dk // cfg.block_d),
             DV=info.dv, BV=cfg.block_dv,
-            SEL=sel_block, BL=cfg.fwd_block_l, NSUB=nsub,
+            SEL=sel_block, BL=cfg.fwd_block_l, NSUB=nsub, NP=pow2(info.n),
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
             V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,

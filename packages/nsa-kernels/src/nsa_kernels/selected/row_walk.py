@@ -12,6 +12,7 @@ natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
   sequence), which query heads, and where its block indices start.
 - :func:`selected_tile`: step ``it`` of the walk: the keys of one BL-tile of one selected block,
   and which of them the row sees.
+- :func:`walk_steps`: how many steps of the walk can hold a key the row sees.
 """
 
 # No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
@@ -101,3 +102,25 @@ def selected_tile(idx_row, it, t, SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.
     # triton 3.9 interpreter, which then refuses it as a load mask.
     live = (blk + tl.zeros_like(in_blk) >= 0) & (in_blk < SEL) & (pos <= t)
     return pos, live, first
+
+
+@triton.jit
+def walk_steps(
+    idx_row, nsel, t, SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr
+):
+    """The steps of the walk worth taking for the row at position ``t`` (NP: nsel padded to a
+    power of two): every tile of its valid slots but the trailing tiles of its last block that
+    start past t.
+
+    An index row as a set (:mod:`nsa_kernels.selected.indices`) holds its blocks ascending, then
+    -1; so the -1 slots and the tiles of the last block past t end the walk, and the steps
+    before them are the same. Only keys the row cannot see are left out: the causal block's
+    tiles past t (half of the rows skip its second half where BL = l'/2).
+    """
+    slots = tl.arange(0, NP)
+    blocks = tl.load(idx_row + slots, mask=slots < nsel, other=-1)
+    valid = tl.sum((blocks >= 0).to(tl.int32), axis=0)
+    first = tl.max(blocks, axis=0).to(tl.int64) * SEL
+    # Tile j of the last block starts at first + j * BL: it holds a key <= t iff j*BL <= t - first.
+    seen = tl.where(t >= first, (t - first) // BL + 1, 0)
+    return tl.where(valid > 0, (valid - 1) * NSUB + tl.minimum(seen, NSUB), 0)
