@@ -53,8 +53,9 @@ BASE_CASES = [
         config={"block_l": 16, "block_d": 16, "block_dv": 16, "heads_per_prog": 2},
     ),
     Case("odd_block_len", tq=30, h=1, group=1, sel_block=24, n=3),
-    # Forward tiles a quarter of a block: the walk ends before the causal block's tiles past t.
-    Case("quarter_tiles", tq=70, h=1, group=2, sel_block=64, n=2, config={"fwd_block_l": 16}),
+    # Tiles a quarter of a block: the walks (forward, dq) end before the causal block's tiles
+    # past t.
+    Case("quarter_tiles", tq=70, h=1, group=2, sel_block=64, n=2, config={"block_l": 16}),
     Case(
         "varlen_half_tiles",
         tq=50,
@@ -64,7 +65,7 @@ BASE_CASES = [
         sel_block=32,
         n=2,
         indices="random",
-        config={"fwd_block_l": 16},
+        config={"block_l": 16},
     ),
     # The paper's dk = 192 on its default tiles: three 64-wide chunks of dk.
     Case("paper_dk192", tq=20, h=1, group=2, dk=192, dv=128, n=3),

@@ -37,7 +37,13 @@ from nsa_kernels.selected.launch import (
     values_fit_tma,
     varlen_args,
 )
-from nsa_kernels.selected.row_walk import LOG2E, LOG2E_CONST, query_row, selected_tile
+from nsa_kernels.selected.row_walk import (
+    LOG2E,
+    LOG2E_CONST,
+    query_row,
+    selected_tile,
+    walk_steps,
+)
 
 
 @triton.jit
@@ -55,7 +61,8 @@ def _sel_bwd_dq_rows(
     n_rows, tq, tk, q_start, nsel, qk_scale, scale,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
+    RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
 ):  # fmt: skip
     """The body of :func:`sel_bwd_dq_kernel` for the rows of row block ``blk``."""
@@ -90,7 +97,8 @@ def _sel_bwd_dq_rows(
         v_head = v_ptr + b * stride_vb + tok0 * stride_vt + h * stride_vh
 
         dq = tl.zeros([BG, BK], dtype=tl.float32)
-        for it in range(nsel * NSUB):
+        # Tiles that hold no key the row sees end the walk: left out (walk_steps).
+        for it in range(walk_steps(idx_row, nsel, t, SEL=SEL, BL=BL, NSUB=NSUB, NP=NP)):
             pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
             if KV_TMA:
                 kv_row = (b * tk + tok0 + first).to(tl.int32)
@@ -137,7 +145,8 @@ def sel_bwd_dq_kernel(
     n_rows, tq, tk, q_start, nsel, qk_scale, scale,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, RPP: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
+    RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
     STRIDED: tl.constexpr,
 ):  # fmt: skip
@@ -166,7 +175,7 @@ def sel_bwd_dq_kernel(
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob,
                 stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lt,
                 stride_ib, stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale, scale,
-                G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC,
+                G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC,
                 KV_TMA,
             )  # fmt: skip
     else:
@@ -176,7 +185,7 @@ def sel_bwd_dq_kernel(
             stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb,
             stride_lt, stride_ib, stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale,
-            scale, G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, RPP, KV_HINT, VARLEN, DOT_PREC,
+            scale, G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC,
             KV_TMA,
         )  # fmt: skip
 
@@ -381,7 +390,7 @@ def backward(
             info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E, info.scale,
             G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
             DK=info.dk, BK=bk, DV=info.dv, BV=bv,
-            SEL=sel_block, BL=cfg.block_l, NSUB=nsub,
+            SEL=sel_block, BL=cfg.block_l, NSUB=nsub, NP=pow2(info.n),
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path, STRIDED=strided,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,

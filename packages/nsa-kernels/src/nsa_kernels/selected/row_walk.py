@@ -12,7 +12,7 @@ natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
   sequence), which query heads, and where its block indices start.
 - :func:`selected_tile`: step ``it`` of the walk: the keys of one BL-tile of one selected block,
   and which of them the row sees.
-- :func:`walk_steps`: how many steps of the walk can hold a key the row sees.
+- :func:`walk_steps`: how many steps of the walk can hold a key the row sees (forward and dq).
 """
 
 # No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
