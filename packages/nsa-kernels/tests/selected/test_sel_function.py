@@ -93,13 +93,13 @@ def test_resolve_config_without_a_gpu_takes_pointer_loads_and_the_plain_forward(
 
 
 @pytest.mark.parametrize(
-    ("group", "warps", "dq_warps"),
+    ("group", "warps", "keys", "dq_warps"),
     # The forward: one warp while it holds every row of the program (BG <= 32 rows), else
-    # four; dq: two warps up to 16 rows.
-    [(1, 1, 2), (4, 1, 2), (16, 1, 2), (32, 1, 4), (64, 4, 4)],
+    # four, on 16-key tiles up to 16 rows, else 32; dq: two warps up to 16 rows.
+    [(1, 1, 16, 2), (4, 1, 16, 2), (16, 1, 16, 2), (32, 1, 32, 4), (64, 4, 32, 4)],
 )
 def test_resolve_config_with_tma_runs_the_forward_one_warp_per_program(
-    group: int, warps: int, dq_warps: int
+    group: int, warps: int, keys: int, dq_warps: int
 ) -> None:
     from nsa_kernels.selected.launch import resolve_config, tma_available
 
@@ -107,7 +107,7 @@ def test_resolve_config_with_tma_runs_the_forward_one_warp_per_program(
         pytest.skip("this triton has no triton.tools.tensor_descriptor (< 3.4)")
     cfg = resolve_config(SelConfig(tma=1), group, 128, 128, 64)
     assert cfg.tma == 1
-    assert (cfg.fwd_block_l, cfg.fwd_warps, cfg.fwd_stages) == (32, warps, 3)
+    assert (cfg.fwd_block_l, cfg.fwd_warps, cfg.fwd_stages) == (keys, warps, 3)
     assert cfg.dq_warps == dq_warps
     # dq and dk/dv keep 64-key tiles: 32 cost the backward a third (docs/selection.md).
     assert cfg.block_l == 64

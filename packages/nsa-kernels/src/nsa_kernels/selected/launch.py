@@ -124,7 +124,12 @@ def resolve_config(
     tile, else 2. With TMA the forward takes other defaults (measured on an H200 at the paper's
     shapes, docs/selection.md): one warp per program where it serves at most 32 rows (a warp then
     owns every key column of its rows, so p reaches the second dot without a trip through shared
-    memory), 32-key tiles, 3 stages; dq on 2 warps where it serves at most 16 rows.
+    memory), 3 stages, 16-key tiles where it serves at most 16 rows (G <= 16) and 32 above;
+    dq on 2 warps where it serves at most 16 rows. The walk leaves out the tiles of the causal
+    block past the row (:func:`nsa_kernels.selected.row_walk.walk_steps`), so smaller tiles
+    skip more of it: 16 against 32 keys took the H100 forward from 16.04 to 15.88 ms at G = 16,
+    64k and 29.40 to 29.17 at G = 4, 32k, but 4.54 to 4.68 at G = 32 and 1.61 to 2.19 at G = 64
+    (docs/results/2026-11-27-h100-layer-10.md).
     ``shared_bytes``: the device's shared memory per block (None: no limit); at dk over 128 a
     device with less than DQ_WIDE_STAGE_BYTES_FP32 runs a float32 dq on one stage (sm_86 and
     sm_89, 99 KiB), and with dk and dv both over 128 in 16 bits one with less than
@@ -144,7 +149,8 @@ def resolve_config(
     tma = resolve_tma(cfg.tma, dk, block_d, device)
     block_l = cfg.block_l or max(16, min(64, pow2(sel_block)))
     if tma == 1:
-        fwd_block_l, fwd_warps, fwd_stages = min(32, block_l), (1 if pow2(heads) <= 32 else 4), 3
+        fwd_block_l = min(16 if pow2(heads) <= 16 else 32, block_l)
+        fwd_warps, fwd_stages = (1 if pow2(heads) <= 32 else 4), 3
         dq_warps = 2 if pow2(heads) <= 16 else 4
     else:
         fwd_block_l, fwd_warps, fwd_stages, dq_warps = block_l, 4, 2, 4
