@@ -153,13 +153,13 @@ def test_the_core_with_a_gradient_reads_the_compressed_runs_in_place(
     given: list[RowRuns] = []
     folded_runs = cudnn.folded_runs
 
-    def recording(*args: Any) -> tuple[RowRuns, torch.Tensor]:
-        runs, lse = folded_runs(*args)
+    def recording(*args: Any, **kwargs: Any) -> tuple[RowRuns, torch.Tensor]:
+        runs, lse = folded_runs(*args, **kwargs)
         given.append(runs)
         return runs, lse
 
-    def one_tensor(*args: Any) -> tuple[RowRuns, torch.Tensor]:
-        runs, lse = folded_runs(*args)
+    def one_tensor(*args: Any, **kwargs: Any) -> tuple[RowRuns, torch.Tensor]:
+        runs, lse = folded_runs(*args, **kwargs)
         return RowRuns.whole(runs.assemble()), lse
 
     results = []
