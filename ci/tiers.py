@@ -58,9 +58,14 @@ class Tier:
     parallel: bool = True
     records_launches: bool = False
 
-    def pytest_args(self, under: str | None = None) -> list[str]:
-        """Paths, ``-m`` expression and extra arguments; ``under`` narrows to one folder."""
-        paths = list(self.paths) if under is None else narrow(self.paths, under)
+    def pytest_args(self, under: str | Sequence[str] | None = None) -> list[str]:
+        """Paths, ``-m`` expression and extra arguments; ``under`` narrows to those folders
+        or files (each inside the tier's paths)."""
+        if under is None:
+            paths = list(self.paths)
+        else:
+            targets = [under] if isinstance(under, str) else list(under)
+            paths = [path for target in targets for path in narrow(self.paths, target)]
         return [*paths, "-m", self.markers, *self.extra_args]
 
 
@@ -165,7 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("list", help="one line per tier")
     p_args = sub.add_parser("args", help="pytest arguments of a tier, one per line")
     p_args.add_argument("name")
-    p_args.add_argument("--under", help="run only the tier's tests inside this folder")
+    p_args.add_argument(
+        "--under", nargs="+", help="run only the tier's tests inside these folders or files"
+    )
     p_env = sub.add_parser("env", help="KEY=VALUE lines of a tier's environment")
     p_env.add_argument("name")
     args = parser.parse_args(argv)

@@ -5,13 +5,13 @@
 #   timeout 300 "${cmd[@]}" -q -x
 #
 # The command sets the tier's environment, uses $PYTHON (default python3), and selects the tier's
-# tests inside the folder given (its marker expression and extra arguments included).
+# tests inside every folder or file given (its marker expression and extra arguments included).
 
-tier_command() {  # ARRAY_NAME TIER FOLDER
+tier_command() {  # ARRAY_NAME TIER FOLDER [FOLDER ...]
   local -n _tier_cmd="$1"
   local root args envs
   root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-  args="$(python3 "$root/ci/tiers.py" args "$2" --under "$3")" || return 2
+  args="$(python3 "$root/ci/tiers.py" args "$2" --under "${@:3}")" || return 2
   envs="$(python3 "$root/ci/tiers.py" env "$2")" || return 2
   local -a arg_list env_list=()
   mapfile -t arg_list <<<"$args"

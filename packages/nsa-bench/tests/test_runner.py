@@ -56,6 +56,8 @@ def test_narrow_to_a_folder() -> None:
     gpu = tiers.tier("gpu")
     selected = "packages/nsa-kernels/tests/selected"
     assert gpu.pytest_args(selected) == [selected, "-m", gpu.markers]
+    routes = "packages/nsa-kernels/tests/test_default_routes_gpu.py"
+    assert gpu.pytest_args([selected, routes]) == [selected, routes, "-m", gpu.markers]
     assert tiers.narrow(gpu.paths, "packages") == list(gpu.paths)
     with pytest.raises(ValueError, match="not inside the tier's paths"):
         tiers.narrow(tiers.tier("reference").paths, "packages/nsa-kernels/tests")
@@ -70,6 +72,12 @@ def test_tiers_command_line_prints_what_the_scripts_read() -> None:
     args = cli("args", "slow", "--under", "packages/nsa-core/tests")
     assert args.returncode == 0, args.stderr
     assert args.stdout.splitlines() == ["packages/nsa-core/tests", "-m", "slow", "--run-slow"]
+    both = cli("args", "gpu", "--under", "packages/nsa-kernels/tests/selected",
+               "packages/nsa-kernels/tests/combine")  # fmt: skip
+    assert both.stdout.splitlines()[:2] == [
+        "packages/nsa-kernels/tests/selected",
+        "packages/nsa-kernels/tests/combine",
+    ]
     assert cli("env", "interpreter").stdout == "TRITON_INTERPRET=1\n"
     missing = cli("args", "nope")
     assert missing.returncode == 2
