@@ -36,13 +36,18 @@ def combine_launch(dv: int = 16, br: int = 64, bd: int = 16) -> compile_triton.L
 def combine_bwd_launch() -> compile_triton.Launch:
     """combine_bwd_kernel (its per-row gate sums reduce through shared memory)."""
     tensor = ("tensor", "float32")
-    ints = [("int", "i32_div16")] * 16 + [("int", "i32")] * 3
-    flags = (("WRITE_DO", ("value", True)), ("WRITE_DG", ("value", True)))
+    # Strides (do, o_cmp's two runs, o_slc, o_win, gates), then n_rows, T, HQ and the runs' split.
+    ints = [("int", "i32_div16")] * 19 + [("int", "i32")] * 5
+    flags = (
+        ("WRITE_DO", ("value", True)),
+        ("WRITE_DG", ("value", True)),
+        ("CMP_RUNS", ("value", False)),
+    )
     options = (("DV", ("value", 16)), ("BR", ("value", 64)), ("BD", ("value", 16)), *flags)
     return compile_triton.Launch(
         COMBINE,
         "combine_bwd_kernel",
-        (tensor,) * 9 + tuple(ints),
+        (tensor,) * 10 + tuple(ints),
         (*options, ("num_warps", ("value", 4))),
     )
 
