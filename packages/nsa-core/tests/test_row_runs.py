@@ -253,14 +253,19 @@ def test_without_fn_runs_the_compressed_output_is_one_run(gen: torch.Generator) 
 
 @pytest.mark.usefixtures("isolated_registry")
 @pytest.mark.parametrize(
-    ("gated_runs", "requires_grad", "shown"),
-    [(True, False, True), (False, False, False), (True, True, False)],
-    ids=["runs_no_grad", "gated_step_takes_tensors", "with_grad"],
+    ("gated_runs", "requires_grad", "gated_grad", "shown"),
+    [
+        (True, False, True, True),
+        (False, False, True, False),
+        (True, True, True, True),
+        (True, True, False, False),
+    ],
+    ids=["runs_no_grad", "gated_step_takes_tensors", "with_grad", "gated_step_without_grad"],
 )
 def test_routing_report_says_where_the_compressed_output_goes_as_runs(
-    gated_runs: bool, requires_grad: bool, shown: bool
+    gated_runs: bool, requires_grad: bool, gated_grad: bool, shown: bool
 ) -> None:
-    spy = RunsSpy(gated_runs=gated_runs, gated_grad=True)
+    spy = RunsSpy(gated_runs=gated_runs, gated_grad=gated_grad)
     spy.register()
     ctx = OpContext.for_config(
         CONFIG, device=torch.device("cpu"), dtype=torch.float32, seq_len=64,
@@ -269,3 +274,5 @@ def test_routing_report_says_where_the_compressed_output_goes_as_runs(
     line = next(x for x in registry.routing_report(ctx).splitlines() if "compressed_attention" in x)
     assert line.startswith("compressed_attention   -> cmp_runs_spy")
     assert ("as runs of rows" in line) == shown
+    if shown:
+        assert ("with grad" if requires_grad else "no grad") in line

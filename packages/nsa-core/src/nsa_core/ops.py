@@ -30,8 +30,8 @@ from nsa_core.checks import (
 )
 from nsa_core.op_context import OpContext, op_context
 from nsa_core.registry import (
+    resolve,
     resolve_fn,
-    resolve_fn_runs_with_lse,
     resolve_fn_sum3,
     resolve_fn_with_lse,
     resolve_gated,
@@ -161,17 +161,23 @@ def compressed_attention_runs_with_lse(
         q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )
     toggles = get_toggles()
-    fn_runs = resolve_fn_runs_with_lse("compressed_attention", ctx, toggles)
-    if fn_runs is None:
-        o, lse = compressed_attention_with_lse(
-            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-        )
-        return RowRuns.whole(o), lse
-    runs, lse_runs = fn_runs(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens,
-        toggles=toggles,
-    )  # fmt: skip
-    return runs, None if lse_runs is None else lse_runs.detach()
+    args = (q, k_cmp, v_cmp, cmp_block, cmp_stride, scale)
+    kwargs = {"q_start": q_start, "cu_seqlens": cu_seqlens, "toggles": toggles}
+    if toggles.debug_hooks:
+        # The hooks observe ``fn``: no runs, no lse (as compressed_attention_with_lse).
+        return RowRuns.whole(
+            resolve_fn("compressed_attention", ctx, toggles)(*args, **kwargs)
+        ), None
+    # One resolution: the backend's runs where it has them, else its (o, lse), else its o.
+    backend = resolve("compressed_attention", ctx, toggles).backend
+    if backend.fn_runs_with_lse is not None:
+        runs, lse = backend.fn_runs_with_lse(*args, **kwargs)
+    elif backend.fn_with_lse is not None:
+        o, lse = backend.fn_with_lse(*args, **kwargs)
+        runs = RowRuns.whole(o)
+    else:
+        runs, lse = RowRuns.whole(backend.fn(*args, **kwargs)), None
+    return runs, None if lse is None else lse.detach()
 
 
 def selected_attention_gated(

@@ -193,16 +193,6 @@ def resolve_fn_with_lse(op: str, ctx: OpContext, toggles: Toggles) -> Callable[.
     return resolve(op, ctx, toggles).backend.fn_with_lse
 
 
-def resolve_fn_runs_with_lse(
-    op: str, ctx: OpContext, toggles: Toggles
-) -> Callable[..., Any] | None:
-    """The ``fn_runs_with_lse`` of the backend :func:`resolve` picks, or None (as
-    :func:`resolve_fn_with_lse`: also whenever a debug hook is on)."""
-    if toggles.debug_hooks:
-        return None
-    return resolve(op, ctx, toggles).backend.fn_runs_with_lse
-
-
 def resolve_gated(sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles) -> Backend | None:
     """The ``selected_attention`` backend :func:`resolve` picks, where its ``fn_gated`` serves
     the one-step gated sum; else None.
@@ -270,17 +260,18 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
             need = "with grad" if ctx.requires_grad else "no grad"
             line += f"   ({need}: summed inside selected_attention's launch)"
         if op == "compressed_attention" and _runs_in_place(res.backend, ctx, toggles):
-            line += "   (no grad: its output reaches selected_attention's launch as runs of rows)"
+            need = "with grad" if ctx.requires_grad else "no grad"
+            line += f"   ({need}: its output reaches selected_attention's launch as runs of rows)"
         lines.append(line)
     return "\n".join(lines)
 
 
 def _runs_in_place(compressed: Backend, ctx: OpContext, toggles: Toggles) -> bool:
     """Whether the attention core hands this compressed backend's output to the selected
-    step's one-launch sum as runs of rows, read in place: no gradient, no debug hook, the
-    backend has ``fn_runs_with_lse`` and the selected backend's ``fn_gated`` serves and takes runs
-    (whether the backend then splits its output is its own call)."""
-    if ctx.requires_grad or compressed.fn_runs_with_lse is None:
+    step's one-launch sum as runs of rows, read in place: no debug hook, the backend has
+    ``fn_runs_with_lse`` and the selected backend's ``fn_gated`` serves (with a gradient where
+    one is needed) and takes runs (whether the backend then splits its output is its own call)."""
+    if compressed.fn_runs_with_lse is None:
         return False
     gated = resolve_gated(ctx, ctx, toggles)
     return gated is not None and gated.gated_runs
