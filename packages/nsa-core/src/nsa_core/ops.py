@@ -201,7 +201,7 @@ def selected_attention_gated(
     (:class:`nsa_core.registry.Backend`) that serves the call (with a gradient only where it
     gives one), no debug hook is on, and ``gated_combine`` itself would not run on the
     reference (a pinned reference combine is honoured): :func:`nsa_core.registry.
-    resolve_fn_gated`. Otherwise it returns None and the caller runs the two ops.
+    resolve_gated`. Otherwise it returns None and the caller runs the two ops.
 
     o_cmp may come as a :class:`~nsa_core.row_runs.RowRuns`
     (:func:`compressed_attention_runs_with_lse`): read in place where the backend takes runs

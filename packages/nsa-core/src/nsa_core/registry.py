@@ -215,14 +215,6 @@ def resolve_gated(sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles) 
     return backend
 
 
-def resolve_fn_gated(
-    sel_ctx: OpContext, combine_ctx: OpContext, toggles: Toggles
-) -> Callable[..., Any] | None:
-    """The ``fn_gated`` of :func:`resolve_gated`'s backend, or None."""
-    backend = resolve_gated(sel_ctx, combine_ctx, toggles)
-    return None if backend is None else backend.fn_gated
-
-
 def resolve_fn_sum3(combine_ctx: OpContext, toggles: Toggles) -> Callable[..., Any] | None:
     """The ``fn_sum3`` of the ``gated_combine`` backend :func:`resolve` picks, or None (the
     reference combine has none: autograd adds the gradients)."""
@@ -246,7 +238,7 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
     """One line per op: the chosen backend and the reasons the preferred ones were passed over.
 
     Where the attention core would sum the gated combine inside the selected branch's launch
-    (:func:`resolve_fn_gated` gives a ``fn_gated`` for this context), the ``gated_combine`` line
+    (:func:`resolve_gated` gives a backend for this context), the ``gated_combine`` line
     says so; where it would hand the compressed output to that launch as runs of rows
     (``fn_runs_with_lse`` and ``gated_runs``), the ``compressed_attention`` line does.
     """
@@ -256,7 +248,7 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
         res = resolve(op, ctx, toggles)
         why = "; ".join(f"{name}: {reason}" for name, reason in res.rejected)
         line = f"{op:22s} -> {res.backend.name}" + (f"   (passed over {why})" if why else "")
-        if op == "gated_combine" and resolve_fn_gated(ctx, ctx, toggles) is not None:
+        if op == "gated_combine" and resolve_gated(ctx, ctx, toggles) is not None:
             need = "with grad" if ctx.requires_grad else "no grad"
             line += f"   ({need}: summed inside selected_attention's launch)"
         if op == "compressed_attention" and _runs_in_place(res.backend, ctx, toggles):
