@@ -25,6 +25,7 @@ from nsa_kernels.selected.function import (
     SelConfig,
     selected_attention_gated_triton,
     selected_attention_triton,
+    tma_available,
 )
 
 F64 = torch.float64
@@ -35,6 +36,14 @@ BF16_UNDER_INTERPRETER = pytest.mark.skipif(
     "checked on the GPU",
 )
 
+FORCED = Case("forced prologue", group=3, tq=45, n=4, config={"tma": 1, "forced_tokens": 8})
+FORCED_PARAM = pytest.param(
+    FORCED,
+    id=FORCED.name,
+    marks=pytest.mark.skipif(
+        not tma_available(), reason="this triton has no triton.tools.tensor_descriptor (< 3.4)"
+    ),
+)
 CASES = [
     Case("G=1", group=1, tq=37),
     Case("G=3 empty rows", group=3, tq=29, indices="empty"),
@@ -45,6 +54,8 @@ CASES = [
     Case("dv chunks", group=2, tq=19, dv=32, config={"block_dv": 16, "tma": 2}),
     # dk = 48 in 16-wide chunks (the pointer path of dk = 192).
     Case("dk chunks", group=2, tq=17, dk=48, config={"block_d": 16, "tma": 2}),
+    # The forced blocks first, eight rows a program (nsa_kernels.selected.forced; TMA).
+    FORCED_PARAM,
 ]
 
 
@@ -235,7 +246,7 @@ RUN_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [*CASES[:4], FORCED_PARAM], ids=lambda c: c.name)
 @pytest.mark.parametrize(("start", "cuts"), RUN_LAYOUTS)
 def test_gated_forward_reads_o_cmp_in_runs_where_they_lie(
     case: Case, start: int, cuts: list[int]
@@ -256,7 +267,7 @@ def test_gated_forward_reads_o_cmp_in_runs_where_they_lie(
     def gated(o: torch.Tensor | RowRuns) -> torch.Tensor:
         return selected_attention_gated_triton(
             q, k, v, idx, case.sel_block, o_cmp=o, o_win=o_win, gates=gates,
-            q_start=case.q_start, cu_seqlens=cu,
+            q_start=case.q_start, cu_seqlens=cu, config=SelConfig(**case.config),
         )  # fmt: skip
 
     assert torch.equal(gated(runs), gated(whole))

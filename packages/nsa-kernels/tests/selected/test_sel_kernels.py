@@ -81,8 +81,27 @@ TMA_CASES = [
     for c in BASE_CASES
     if c.dk & (c.dk - 1) == 0 and "block_d" not in c.config
 ]
-CASES = BASE_CASES + TMA_CASES
-PARAMS = [pytest.param(c, id=c.name, marks=[_NO_TMA] if c in TMA_CASES else []) for c in CASES]
+# The forced-block prologue (nsa_kernels.selected.forced) on 2, 8 and 16 rows a program: rows of
+# one query block, rows across sequences and across query blocks, a last program with rows past
+# the end, random rows (future blocks, -1, repeats), empty rows, G = 1 (8 rows x 2 padded heads).
+# (TMA_CASES run it on its default 8 rows where l' >= 8.)
+FORCED_CASES = [
+    Case("forced_nsa_16", tq=100, h=2, group=4, dk=32, dv=32, n=6,
+         config={"tma": 1, "forced_tokens": 16}),
+    Case("forced_varlen_8", tq=50, seqlens=[1, 30, 19], h=1, group=2, sel_block=32, n=3,
+         config={"block_l": 16, "tma": 1, "forced_tokens": 8}),
+    Case("forced_q_start_random_2", tq=21, q_start=45, tk=70, h=2, group=2, n=3,
+         indices="random", config={"tma": 1, "forced_tokens": 2}),
+    Case("forced_g16_empty_8", tq=24, h=1, group=16, n=2, indices="empty",
+         config={"tma": 1, "forced_tokens": 8}),
+    Case("forced_g1_q_start_8", tq=37, q_start=5, tk=42, h=2, group=1, dk=16, n=4,
+         config={"tma": 1, "forced_tokens": 8}),
+]  # fmt: skip
+CASES = BASE_CASES + TMA_CASES + FORCED_CASES
+PARAMS = [
+    pytest.param(c, id=c.name, marks=[_NO_TMA] if c in TMA_CASES + FORCED_CASES else [])
+    for c in CASES
+]
 
 
 def _gen(request: pytest.FixtureRequest) -> torch.Generator:
@@ -247,7 +266,8 @@ def test_tma_loads_fall_back_to_masked_loads_on_non_finite_keys_and_values(
     where: str, value: float, request: pytest.FixtureRequest
 ) -> None:
     """With TMA (tma=1), whole K/V tiles serve finite keys and values only: a non-finite one
-    sends the forward's V loads and dq's K/V loads down the masked path (tma=2), bit for bit."""
+    sends the forward's V loads and dq's K/V loads down the masked path (tma=2), bit for bit;
+    the forward's forced-block prologue (on by default with TMA) steps aside as well."""
     assert DEVICE is not None
     case = Case("tma_fallback", batch=2, tq=40, h=2, group=3, n=3, indices="random")
     gen = _gen(request)
@@ -283,7 +303,8 @@ def test_tma_and_masked_loads_agree_bit_for_bit_on_finite_inputs(
     results = []
     for tma in (1, 2):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        tiles = SelConfig(**SAME_LAUNCHES, tma=tma)
+        # The forced-block prologue sums the forced blocks first: off here, as tma=2 has none.
+        tiles = SelConfig(**SAME_LAUNCHES, tma=tma, forced_tokens=1)
         o = selected_attention_triton(*leaves, idx, case.sel_block, config=tiles)
         o.backward(do)
         results.append([o.detach(), *(t.grad for t in leaves)])

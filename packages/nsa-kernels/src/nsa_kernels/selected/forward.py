@@ -24,6 +24,7 @@ from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.common.two_runs import two_runs
+from nsa_kernels.selected.forced import sel_forced_kernel
 from nsa_kernels.selected.launch import (
     Launch,
     dot_precision,
@@ -36,6 +37,7 @@ from nsa_kernels.selected.launch import (
 from nsa_kernels.selected.row_walk import (
     LN2_CONST,
     LOG2E,
+    LOG2E_CONST,
     query_row,
     selected_tile,
     walk_steps,
@@ -109,7 +111,7 @@ def _gated_sum(
 def _sel_fwd_rows(
     blk,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
-    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr,
+    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr, init_lse_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -126,7 +128,7 @@ def _sel_fwd_rows(
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
-    CMP_RUNS: tl.constexpr,
+    CMP_RUNS: tl.constexpr, HAS_INIT: tl.constexpr,
 ):  # fmt: skip
     """The body of :func:`sel_fwd_kernel` for the rows of row block ``blk``."""
     pid_v = tl.program_id(2)
@@ -153,6 +155,19 @@ def _sel_fwd_rows(
         m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BG], dtype=tl.float32)
         acc = tl.zeros([BG, BV], dtype=tl.float32)
+        if HAS_INIT:
+            # The prologue's softmax over the row's forced blocks (nsa_kernels.selected.forced)
+            # as a running state: m = its lse (base 2), l = 1, acc = its normalised output.
+            lse0 = tl.load(init_lse_ptr + b * stride_lb + r * stride_lt + heads, mask=g_mask,
+                           other=float("-inf"))  # fmt: skip
+            some = lse0 != float("-inf")
+            m_i = tl.where(some, lse0 * LOG2E_CONST, m_i)
+            l_i = tl.where(some, 1.0, l_i)
+            acc = tl.load(
+                init_o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
+                + offs_v[None, :],
+                mask=(g_mask & some)[:, None] & v_mask[None, :], other=0.0,
+            ).to(tl.float32)  # fmt: skip
         # Tiles that hold no key the row sees end the walk: left out (walk_steps).
         for it in range(walk_steps(idx_row, nsel, t, SEL=SEL, BL=BL, NSUB=NSUB, NP=NP)):
             pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
@@ -231,7 +246,7 @@ def _sel_fwd_rows(
 @triton.jit
 def sel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
-    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr,
+    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr, init_lse_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -248,7 +263,7 @@ def sel_fwd_kernel(
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
-    CMP_RUNS: tl.constexpr,
+    CMP_RUNS: tl.constexpr, HAS_INIT: tl.constexpr,
     STRIDED: tl.constexpr,
 ):  # fmt: skip
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
@@ -287,26 +302,28 @@ def sel_fwd_kernel(
         for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
             _sel_fwd_rows(
                 blk, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr,
-                k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, stride_qb,
+                k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr,
+                init_lse_ptr, stride_qb,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                 stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_ib,
                 stride_it, stride_ih, stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t,
                 stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
                 stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP,
                 BG, DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA,
-                V_TMA, GATED, STORE_SLC, CMP_RUNS,
+                V_TMA, GATED, STORE_SLC, CMP_RUNS, HAS_INIT,
             )  # fmt: skip
     else:
         _sel_fwd_rows(
             tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr,
-            finite_ptr, k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, stride_qb,
+            finite_ptr, k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr,
+            init_lse_ptr, stride_qb,
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
             stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_ib,
             stride_it, stride_ih, stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t,
             stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
             stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP, BG,
             DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA, V_TMA,
-            GATED, STORE_SLC, CMP_RUNS,
+            GATED, STORE_SLC, CMP_RUNS, HAS_INIT,
         )  # fmt: skip
 
 
@@ -373,7 +390,15 @@ def forward(
     # sel_fwd_kernel), else one with masked V loads.
     v_tma = tma and values_fit_tma(cfg.block_dv, info)
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
-    finite, _ = finite_path_launches(v_tma, v)
+    # The forced blocks first, TB rows a program (nsa_kernels.selected.forced), where the
+    # V_TMA launch walks the rest: there keys and values must both be finite.
+    prologue = (
+        v_tma and 1 < cfg.forced_tokens <= sel_block and hpp == info.group and info.group <= 16
+    )
+    finite, _ = finite_path_launches(v_tma, *((k, v) if prologue else (v,)))
+    init_o, init_lse, rest = o, lse, idx
+    if prologue:
+        init_o, init_lse, rest = forced_blocks(q, k, v, idx, info, seq_ids, cu, finite)
     # Without a gated sum the kernel never reads these: o stands in for the pointers.
     cmp = two_runs(o if gated is None else gated.o_cmp)
     parts = (
@@ -385,7 +410,8 @@ def forward(
     part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[3].stride(-1)]
     for v_path, strided in path_launches(v_tma):
         sel_fwd_kernel[strided_grid(grid, q.device) if strided else grid](
-            q, k, v, o, lse, idx, seq_ids, cu, finite, k_desc, v_desc, *parts, slc,
+            q, k, v, o, lse, rest if v_path else idx, seq_ids, cu, finite, k_desc, v_desc,
+            *parts, slc, init_o, init_lse,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -402,7 +428,36 @@ def forward(
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
             V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,
-            CMP_RUNS=cmp.runs, STRIDED=strided,
+            CMP_RUNS=cmp.runs, HAS_INIT=prologue and v_path, STRIDED=strided,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse
+
+
+def forced_blocks(
+    q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch, seq_ids: Tensor, cu: Tensor,
+    finite: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(o_part [B, Tq, HQ, dv] in q's dtype, lse_part [B, Tq, HQ] float32, rest [B, Tq, H, n]
+    int32) of :func:`nsa_kernels.selected.forced.sel_forced_kernel`, at the strides of o, lse
+    and idx; written where ``finite`` is nonzero (the kernel returns at once otherwise)."""
+    tb = info.cfg.forced_tokens
+    o_part, lse_part = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
+    rest = torch.empty_strided(idx.shape, idx.stride(), dtype=idx.dtype, device=idx.device)
+    sel_block = info.sel_block
+    block_l = min(64, pow2(sel_block))
+    sel_forced_kernel[(-(-info.rows // tb), info.h)](
+        q, k, v, idx, seq_ids, cu, finite, o_part, lse_part, rest,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        idx.stride(0), idx.stride(1), idx.stride(2),
+        info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
+        G=info.group, BG=max(pow2(info.group), 16 // tb), TB=tb, DK=info.dk, DV=info.dv,
+        SEL=sel_block, BL=block_l, NSUB=-(-sel_block // block_l), NP=pow2(info.n),
+        VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype),
+        num_warps=info.cfg.forced_warps,
+    )  # fmt: skip
+    return o_part, lse_part, rest

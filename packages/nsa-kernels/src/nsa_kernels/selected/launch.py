@@ -45,6 +45,14 @@ DKV_WIDE_ROWS_BYTES = 102_784
 DKV_WIDE_ROWS_SMALL = 16
 
 
+# The forward's forced-block prologue (nsa_kernels.selected.forced), by default on TMA devices up
+# to G = FORCED_MAX_GROUP, FORCED_TOKENS query rows a program. Selected forward alone on an H100
+# (docs/results/2026-11-27-h100-layer-11.md): G = 4, 32k 29.01 -> 25.08 + 1.98 ms; G = 1, 8k
+# 27.41 -> 25.14; at G = 16, 64k the row kernel's 15.77 ms become 13.38 + 2.45 (8 rows): no gain.
+FORCED_TOKENS = 16
+FORCED_MAX_GROUP = 4
+
+
 @dataclass(frozen=True)
 class SelConfig(TileConfig):
     """Tiles and launch parameters; 0 means "choose" (see :func:`resolve_config`).
@@ -73,6 +81,11 @@ class SelConfig(TileConfig):
             and every value is finite; dq loads both whole where every key and value is finite
             (``sel_fwd_kernel`` and ``sel_bwd_dq_kernel`` say why), else through masked
             pointer loads.
+        forced_tokens: query rows a program of the forward's forced-block prologue serves
+            (:mod:`nsa_kernels.selected.forced`, where V comes through TMA, the group is whole
+            in a program and G <= 16): a power of two; 1: no prologue (default: FORCED_TOKENS
+            with TMA where G <= FORCED_MAX_GROUP, else 1).
+        forced_warps: the prologue's launch (default 4).
     """
 
     block_l: int = 0
@@ -91,6 +104,8 @@ class SelConfig(TileConfig):
     rows_per_prog: int = 0
     kv_hint: int = 0
     tma: int = 0
+    forced_tokens: int = 0
+    forced_warps: int = 0
 
 
 def parse_config(text: str) -> SelConfig:
@@ -141,6 +156,8 @@ def resolve_config(
         cfg, heads_per_prog=cfg.heads_per_prog or (group if toggles.sel_triton_group else 1)
     )
     check_pow2_tiles(cfg, ("block_l", "fwd_block_l", "block_d", "block_dv"))
+    if cfg.forced_tokens & (cfg.forced_tokens - 1):
+        raise ValueError(f"forced_tokens must be a power of two, got {cfg.forced_tokens}")
     heads = min(cfg.heads_per_prog, group)
     rows = max(32, pow2(min(group, 64)))
     dk_tile, dv_tile = pow2(max(dk, 16)), pow2(max(dv, 16))
@@ -159,6 +176,9 @@ def resolve_config(
     small = shared_bytes is not None and shared_bytes < DKV_WIDE_ROWS_BYTES
     if dk_tile > 128 and dv_tile > 128 and dtype != torch.float32 and small:
         rows = DKV_WIDE_ROWS_SMALL
+    forced_tokens = cfg.forced_tokens or (
+        FORCED_TOKENS if tma == 1 and group <= FORCED_MAX_GROUP else 1
+    )
     return replace(
         cfg,
         block_l=block_l,
@@ -176,6 +196,8 @@ def resolve_config(
         rows_per_prog=cfg.rows_per_prog or 1,
         kv_hint=cfg.kv_hint or 1,
         tma=tma,
+        forced_tokens=forced_tokens,
+        forced_warps=cfg.forced_warps or 4,
     )
 
 

@@ -13,6 +13,9 @@ natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
 - :func:`selected_tile`: step ``it`` of the walk: the keys of one BL-tile of one selected block,
   and which of them the row sees.
 - :func:`walk_steps`: how many steps of the walk can hold a key the row sees (forward and dq).
+- :func:`query_tokens` and :func:`compact_rows`: the TB consecutive rows a program of the
+  forward's forced-block prologue serves (:mod:`nsa_kernels.selected.forced`), and the blocks
+  it leaves to the row walk.
 """
 
 # No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
@@ -64,6 +67,32 @@ def query_row(
     # int64 before the product; blk may come as a Python int (a strided loop under the
     # interpreter) or as a tensor.
     row = tl.minimum((tl.zeros([], tl.int64) + blk) * RPP + rr, n_rows - 1)
+    b, r, t, tok0 = row_position(row, tq, q_start, seq_ptr, cu_ptr, VARLEN=VARLEN)
+    offs_g = tl.arange(0, BG)
+    g_in = chunk * HPP + offs_g
+    g_mask = (offs_g < HPP) & (g_in < G)
+    heads = h * G + g_in
+    idx_row = idx_ptr + b * stride_ib + r * stride_it + h * stride_ih
+    return b, r, t, tok0, h, heads, g_mask, idx_row
+
+
+@triton.jit
+def query_tokens(blk, n_rows, tq, q_start, seq_ptr, cu_ptr, TB: tl.constexpr, VARLEN: tl.constexpr):
+    """(b, r, t, tok0, valid), each [TB] int64 (valid: bool), of the TB rows of row block
+    ``blk``: rows ``blk * TB + i``, as :func:`query_row` reads one; rows past the last are not
+    valid (their fields read those of the last row)."""
+    row = (tl.zeros([TB], tl.int64) + blk) * TB + tl.arange(0, TB)
+    valid = row < n_rows
+    b, r, t, tok0 = row_position(
+        tl.minimum(row, n_rows - 1), tq, q_start, seq_ptr, cu_ptr, VARLEN=VARLEN
+    )  # fmt: skip
+    return b, r, t, tok0, valid
+
+
+@triton.jit
+def row_position(row, tq, q_start, seq_ptr, cu_ptr, VARLEN: tl.constexpr):
+    """(b, r, t, tok0) of flat query row(s) ``row`` (int64, a scalar or a block) of the B * Tq
+    rows: batch row, index along q's T axis, position, first token of the sequence."""
     if VARLEN:
         # Packed sequences: row indexes T directly; tok0 is the sequence's first token.
         tok0 = tl.load(cu_ptr + tl.load(seq_ptr + row)).to(tl.int64)
@@ -75,12 +104,7 @@ def query_row(
         r = row - b * tq
         t = r + q_start
         tok0 = row * 0
-    offs_g = tl.arange(0, BG)
-    g_in = chunk * HPP + offs_g
-    g_mask = (offs_g < HPP) & (g_in < G)
-    heads = h * G + g_in
-    idx_row = idx_ptr + b * stride_ib + r * stride_it + h * stride_ih
-    return b, r, t, tok0, h, heads, g_mask, idx_row
+    return b, r, t, tok0
 
 
 @triton.jit
@@ -124,3 +148,15 @@ def walk_steps(
     # Tile j of the last block starts at first + j * BL: it holds a key <= t iff j*BL <= t - first.
     seen = tl.where(t >= first, (t - first) // BL + 1, 0)
     return tl.where(valid > 0, (valid - 1) * NSUB + tl.minimum(seen, NSUB), 0)
+
+
+@triton.jit
+def compact_rows(x, keep, NP: tl.constexpr):
+    """[R, NP]: each row's kept entries of x [R, NP] (keep [R, NP]) in their order, then -1."""
+    slots = tl.arange(0, NP)
+    # dest[r, e]: kept entries before e in row r, by a sum over a triangle (no scan needed).
+    before = (slots[None, :] < slots[:, None]).to(tl.int32)  # [e, e']: e' < e
+    dest = tl.sum(keep.to(tl.int32)[:, None, :] * before[None, :, :], axis=2)
+    hit = keep[:, :, None] & (dest[:, :, None] == slots[None, None, :])  # [R, e, k]
+    picked = tl.sum(tl.where(hit, x[:, :, None] + 1, 0), axis=1)
+    return picked - 1
