@@ -45,7 +45,7 @@ def sel_forced_kernel(
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
     stride_ib, stride_it, stride_ih,
-    n_rows, tq, tk, q_start, nsel, qk_scale,
+    n_rows, tq, q_start, nsel, qk_scale,
     G: tl.constexpr, BG: tl.constexpr, TB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -56,7 +56,8 @@ def sel_forced_kernel(
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], idx and rest [B, Tq, H, n] (index
     rows as sets; rest at idx's strides), o_part [B, Tq, HQ, dv] (o's strides), lse_part
     [B, Tq, HQ] float32; finite [1] int32 (0: return at once). Rows of the dots: token i, head
-    g at ``i * BG + g`` (BG = G padded to a power of two). dk = DK and dv = DV are powers of two.
+    g at ``i * BG + g`` (BG: G padded to a power of two, TB * BG >= 16). dk = DK and dv = DV are
+    powers of two.
     """
     if tl.load(finite_ptr) == 0:
         return

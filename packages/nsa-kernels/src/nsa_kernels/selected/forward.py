@@ -454,7 +454,7 @@ def forced_blocks(
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         idx.stride(0), idx.stride(1), idx.stride(2),
-        info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E,
+        info.rows, info.tq, info.q_start, info.n, info.scale * LOG2E,
         G=info.group, BG=max(pow2(info.group), 16 // tb), TB=tb, DK=info.dk, DV=info.dv,
         SEL=sel_block, BL=block_l, NSUB=-(-sel_block // block_l), NP=pow2(info.n),
         VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype),
