@@ -114,6 +114,30 @@ def test_resolve_config_with_tma_runs_the_forward_one_warp_per_program(
     assert resolve_config(SelConfig(tma=1, fwd_warps=4), group, 128, 128, 64).fwd_warps == 4
 
 
+def test_resolve_config_takes_the_forced_block_prologue_where_it_applies() -> None:
+    """On by default with TMA up to G = 4 (16 rows a program); 1 (off) without TMA, at larger G,
+    with the group split over programs, dv not one power-of-two tile, or more rows than l'."""
+    from nsa_kernels.selected.launch import resolve_config, tma_available
+
+    assert resolve_config(None, 4, 128, 128, 64, device=torch.device("cpu")).forced_tokens == 1
+    assert resolve_config(SelConfig(forced_tokens=8), 4, 128, 128, 64).forced_tokens == 1
+    if not tma_available():
+        pytest.skip("this triton has no triton.tools.tensor_descriptor (< 3.4)")
+    tma = SelConfig(tma=1)
+    assert resolve_config(tma, 4, 128, 128, 64).forced_tokens == 16
+    assert resolve_config(tma, 1, 128, 128, 64).forced_tokens == 16
+    assert resolve_config(tma, 16, 128, 128, 64).forced_tokens == 1
+    assert resolve_config(SelConfig(tma=1, forced_tokens=8), 16, 128, 128, 64).forced_tokens == 8
+    assert resolve_config(SelConfig(tma=1, forced_tokens=8), 32, 128, 128, 64).forced_tokens == 1
+    split = SelConfig(tma=1, heads_per_prog=2)
+    assert resolve_config(split, 4, 128, 128, 64).forced_tokens == 1
+    assert resolve_config(tma, 4, 128, 96, 64).forced_tokens == 1
+    assert resolve_config(SelConfig(tma=1, block_dv=64), 4, 128, 128, 64).forced_tokens == 1
+    assert resolve_config(tma, 4, 128, 128, 8).forced_tokens == 1
+    with pytest.raises(ValueError, match="forced_tokens must be a power of two"):
+        resolve_config(SelConfig(tma=1, forced_tokens=6), 4, 128, 128, 64)
+
+
 def test_resolve_config_refuses_tma_where_it_cannot_serve() -> None:
     from nsa_kernels.selected.launch import resolve_config, tma_available
 

@@ -294,6 +294,11 @@ def sel_fwd_kernel(
     STORE_SLC: then o_slc is stored too, at o's strides in slc [B, Tq, HQ, dv] (the backward of
     the gated sum reads it). CMP_RUNS: o_cmp comes as two runs of rows (cmp and cmp2, from row
     ``cmp_start``, the first ``cmp_rows`` long; :class:`GatedSum`).
+
+    HAS_INIT (the V_TMA launch after the forced-block prologue, :func:`forced_blocks`): idx holds
+    each row's blocks but its forced ones, and the walk starts from the prologue's softmax over
+    those: init_o [B, Tq, HQ, dv] (normalised, at o's strides) and init_lse [B, Tq, HQ] (at lse's
+    strides; -inf: nothing yet).
     """
     if (tl.load(finite_ptr) != 0) != V_TMA:
         return
@@ -392,9 +397,8 @@ def forward(
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
     # The forced blocks first, TB rows a program (nsa_kernels.selected.forced), where the
     # V_TMA launch walks the rest: there keys and values must both be finite.
-    prologue = (
-        v_tma and 1 < cfg.forced_tokens <= sel_block and hpp == info.group and info.group <= 16
-    )
+    # resolve_config left forced_tokens > 1 only where the prologue applies (V through TMA).
+    prologue = cfg.forced_tokens > 1
     finite, _ = finite_path_launches(v_tma, *((k, v) if prologue else (v,)))
     init_o, init_lse, rest = o, lse, idx
     if prologue:

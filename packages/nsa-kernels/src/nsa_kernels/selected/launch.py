@@ -83,8 +83,9 @@ class SelConfig(TileConfig):
             pointer loads.
         forced_tokens: query rows a program of the forward's forced-block prologue serves
             (:mod:`nsa_kernels.selected.forced`, where V comes through TMA, the group is whole
-            in a program and G <= 16): a power of two; 1: no prologue (default: FORCED_TOKENS
-            with TMA where G <= FORCED_MAX_GROUP, else 1).
+            in a program, G <= 16 and forced_tokens <= l'; :func:`resolve_config` gives 1
+            elsewhere): a power of two; 1: no prologue (default: FORCED_TOKENS where
+            G <= FORCED_MAX_GROUP, else 1).
         forced_warps: the prologue's launch (default 4).
     """
 
@@ -176,15 +177,21 @@ def resolve_config(
     small = shared_bytes is not None and shared_bytes < DKV_WIDE_ROWS_BYTES
     if dk_tile > 128 and dv_tile > 128 and dtype != torch.float32 and small:
         rows = DKV_WIDE_ROWS_SMALL
-    forced_tokens = cfg.forced_tokens or (
-        FORCED_TOKENS if tma == 1 and group <= FORCED_MAX_GROUP else 1
-    )
+    block_dv = min(cfg.block_dv or dv_tile, dv_tile)
+    # The prologue needs V through TMA (dv one power-of-two tile, values_fit_tma), the whole
+    # group in a program, G <= 16, and at most l' rows a program; elsewhere it is off.
+    prologue_fits = (
+        tma == 1 and block_dv == dv == dv_tile and heads == group <= 16
+    )  # fmt: skip
+    forced_tokens = cfg.forced_tokens or (FORCED_TOKENS if group <= FORCED_MAX_GROUP else 1)
+    if not prologue_fits or forced_tokens > sel_block:
+        forced_tokens = 1
     return replace(
         cfg,
         block_l=block_l,
         fwd_block_l=cfg.fwd_block_l or fwd_block_l,
         block_d=block_d,
-        block_dv=min(cfg.block_dv or dv_tile, dv_tile),
+        block_dv=block_dv,
         heads_per_prog=heads,
         fwd_warps=cfg.fwd_warps or fwd_warps,
         fwd_stages=cfg.fwd_stages or fwd_stages,
