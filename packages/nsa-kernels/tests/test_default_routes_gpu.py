@@ -182,3 +182,88 @@ def test_the_core_with_a_gradient_reads_the_compressed_runs_in_place(
         assert b is not None
         err = rel_err(a, b)
         assert err < BOUND[torch.bfloat16], f"d{name}: relative error {err:.2e}"
+
+
+def _count_local_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the sliding branch's calls that hand out the local softmax."""
+    from nsa_kernels.sliding import triton_function
+
+    calls: list[int] = []
+    with_local = triton_function.sliding_attention_triton_with_local
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return with_local(*args, **kwargs)
+
+    monkeypatch.setattr(triton_function, "sliding_attention_triton_with_local", counted)
+    return calls
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward+backward"])
+def test_the_core_from_the_local_softmax_matches_the_reference_in_float32(
+    monkeypatch: pytest.MonkeyPatch, grad: bool
+) -> None:
+    """The core on the default routes, k and v shared by the branches: the sliding branch hands
+    its local softmax to the selected one (counted), and o (and the gradients of q, k, v and
+    the gates) are the float64 reference's within the float32 bound (gradients twice it)."""
+    from kernel_testlib import BOUND, rel_err
+
+    import nsa_core
+    from nsa_core.config import NSAConfig
+
+    calls = _count_local_calls(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    t = 2048 + 7
+    q, k, v = (torch.randn(1, t, hq, 64, device="cuda", generator=gen) for hq in (16, 2, 2))
+    gates = torch.sigmoid(torch.randn(1, t, 16, 3, device="cuda", generator=gen))
+    do = torch.randn(1, t, 16, 64, device="cuda", generator=gen)
+    config = NSAConfig(num_q_heads=16, num_kv_heads=2, head_dim_qk=64, head_dim_v=64)
+    inputs = (q, k, v, gates)
+    leaves = [x.clone().requires_grad_(grad) for x in inputs]
+    ref_leaves = [x.double().cpu().requires_grad_(grad) for x in inputs]
+    with torch.set_grad_enabled(grad):
+        out = nsa_core.nsa_attention(*leaves, config)
+        ref = nsa_core.nsa_attention(*ref_leaves, config)
+    assert calls == [1]
+    assert rel_err(out, ref) < BOUND[torch.float32]
+    if grad:
+        out.backward(do)
+        ref.backward(do.double().cpu())
+        for name, a, b in zip("qkvg", leaves, ref_leaves, strict=True):
+            assert a.grad is not None
+            assert b.grad is not None
+            err = rel_err(a.grad, b.grad)
+            assert err < 2 * BOUND[torch.float32], f"d{name}: relative error {err:.2e}"
+
+
+def test_the_core_at_16k_in_bfloat16_is_the_same_with_and_without_the_local_softmax(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The paper's shapes at 16k in bfloat16: the core whose branches share k and v (local
+    softmax on) against the same values given as separate tensors per branch (off), within the
+    spec's bfloat16 bound; the index rows are the same (they come before either branch)."""
+    from kernel_testlib import BOUND, rel_err
+
+    import nsa_core
+    from nsa_core.config import NSAConfig
+
+    calls = _count_local_calls(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    t = 16384 + 5
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    q, k, v = draw(1, t, 64, 128), draw(1, t, 4, 128), draw(1, t, 4, 128)
+    gates = torch.sigmoid(draw(1, t, 64, 3))
+    config = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
+    with torch.no_grad():
+        shared = nsa_core.nsa_attention(q, k, v, gates, config)
+        assert calls == [1]
+        apart = nsa_core.nsa_attention(
+            q, {"cmp": k, "slc": k.clone(), "win": k}, {"cmp": v, "slc": v.clone(), "win": v},
+            gates, config,
+        )  # fmt: skip
+    assert calls == [1]
+    err = rel_err(shared, apart)
+    assert err < BOUND[torch.bfloat16], f"relative error {err:.2e}"

@@ -22,6 +22,7 @@ from nsa_core.checks import (
     shape,
 )
 from nsa_core.config import NSAConfig
+from nsa_core.local_softmax import holds_local_keys
 from nsa_core.reads import expected_reads
 from nsa_core.reference.compress import CompressMLP, compress
 from nsa_core.reference.compressed_attention import cmp_visible
@@ -147,10 +148,20 @@ def gated_output(
     cmp_runs, indices = _compressed_and_indices(
         config, q_cmp, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens, runs=True
     )
-    o_win = _sliding(config, q_win, k_win, v_win, q_start, win_start, cu_seqlens)
+    local = None
+    if _local_softmax_serves(
+        config, q_slc, k_slc, v_slc, k_win, v_win, indices, cmp_runs, gates, q_start, win_start,
+        cu_seqlens,
+    ):  # fmt: skip
+        o_win, local = ops.sliding_attention_with_local(
+            q_win, k_win, v_win, config.window, config.sel_block, scale, q_start=q_start,
+            cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+    else:
+        o_win = _sliding(config, q_win, k_win, v_win, q_start, win_start, cu_seqlens)
     o = ops.selected_attention_gated(
         q_slc, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=cmp_runs, o_win=o_win,
-        gates=gates, q_start=q_start, cu_seqlens=cu_seqlens,
+        gates=gates, q_start=q_start, cu_seqlens=cu_seqlens, local=local,
     )  # fmt: skip
     if o is not None:
         return o
@@ -160,6 +171,37 @@ def gated_output(
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
     return ops.gated_combine(o_cmp, o_slc, o_win, gates)
+
+
+def _local_softmax_serves(
+    config: NSAConfig,
+    q_slc: torch.Tensor,
+    k_slc: torch.Tensor,
+    v_slc: torch.Tensor,
+    k_win: torch.Tensor,
+    v_win: torch.Tensor,
+    indices: torch.Tensor,
+    cmp_runs: torch.Tensor | RowRuns,
+    gates: torch.Tensor,
+    q_start: int,
+    win_start: int | None,
+    cu_seqlens: torch.Tensor | None,
+) -> bool:
+    """Whether the sliding branch should hand the selected one its local softmax
+    (:mod:`nsa_core.local_softmax`): the two branches share their keys and values and their
+    positions, the window holds every row's blocks jt - 1 and jt (NSAConfig's n >= 3 puts
+    those blocks in every index row: forced, docs/spec.md), and the selected backend's one-step
+    gated sum starts from such a softmax."""
+    shared = k_slc is k_win and v_slc is v_win and (win_start is None or win_start == q_start)
+    if not shared:
+        return False
+    if not holds_local_keys(config.window, config.sel_block, k_win.shape[1]):
+        return False
+    win_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_slc, k_win, v_win))
+    return ops.selected_takes_local(
+        q_slc, k_slc, v_slc, indices, config.sel_block, config.softmax_scale, o_cmp=cmp_runs,
+        gates=gates, win_grad=win_grad, q_start=q_start, cu_seqlens=cu_seqlens,
+    )  # fmt: skip
 
 
 def _compressed_and_indices(

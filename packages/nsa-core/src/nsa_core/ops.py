@@ -13,6 +13,7 @@ name (with its own checks) everywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -28,6 +29,7 @@ from nsa_core.checks import (
     check_selected_attention,
     check_sliding_attention,
 )
+from nsa_core.local_softmax import LocalSoftmax, holds_local_keys
 from nsa_core.op_context import OpContext, op_context
 from nsa_core.registry import (
     resolve,
@@ -54,6 +56,7 @@ __all__ = [
     "selected_attention",
     "selected_attention_gated",
     "sliding_attention",
+    "sliding_attention_with_local",
 ]
 
 _ROUTED = """
@@ -193,6 +196,7 @@ def selected_attention_gated(
     gates: torch.Tensor,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
+    local: LocalSoftmax | None = None,
 ) -> torch.Tensor | None:
     """``gated_combine(o_cmp, selected_attention(...), o_win, gates)`` in one step, or None.
 
@@ -206,6 +210,12 @@ def selected_attention_gated(
     o_cmp may come as a :class:`~nsa_core.row_runs.RowRuns`
     (:func:`compressed_attention_runs_with_lse`): read in place where the backend takes runs
     (``gated_runs``; with a gradient, each run gets its own), else assembled first.
+
+    ``local``: each row's softmax over its local keys, from
+    :func:`sliding_attention_with_local` over these same k and v (l' = ``sel_block``); every
+    index row must hold its blocks ``max(jt - 1, 0) .. jt`` (``select_blocks``'s forced blocks,
+    n >= 3). A backend with ``gated_local`` starts from it (:func:`selected_takes_local`
+    asks first); the result is the same up to rounding.
     """
     combine_ctx = check_gated_combine_runs(o_cmp, o_win, gates)
     ctx = check_selected_attention(
@@ -217,11 +227,91 @@ def selected_attention_gated(
         return None
     if isinstance(o_cmp, RowRuns) and not gated.gated_runs:
         o_cmp = o_cmp.assemble()
+    extra: dict[str, Any] = {}
+    if gated.gated_local and local is not None:
+        if local.sel_block != sel_block or tuple(local.o.shape) != tuple(o_win.shape):
+            raise ValueError(
+                f"local softmax {list(local.o.shape)} of l'={local.sel_block} for a call of "
+                f"{list(o_win.shape)}, l'={sel_block}"
+            )
+        extra["local"] = local
     o: torch.Tensor = gated.fn_gated(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
-        q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles,
+        q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles, **extra,
     )  # fmt: skip
     return o
+
+
+def selected_takes_local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: int,
+    scale: float | None = None,
+    *,
+    o_cmp: torch.Tensor | RowRuns,
+    gates: torch.Tensor,
+    win_grad: bool,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> bool:
+    """Whether :func:`selected_attention_gated` of these arguments would start from a
+    :class:`~nsa_core.local_softmax.LocalSoftmax`: its backend runs the one-step gated sum and
+    has ``gated_local``. Asked before the sliding branch runs, so that it computes the local
+    softmax only for a consumer; ``win_grad``: o_win will need a gradient.
+    """
+    dv = v.shape[-1]
+    # o_win does not exist yet: a stand-in of its shape, dtype and device (no storage).
+    stand_in = gates.new_zeros(()).expand(*gates.shape[:3], dv)
+    combine_ctx = check_gated_combine_runs(o_cmp, stand_in, gates)
+    combine_ctx = dataclasses.replace(
+        combine_ctx, requires_grad=combine_ctx.requires_grad or win_grad
+    )
+    ctx = check_selected_attention(
+        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    gated = resolve_gated(ctx, combine_ctx, get_toggles())
+    return gated is not None and gated.gated_local
+
+
+def sliding_attention_with_local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    sel_block: int,
+    scale: float | None = None,
+    *,
+    q_start: int = 0,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LocalSoftmax | None]:
+    """:func:`sliding_attention` and, where its backend has a ``fn_with_local``, each row's
+    softmax over its local keys ``[max(t // l' - 1, 0) * l', t]`` (l' = ``sel_block``).
+
+    Arguments as :func:`sliding_attention`, and sel_block: l'. The window must hold the local
+    keys (w >= 2 l', or no shorter than the keys).
+
+    Returns:
+        o_win [B, Tq, HQ, dv], what :func:`sliding_attention` returns (up to rounding: the
+        backend sums the local keys first), and the local softmax, or None where the chosen
+        backend has no ``fn_with_local`` (or a debug hook is on: the hooks observe ``fn``).
+    """
+    ctx = check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    if not holds_local_keys(window, sel_block, k.shape[1]):
+        raise ValueError(
+            f"window={window} < 2 * sel_block={2 * sel_block}: the window does not hold every "
+            "row's local blocks"
+        )
+    toggles = get_toggles()
+    args = (q, k, v, window, scale)
+    kwargs = {"q_start": q_start, "cu_seqlens": cu_seqlens, "toggles": toggles}
+    backend = resolve("sliding_attention", ctx, toggles).backend
+    if toggles.debug_hooks or backend.fn_with_local is None:
+        o: torch.Tensor = resolve_fn("sliding_attention", ctx, toggles)(*args, **kwargs)
+        return o, None
+    o, local = backend.fn_with_local(*args, sel_block=sel_block, **kwargs)
+    return o, local
 
 
 class _FanOut(torch.autograd.Function):

@@ -80,6 +80,15 @@ class Backend:
     takes o_cmp as a :class:`nsa_core.row_runs.RowRuns` as well, with a gradient too (then
     differentiable in each run).
 
+    ``fn_with_local`` (``sliding_attention`` only, optional) takes the same arguments plus
+    ``sel_block`` (l', keyword) and returns ``(o, local)``: the output ``fn`` gives, and each
+    row's softmax over its local keys ``[max(t // l' - 1, 0) * l', t]`` as a
+    :class:`nsa_core.local_softmax.LocalSoftmax` (the window must hold them: w >= 2 l').
+    ``gated_local`` (``selected_attention`` only): ``fn_gated`` takes the keyword ``local``
+    (None or such a softmax over the same keys and values, where every index row holds its
+    blocks ``max(jt - 1, 0) .. jt``) and starts from it; the output is ``fn_gated``'s without it,
+    up to rounding.
+
     ``fn_sum3`` (``gated_combine`` only, optional) takes three tensors of one shape and dtype
     and the keyword ``toggles`` and returns ``a + b + c`` (float32 sums, one rounding, a new
     tensor): the combine sums the three branches forward, and its backend sums their three
@@ -100,6 +109,8 @@ class Backend:
     # Added after the fields above, so that a backend built with them in order keeps its meaning.
     gated_runs: bool = False
     fn_runs_with_lse: Callable[..., Any] | None = None
+    fn_with_local: Callable[..., Any] | None = None
+    gated_local: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,23 +26,29 @@ from kernel_testlib import (
     rel_err,
 )
 
+from nsa_core.local_softmax import local_softmax_reference
 from nsa_core.reference import sliding_attention
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
 
 from nsa_kernels.compressed.triton_function import CmpConfig  # noqa: E402
-from nsa_kernels.sliding.triton_function import sliding_attention_triton  # noqa: E402
+from nsa_kernels.sliding.triton_function import (  # noqa: E402
+    sliding_attention_triton,
+    sliding_attention_triton_with_local,
+)
 
 SMALL, SPLIT = CMP_SMALL_TILES, CMP_SPLIT_TILES
 
 
 @dataclass
 class Case(KernelCase):
-    """One sliding call over ``q_start + tq`` keys with a window of ``window`` keys."""
+    """One sliding call over ``q_start + tq`` keys with a window of ``window`` keys (and, for
+    the local softmax, selection blocks of ``sel_block`` tokens)."""
 
     window: int = 8
     dv: int = 16
+    sel_block: int = 4
 
 
 CASES = [
@@ -109,6 +115,72 @@ def test_forward_and_gradients_match_reference(case: Case, request: pytest.Fixtu
     assert o.shape == ref.shape
     assert rel_err(o, ref) < BOUND[torch.float32]
     assert_grads_close(leaves, ref_leaves, 2 * BOUND[torch.float32])
+
+
+# The local softmax (cmp_fwd_kernel's LOCAL): w >= 2 l' or a window over all keys.
+LOCAL_CASES = [
+    # G = 1: a 16-row tile is 16 tokens over two 8-token blocks, so its rows' local keys start
+    # at two places; batch 2.
+    Case("g1_tile_over_two_blocks", window=20, sel_block=8, tq=83, batch=2, h=2, config=SMALL),
+    # G = 3 (padding rows), l' = 4 < a 16-key tile; dk != dv.
+    Case("g3", window=16, sel_block=4, tq=45, h=2, group=3, dk=32, config=SPLIT),
+    # G = 16: one token per tile; w = 2 l' exactly, and l' = a key tile.
+    Case("g16_w_is_2_sel", window=32, sel_block=16, tq=70, group=16, config=SPLIT),
+    # Queries start late, off the block grid.
+    Case("q_start", window=24, sel_block=8, tq=30, q_start=37, h=2, group=2, config=SPLIT),
+    # Packed: a length-1 sequence, an empty one, one shorter than a block.
+    Case("varlen", window=12, sel_block=4, tq=88, seqlens=[1, 40, 0, 3, 37, 7], group=2,
+         dk=32, config=SPLIT),
+    # A window over all keys (w < 2 l' then bounds nothing): the unwindowed kernels.
+    Case("window_covers_all", window=64, sel_block=48, tq=50, group=2, config=SMALL),
+    # The default tiles, l' = 64 as in the paper, G = 4.
+    Case("default_tiles", window=160, sel_block=64, tq=230, group=4, dk=32, dv=32),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", LOCAL_CASES, ids=[c.name for c in LOCAL_CASES])
+def test_local_softmax_and_window_match_reference(
+    case: Case, request: pytest.FixtureRequest
+) -> None:
+    """The sliding call that also hands out each row's softmax over its local keys
+    ``[max(t // l' - 1, 0) l', t]``: o and its gradients as the reference's sliding attention,
+    the local o and lse as the float64 definition, all within the float32 bound."""
+    gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    q, k, v, cu = inputs(case, gen)
+    do = torch.randn(case.batch, case.tq, case.hq, case.dv, generator=gen).to(q.device)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, local = sliding_attention_triton_with_local(
+        *leaves, case.window, sel_block=case.sel_block, q_start=case.q_start, cu_seqlens=cu,
+        config=CmpConfig(**case.config),
+    )  # fmt: skip
+    torch.autograd.backward(o, do)
+    cu_cpu = None if cu is None else cu.cpu()
+    ref_leaves = [t.double().cpu().requires_grad_() for t in (q, k, v)]
+    ref = sliding_attention(*ref_leaves, case.window, q_start=case.q_start, cu_seqlens=cu_cpu)
+    torch.autograd.backward(ref, do.double().cpu())
+    want = local_softmax_reference(
+        *(t.detach() for t in ref_leaves), case.sel_block, q_start=case.q_start,
+        cu_seqlens=cu_cpu,
+    )  # fmt: skip
+
+    assert rel_err(o, ref) < BOUND[torch.float32]
+    assert_grads_close(leaves, ref_leaves, 2 * BOUND[torch.float32])
+    assert local.sel_block == case.sel_block
+    assert local.o.dtype == q.dtype
+    assert local.lse.dtype == torch.float32
+    assert not local.o.requires_grad
+    assert rel_err(local.o, want.o) < BOUND[torch.float32]
+    # Every row sees its own key: the lse is finite everywhere.
+    assert torch.isfinite(local.lse).all()
+    assert (local.lse.double().cpu() - want.lse).abs().max().item() < BOUND[torch.float32]
+
+
+def test_local_softmax_needs_a_window_that_holds_the_local_blocks() -> None:
+    assert DEVICE is not None
+    q = torch.zeros(1, 40, 2, 16, device=DEVICE)
+    kv = torch.zeros(1, 40, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="does not hold every row's local blocks"):
+        sliding_attention_triton_with_local(q, kv, kv, 15, sel_block=8)
 
 
 def test_backward_is_bitwise_reproducible(request: pytest.FixtureRequest) -> None:

@@ -264,6 +264,9 @@ class _Launch:
     # The sliding branch runs these kernels with l = d = 1 (blocks are tokens) and a window of
     # the last ``window`` keys; 0: no window (the compressed branch).
     window: int = 0
+    # The sliding branch's local softmax for the selected branch (cmp_fwd_kernel's LOCAL): l';
+    # 0: none.
+    local_block: int = 0
 
     @classmethod
     def of_call(
@@ -279,6 +282,7 @@ class _Launch:
         cmp_stride: int,
         cmp_cu: torch.Tensor | None,
         window: int = 0,
+        local_block: int = 0,
     ) -> _Launch:
         """The facts of a validated call: q [B, Tq, HQ, dk], k [B, N, H, dk], v [B, N, H, dv]
         (N blocks, or tokens for the sliding branch)."""
@@ -287,7 +291,7 @@ class _Launch:
             batch=batch, tq=tq, hq=hq, h=k.shape[2], dk=dk, dv=v.shape[3],
             num_blocks=k.shape[1], cmp_block=cmp_block, cmp_stride=cmp_stride, q_start=q_start,
             scale=dk**-0.5 if scale is None else float(scale), cu_seqlens=cu_seqlens,
-            cmp_cu=cmp_cu, window=window,
+            cmp_cu=cmp_cu, window=window, local_block=local_block,
         )  # fmt: skip
 
     @property
@@ -391,18 +395,30 @@ def _fwd(
     *,
     into: tuple[torch.Tensor, torch.Tensor] | None = None,
     unless_finite: torch.Tensor | None = None,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of the forward kernel, written into ``into`` when given.
+
+    ``local`` (with ``info.local_block``, the sliding branch): (o_loc [B, Tq, HQ, dv], lse_loc
+    [B, Tq, HQ]) at o's and lse's strides, receive each row's softmax over its local keys
+    (cmp_fwd_kernel's LOCAL).
 
     ``unless_finite``: an :func:`all_finite_flag`; launch the containing path alone, gated on
     it, so that its programs work only where the flagged tensors hold a non-finite value and
     otherwise leave ``into`` as it is (no host sync either way).
     """
     o, lse = into or forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
+    if (local is None) != (info.local_block == 0):
+        raise ValueError("the local softmax's buffers come with info.local_block, and only then")
     if info.tq == 0:
         return o, lse
     if info.num_blocks == 0:
+        if local is not None:
+            no_visible_keys(*local)
         return no_visible_keys(o, lse)
+    loc_o, loc_lse = local or (o, lse)
+    if loc_o.stride() != o.stride() or loc_lse.stride() != lse.stride():
+        raise ValueError("the local softmax's buffers take o's and lse's strides")
     layout = row_tiles(info.group, cfg.block_m)
     tiles, num_tiles = _query_tiles(info, layout.tokens, q.device)
     cu, cmp_cu = _varlen_args(info, q.device)
@@ -416,7 +432,7 @@ def _fwd(
         finite, finite_paths = finite_path_launches(True, v)
     for finite_path in finite_paths:
         cmp_fwd_kernel[grid](
-            q, k, v, o, lse, finite, tiles, cu, cmp_cu,
+            q, k, v, o, lse, loc_o, loc_lse, finite, tiles, cu, cmp_cu,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -428,6 +444,7 @@ def _fwd(
             LBLK=info.cmp_block, DSTR=info.cmp_stride, BN=cfg.block_n,
             VARLEN=info.cu_seqlens is not None, WINDOWED=info.windowed, CONTAIN=not finite_path,
             DOT_PREC=dot_precision(q.dtype),
+            LOCAL=local is not None, SEL=max(info.local_block, 1),
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse
@@ -626,9 +643,10 @@ class CompressedAttentionFunction(torch.autograd.Function):
         v: torch.Tensor,
         info: _Launch,
         cfg: CmpConfig,
+        local: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        o, lse = _fwd(q, k, v, info, cfg)
+        o, lse = _fwd(q, k, v, info, cfg, local=local)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.info = info
         ctx.cfg = cfg
@@ -642,20 +660,22 @@ class CompressedAttentionFunction(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _bwd(do, q, k, v, o, lse, ctx.info, ctx.cfg)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def attend_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: _Launch, cfg: CmpConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, info: _Launch, cfg: CmpConfig,
+    local: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(o, lse) through :class:`CompressedAttentionFunction` where a gradient is wanted, else
-    the forward kernel alone. q [B, Tq, HQ, dk], k [B, N, H, dk], v [B, N, H, dv]."""
+    the forward kernel alone. q [B, Tq, HQ, dk], k [B, N, H, dk], v [B, N, H, dv]; ``local``
+    as :func:`_fwd` takes it (written, no gradient)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = CompressedAttentionFunction.apply(q, k, v, info, cfg)  # type: ignore[no-untyped-call]
+        o, lse = CompressedAttentionFunction.apply(q, k, v, info, cfg, local)  # type: ignore[no-untyped-call]
         assert isinstance(o, torch.Tensor)
         assert isinstance(lse, torch.Tensor)
         return o, lse
-    return _fwd(q.contiguous(), k.contiguous(), v.contiguous(), info, cfg)
+    return _fwd(q.contiguous(), k.contiguous(), v.contiguous(), info, cfg, local=local)
 
 
 def compressed_attention_triton_with_lse(

@@ -24,7 +24,9 @@ from nsa_kernels.common.key_rows import load_key_rows
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.compressed.triton_tiles import (
     key_stretch,
+    local_start,
     query_tile,
+    stretch_bounds,
     visible_blocks,
     window_start,
 )
@@ -190,6 +192,8 @@ def cmp_fwd_kernel(
     v_ptr,
     o_ptr,
     lse_ptr,
+    loc_o_ptr,
+    loc_lse_ptr,
     finite_ptr,
     tiles_ptr,
     cu_ptr,
@@ -230,6 +234,8 @@ def cmp_fwd_kernel(
     WINDOWED: tl.constexpr,
     CONTAIN: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    LOCAL: tl.constexpr = False,
+    SEL: tl.constexpr = 1,
 ):
     """o [BM, DV] and lse [BM] of one query tile of one kv head (head chunk).
 
@@ -243,6 +249,14 @@ def cmp_fwd_kernel(
     (a second accumulator and V in registers) took the kernel to 255 registers and spills on
     sm_90, against 242 and none without it (128 x 64 tiles, dk = 128; ci/compile_triton.py
     --resources).
+
+    LOCAL (the sliding branch, l = d = 1, with w >= 2 SEL or no window): each row walks its
+    local keys ``[max(jt - 1, 0) * SEL, t]`` (jt = t // SEL, SEL = l') first and stores that
+    softmax, normalised, as loc_o and loc_lse (at o's and lse's strides), then the rest of its
+    window on the same running state. The selected branch always attends to those keys (its
+    forced blocks jt - 1 and jt) and starts its own walk from that state
+    (:func:`nsa_kernels.selected.forward.forward`'s ``local``): their tiles are loaded once per
+    query tile here instead of once per row there.
     """
     if (tl.load(finite_ptr) != 0) == CONTAIN:
         return
@@ -260,17 +274,75 @@ def cmp_fwd_kernel(
     m_i = tl.full([BM], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BV], dtype=tl.float32)
+    if LOCAL:
+        # With l = d = 1 a row's visible prefix ends at its position: t = nvis - 1. Its local
+        # keys [lb, t] first, from below and above masked per row (an empty tile reads
+        # t_last = -1: every range below is empty).
+        lb = local_start(nvis - 1, SEL)
+        t_last = n_hi - 1
+        t_first = tl.min(tl.where(row_ok, nvis - 1, t_last), axis=0)
+        lb_first = local_start(t_first, SEL)
+        lb_last = local_start(t_last, SEL)
+        # A few tiles (two at l' = BN), all masked: one loop costs fewer registers than the
+        # three stretches (the sliding forward at 64k, G = 16 on an H100: 4.06 against
+        # 4.27 ms, against 3.67 without the local softmax).
+        for n0 in range((lb_first // BN) * BN, n_hi, BN):
+            m_i, l_i, acc = _fwd_key_tile(
+                q, k_head, v_head, kbase + n0, n0, n_hi, nvis, lb, m_i, l_i, acc,
+                stride_kt, stride_vt, qk_scale, DK, BK, DV, BV, BN, True, CONTAIN, True, DOT_PREC,
+            )  # fmt: skip
+        _store_rows(
+            loc_o_ptr, loc_lse_ptr, b, rows, heads, row_ok, m_i, l_i, acc,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, BV,
+        )  # fmt: skip
+        # Then the rest of the window, [nlo, lb), on the same running softmax.
+        ws_last = tl.max(tl.where(row_ok, nlo, 0), axis=0)
+        b_start, b_open, b_full, b_hi = stretch_bounds(n_start, ws_last, lb_first, lb_last, BN)
+        m_i, l_i, acc = _fwd_walk(
+            q, k_head, v_head, kbase, b_start, b_open, b_full, b_hi, lb, nlo, m_i, l_i, acc,
+            stride_kt, stride_vt, qk_scale, DK, BK, DV, BV, BN, CONTAIN, WINDOWED, DOT_PREC,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = _fwd_walk(
+            q, k_head, v_head, kbase, n_start, n_open, n_full, n_hi, nvis, nlo, m_i, l_i, acc,
+            stride_kt, stride_vt, qk_scale, DK, BK, DV, BV, BN, CONTAIN, WINDOWED, DOT_PREC,
+        )  # fmt: skip
+    _store_rows(
+        o_ptr, lse_ptr, b, rows, heads, row_ok, m_i, l_i, acc,
+        stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, BV,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fwd_walk(
+    q, k_head, v_head, kbase, n_start, n_open, n_full, n_hi, upper, lower, m_i, l_i, acc,
+    stride_kt, stride_vt, qk_scale,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    CONTAIN: tl.constexpr, FROM_BELOW: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    """The online softmax (m_i, l_i, acc) carried over each row's keys ``[lower, upper)``
+    [BM] in the three stretches of :func:`nsa_kernels.compressed.triton_tiles.key_stretch`;
+    FROM_BELOW: ``lower`` bounds the rows (else it is 0 and stretch 0 is empty)."""
     for stretch in tl.static_range(3):
-        if WINDOWED or stretch > 0:
+        if FROM_BELOW or stretch > 0:
             lo, hi = key_stretch(stretch, n_start, n_open, n_full, n_hi)
             for n0 in range(lo, hi, BN):
                 m_i, l_i, acc = _fwd_key_tile(
-                    q, k_head, v_head, kbase + n0, n0, n_hi, nvis, nlo, m_i, l_i, acc,
+                    q, k_head, v_head, kbase + n0, n0, n_hi, upper, lower, m_i, l_i, acc,
                     stride_kt, stride_vt, qk_scale,
-                    DK, BK, DV, BV, BN, stretch != 1, CONTAIN and stretch != 1, WINDOWED,
+                    DK, BK, DV, BV, BN, stretch != 1, CONTAIN and stretch != 1, FROM_BELOW,
                     DOT_PREC,
                 )  # fmt: skip
+    return m_i, l_i, acc
 
+
+@triton.jit
+def _store_rows(
+    o_ptr, lse_ptr, b, rows, heads, row_ok, m_i, l_i, acc,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """o = acc / l and lse = m + log2 l (natural log) of the tile's rows: 0 and -inf where a
+    row saw nothing."""
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
     # One reciprocal a row, then products: an IEEE division per element costs several times

@@ -65,6 +65,25 @@ def key_stretch(STRETCH: tl.constexpr, n_start, n_open, n_full, n_hi):
 
 
 @triton.jit
+def stretch_bounds(lo_first, lo_last, hi_first, hi_last, BN: tl.constexpr):
+    """(n_start, n_open, n_full, n_hi) of a walk over the keys ``[lo, hi)`` of each row of a
+    query tile, where lo and hi grow with the row's token (first and last token given), for
+    :func:`key_stretch`: the tiles from n_open to n_full lie inside every row's interval."""
+    n_start = (lo_first // BN) * BN
+    n_full = (hi_first // BN) * BN
+    n_open = tl.minimum(tl.maximum(tl.cdiv(lo_last, BN) * BN, n_start), n_full)
+    return n_start, n_open, n_full, hi_last
+
+
+@triton.jit
+def local_start(pos, SEL: tl.constexpr):
+    """The first key of a query at ``pos``'s local blocks ``{jt - 1, jt}`` (jt = pos // l'):
+    ``max(jt - 1, 0) * l'``, the keys the selected branch always attends to (docs/spec.md,
+    "Forced blocks") and that a window of w >= 2 l' holds as well."""
+    return tl.maximum(pos // SEL - 1, 0) * SEL
+
+
+@triton.jit
 def varlen_entry(tiles_ptr, cu_ptr, cmp_cu_ptr, i):
     """(seq, offset, first, end, kbase) of entry ``i`` of a varlen tile table (int32 pairs
     ``(sequence, offset)``, sequence -1 for padding; read from sequence 0 then).

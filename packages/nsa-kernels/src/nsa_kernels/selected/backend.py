@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from nsa_core.debug_log import debug_log
+from nsa_core.local_softmax import LocalSoftmax
 from nsa_core.registry import Backend, OpContext
 from nsa_core.row_runs import RowRuns
 from nsa_core.toggles import Toggles, get_toggles, legacy_sel_tiles
@@ -204,18 +205,20 @@ def selected_attention_gated_backend(
     q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
     scale: float | None = None, *, o_cmp: Tensor | RowRuns, o_win: Tensor, gates: Tensor,
     q_start: int = 0, cu_seqlens: Tensor | None = None, toggles: Toggles | None = None,
+    local: LocalSoftmax | None = None,
 ) -> Tensor:  # fmt: skip
     """The registered ``fn_gated``: :func:`selected_attention_gated_triton` with the routing's
     toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp (a tensor or a
     :class:`~nsa_core.row_runs.RowRuns`) and o_win [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] ->
-    o [B, Tq, HQ, dv], differentiable in all six."""
+    o [B, Tq, HQ, dv], differentiable in all six; ``local`` (``gated_local``): the sliding
+    branch's softmax over each row's local keys, the walk's start."""
     from nsa_kernels.selected.function import selected_attention_gated_triton
 
     _log_device(q.device)
     return selected_attention_gated_triton(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
         q_start=q_start, cu_seqlens=cu_seqlens, config=_legacy_config(),
-        toggles=get_toggles() if toggles is None else toggles,
+        toggles=get_toggles() if toggles is None else toggles, local=local,
     )  # fmt: skip
 
 
@@ -236,5 +239,6 @@ def backends() -> list[Backend]:
             fn_gated=selected_attention_gated_backend,
             gated_grad=True,
             gated_runs=True,
+            gated_local=True,
         )
     ]

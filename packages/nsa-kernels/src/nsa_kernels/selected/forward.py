@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_core.local_softmax import LocalSoftmax
 from nsa_core.row_runs import RowRuns, as_tensor
 from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
@@ -40,6 +41,7 @@ from nsa_kernels.selected.row_walk import (
     LOG2E_CONST,
     query_row,
     selected_tile,
+    walk_before_local,
     walk_steps,
 )
 
@@ -128,7 +130,7 @@ def _sel_fwd_rows(
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
-    CMP_RUNS: tl.constexpr, HAS_INIT: tl.constexpr,
+    CMP_RUNS: tl.constexpr, HAS_INIT: tl.constexpr, LOCAL: tl.constexpr,
 ):  # fmt: skip
     """The body of :func:`sel_fwd_kernel` for the rows of row block ``blk``."""
     pid_v = tl.program_id(2)
@@ -155,9 +157,10 @@ def _sel_fwd_rows(
         m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BG], dtype=tl.float32)
         acc = tl.zeros([BG, BV], dtype=tl.float32)
-        if HAS_INIT:
-            # The prologue's softmax over the row's forced blocks (nsa_kernels.selected.forced)
-            # as a running state: m = its lse (base 2), l = 1, acc = its normalised output.
+        if HAS_INIT or LOCAL:
+            # The prologue's softmax over the row's forced blocks (nsa_kernels.selected.forced),
+            # or the sliding branch's over its local keys (LOCAL), as a running state:
+            # m = its lse (base 2), l = 1, acc = its normalised output.
             lse0 = tl.load(init_lse_ptr + b * stride_lb + r * stride_lt + heads, mask=g_mask,
                            other=float("-inf"))  # fmt: skip
             some = lse0 != float("-inf")
@@ -168,8 +171,12 @@ def _sel_fwd_rows(
                 + offs_v[None, :],
                 mask=(g_mask & some)[:, None] & v_mask[None, :], other=0.0,
             ).to(tl.float32)  # fmt: skip
-        # Tiles that hold no key the row sees end the walk: left out (walk_steps).
-        for it in range(walk_steps(idx_row, nsel, t, SEL=SEL, BL=BL, NSUB=NSUB, NP=NP)):
+        if LOCAL:
+            steps, held = walk_before_local(idx_row, nsel, t, SEL=SEL, NSUB=NSUB, NP=NP)
+        else:
+            # Tiles that hold no key the row sees end the walk: left out (walk_steps).
+            steps = walk_steps(idx_row, nsel, t, SEL=SEL, BL=BL, NSUB=NSUB, NP=NP)
+        for it in range(steps):
             pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
             kv_row = (b * tk + tok0 + first).to(tl.int32)
@@ -216,6 +223,10 @@ def _sel_fwd_rows(
         # A row that sees no token keeps l == 0: its output is 0 and its lse is -inf.
         seen = l_i > 0.0
         o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        if LOCAL:
+            # The local softmax stands for blocks the row must hold (its forced ones); a row
+            # without them has no right output here: NaN says so rather than a wrong number.
+            o = tl.where(held, o, float("nan"))
         o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         if GATED:
             if STORE_SLC:
@@ -240,6 +251,8 @@ def _sel_fwd_rows(
             lse = tl.where(
                 seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2_CONST, float("-inf")
             )
+            if LOCAL:
+                lse = tl.where(held, lse, float("nan"))
             tl.store(lse_ptr + b * stride_lb + r * stride_lt + heads, lse, mask=g_mask)
 
 
@@ -264,7 +277,7 @@ def sel_fwd_kernel(
     RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
     CMP_RUNS: tl.constexpr, HAS_INIT: tl.constexpr,
-    STRIDED: tl.constexpr,
+    STRIDED: tl.constexpr, LOCAL: tl.constexpr = False,
 ):  # fmt: skip
     """o [BG, BV] and lse [BG] of one query row for HPP heads of one kv head's group.
 
@@ -315,7 +328,7 @@ def sel_fwd_kernel(
                 stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
                 stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP,
                 BG, DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA,
-                V_TMA, GATED, STORE_SLC, CMP_RUNS, HAS_INIT,
+                V_TMA, GATED, STORE_SLC, CMP_RUNS, HAS_INIT, LOCAL,
             )  # fmt: skip
     else:
         _sel_fwd_rows(
@@ -328,7 +341,7 @@ def sel_fwd_kernel(
             stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
             stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP, BG,
             DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA, V_TMA,
-            GATED, STORE_SLC, CMP_RUNS, HAS_INIT,
+            GATED, STORE_SLC, CMP_RUNS, HAS_INIT, LOCAL,
         )  # fmt: skip
 
 
@@ -357,7 +370,7 @@ class GatedSum:
 
 def forward(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch, gated: GatedSum | None = None,
-    slc_out: Tensor | None = None,
+    slc_out: Tensor | None = None, local: LocalSoftmax | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log, -inf on rows that
     see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32.
@@ -365,11 +378,17 @@ def forward(
     ``gated``: o is the gated sum of the three branches instead (see sel_fwd_kernel's GATED);
     lse stays the selected branch's own. ``slc_out`` (with ``gated``): a contiguous
     [B, Tq, HQ, dv] tensor of q's dtype that receives the selected branch's own output as well.
+    ``local``: each row's softmax over its local blocks ``max(jt - 1, 0) .. jt`` (the sliding
+    branch's, over the same keys and values, l' = info.sel_block); every row's index set holds
+    those blocks (its forced ones), and the walk starts from that softmax and covers the blocks
+    below them (sel_fwd_kernel's LOCAL). The forced-block prologue then stays off.
     """
     if slc_out is not None and (gated is None or not slc_out.is_contiguous()):
         raise ValueError("slc_out takes a contiguous tensor, and only beside a gated sum")
     sel_block, cfg = info.sel_block, info.cfg
     o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
+    if local is not None:
+        check_local(local, o, lse, sel_block)
     if info.rows == 0:
         return o, lse
     if info.n == 0:
@@ -398,11 +417,13 @@ def forward(
     # The forced blocks first, TB rows a program (nsa_kernels.selected.forced), where the
     # V_TMA launch walks the rest: there keys and values must both be finite.
     # resolve_config left forced_tokens > 1 only where the prologue applies (V through TMA).
-    prologue = cfg.forced_tokens > 1
+    prologue = cfg.forced_tokens > 1 and local is None
     finite, _ = finite_path_launches(v_tma, *((k, v) if prologue else (v,)))
     init_o, init_lse, rest = o, lse, idx
     if prologue:
         init_o, init_lse, rest = forced_blocks(q, k, v, idx, info, seq_ids, cu, finite)
+    if local is not None:
+        init_o, init_lse = local.o, local.lse
     # Without a gated sum the kernel never reads these: o stands in for the pointers.
     cmp = two_runs(o if gated is None else gated.o_cmp)
     parts = (
@@ -433,9 +454,25 @@ def forward(
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
             V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,
             CMP_RUNS=cmp.runs, HAS_INIT=prologue and v_path, STRIDED=strided,
+            LOCAL=local is not None,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
         )  # fmt: skip
     return o, lse
+
+
+def check_local(local: LocalSoftmax, o: Tensor, lse: Tensor, sel_block: int) -> None:
+    """The local softmax must be o's and lse's shape, dtype, device and strides, for l'."""
+    if local.sel_block != sel_block:
+        raise ValueError(f"local softmax of l'={local.sel_block} for a call of l'={sel_block}")
+    for name, got, want in (("o", local.o, o), ("lse", local.lse, lse)):
+        if (got.shape, got.dtype, got.device, got.stride()) != (
+            want.shape, want.dtype, want.device, want.stride()
+        ):  # fmt: skip
+            raise ValueError(
+                f"local softmax {name} {list(got.shape)} {got.dtype} on {got.device}, strides "
+                f"{got.stride()}: want {list(want.shape)} {want.dtype} on {want.device}, "
+                f"strides {want.stride()}"
+            )
 
 
 def forced_blocks(

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_same_place
+from nsa_core.local_softmax import LocalSoftmax
 from nsa_core.row_runs import RowRuns, check_gated_combine_runs
 from nsa_core.toggles import Toggles
 from nsa_kernels.combine.function import combine_bwd
@@ -55,13 +56,15 @@ def selected_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
     scale: float | None = None, *, q_start: int = 0, cu_seqlens: Tensor | None = None,
     config: SelConfig | None = None, toggles: Toggles | None = None,
+    local: LocalSoftmax | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Forward only: o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log).
 
     Arguments as :func:`selected_attention_triton`. ``lse`` is -inf on rows that see no token.
+    ``local``: as :func:`selected_attention_gated_triton` takes it.
     """
     info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
-    return forward(*_operands(q, k, v, block_indices, info), info)
+    return forward(*_operands(q, k, v, block_indices, info), info, local=local)
 
 
 def selected_attention_gated_triton(
@@ -69,6 +72,7 @@ def selected_attention_gated_triton(
     scale: float | None = None, *, o_cmp: Tensor | RowRuns, o_win: Tensor, gates: Tensor,
     q_start: int = 0, cu_seqlens: Tensor | None = None,
     config: SelConfig | None = None, toggles: Toggles | None = None,
+    local: LocalSoftmax | None = None,
 ) -> Tensor:  # fmt: skip
     """The gated combine with the selected branch computed in the same launch.
 
@@ -90,6 +94,12 @@ def selected_attention_gated_triton(
             o_cmp may be a :class:`~nsa_core.row_runs.RowRuns`, read where its runs lie with or
             without a gradient (no copy into one tensor; each run gets its own gradient).
         gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
+        local: the softmax of each row over its local keys, computed by the sliding branch over
+            these same k and v (:class:`nsa_core.local_softmax.LocalSoftmax`,
+            :func:`nsa_kernels.sliding.triton_function.sliding_attention_triton_with_local`);
+            every index row must hold the row's blocks ``max(jt - 1, 0) .. jt`` (the forced
+            blocks of ``select_blocks`` with n >= 3: a row without them gives NaN). The kernel
+            starts from it and walks the blocks below; the gradients are those of the plain call.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
@@ -106,12 +116,12 @@ def selected_attention_gated_triton(
     )
     if grad:
         out = GatedSelectedFunction.apply(  # type: ignore[no-untyped-call]
-            q, k, v, o_win, gates, block_indices, info, cmp_runs.start, *cmp_runs.runs
+            q, k, v, o_win, gates, block_indices, info, local, cmp_runs.start, *cmp_runs.runs
         )
         assert isinstance(out, torch.Tensor)
         return out
     parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
-    return forward(*_operands(q, k, v, block_indices, info), info, parts)[0]
+    return forward(*_operands(q, k, v, block_indices, info), info, parts, local=local)[0]
 
 
 class GatedSelectedFunction(torch.autograd.Function):
@@ -126,13 +136,14 @@ class GatedSelectedFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, q: Tensor, k: Tensor, v: Tensor, o_win: Tensor, gates: Tensor,
-        block_indices: Tensor, info: Launch, cmp_start: int, *cmp_runs: Tensor,
+        block_indices: Tensor, info: Launch, local: LocalSoftmax | None, cmp_start: int,
+        *cmp_runs: Tensor,
     ) -> Tensor:  # fmt: skip
         q, k, v, idx = _operands(q, k, v, block_indices, info)
         o_cmp = RowRuns(start=cmp_start, runs=cmp_runs)
         o_slc = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
         parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
-        o, lse = forward(q, k, v, idx, info, parts, slc_out=o_slc)
+        o, lse = forward(q, k, v, idx, info, parts, slc_out=o_slc, local=local)
         ctx.save_for_backward(q, k, v, o_slc, lse, idx, o_win, gates, *cmp_runs)
         ctx.info, ctx.cmp_start = info, cmp_start
         return o
@@ -154,7 +165,7 @@ class GatedSelectedFunction(torch.autograd.Function):
         for run in cmp_runs:
             d_runs.append(d_cmp[:, row : row + run.shape[1]])
             row += run.shape[1]
-        return dq, dk, dv, d_win, d_gates, None, None, None, *d_runs
+        return dq, dk, dv, d_win, d_gates, None, None, None, None, *d_runs
 
 
 def selected_attention_bwd(

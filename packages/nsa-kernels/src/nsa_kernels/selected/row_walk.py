@@ -13,6 +13,8 @@ natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
 - :func:`selected_tile`: step ``it`` of the walk: the keys of one BL-tile of one selected block,
   and which of them the row sees.
 - :func:`walk_steps`: how many steps of the walk can hold a key the row sees (forward and dq).
+- :func:`walk_before_local`: the forward's walk where the row's local blocks come from the
+  sliding branch's softmax.
 - :func:`query_tokens` and :func:`compact_rows`: the TB consecutive rows a program of the
   forward's forced-block prologue serves (:mod:`nsa_kernels.selected.forced`), and the blocks
   it leaves to the row walk.
@@ -148,6 +150,22 @@ def walk_steps(
     # Tile j of the last block starts at first + j * BL: it holds a key <= t iff j*BL <= t - first.
     seen = tl.where(t >= first, (t - first) // BL + 1, 0)
     return tl.where(valid > 0, (valid - 1) * NSUB + tl.minimum(seen, NSUB), 0)
+
+
+@triton.jit
+def walk_before_local(idx_row, nsel, t, SEL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr):
+    """(steps, held) of a walk that leaves the row's local blocks ``max(jt - 1, 0) .. jt``
+    (jt = t // SEL) to a softmax computed elsewhere (:class:`nsa_core.local_softmax.
+    LocalSoftmax`): steps covers every tile of the row's blocks below them, all whole (the
+    first slots of an ascending set); held: the set holds every local block, without which
+    that softmax is not the row's."""
+    slots = tl.arange(0, NP)
+    blocks = tl.load(idx_row + slots, mask=slots < nsel, other=-1)
+    jt = t // SEL
+    first_local = tl.maximum(jt - 1, 0)
+    below = tl.sum(((blocks >= 0) & (blocks < first_local)).to(tl.int32), axis=0)
+    local = tl.sum(((blocks >= first_local) & (blocks <= jt)).to(tl.int32), axis=0)
+    return below * NSUB, local == jt - first_local + 1
 
 
 @triton.jit

@@ -18,6 +18,9 @@ H = 4, d = 128, w = 512, bf16 on an H200 it took 1.58 / 2.87 / 5.22 / 10.48 ms f
 2.06 / 4.14 / 5.30 / 15.06 and 8.08 / 15.56 / 20.80 / 59.81 ms; at 8k the two were within 5%
 (docs/results/2026-11-26-h200-layer.md). It serves any G, needs no compile step, and its
 backward is deterministic. FA-2 stays above it where flash_attn is installed.
+
+``triton_win`` also hands the selected branch each row's softmax over its local keys
+(``fn_with_local``, :mod:`nsa_core.local_softmax`) where the two branches share k and v.
 """
 
 from __future__ import annotations
@@ -44,10 +47,20 @@ def backends() -> list[Backend]:
     """The sliding branch's backends, highest priority first: the docstring's table, one row
     each as ``Backend(op, name, fn, supports, priority[, requested_by])``."""
     triton = triton_fn("nsa_kernels.sliding.triton_function", "sliding_attention_triton")
+    triton_local = triton_fn(
+        "nsa_kernels.sliding.triton_function", "sliding_attention_triton_with_local"
+    )
     fa2_row = (routing.fa2_sliding_supports, routing.FA2_PRIORITY, routing.fa2_sliding_requested)
     return [
         Backend(OP, "fa2", sliding_attention_fa2, *fa2_row),
         Backend(OP, "flex", sliding_attention_flex, routing.flex_supports, routing.FLEX_PRIORITY),
         Backend(OP, "sdpa", sliding_attention_sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
-        Backend(OP, "triton_win", triton, triton_win_supports, TRITON_PRIORITY),
+        Backend(
+            OP,
+            "triton_win",
+            triton,
+            triton_win_supports,
+            TRITON_PRIORITY,
+            fn_with_local=triton_local,
+        ),
     ]

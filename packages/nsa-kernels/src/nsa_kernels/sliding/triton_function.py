@@ -13,6 +13,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from nsa_core.checks import check_sliding_attention
+from nsa_core.local_softmax import LocalSoftmax, holds_local_keys
+from nsa_kernels.common.forward_outputs import forward_outputs
 from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
 from nsa_kernels.compressed.triton_function import (
     CmpConfig,
@@ -44,6 +46,44 @@ def sliding_attention_triton(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype, differentiable in q, k and v.
     """
+    info, cfg = _prepare(q, k, v, window, scale, q_start, cu_seqlens, config, local_block=0)
+    o, _ = attend_with_lse(q, k, v, info, cfg)
+    return o
+
+
+def sliding_attention_triton_with_local(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None, *, sel_block: int,
+    q_start: int = 0, cu_seqlens: Tensor | None = None, config: CmpConfig | None = None,
+) -> tuple[Tensor, LocalSoftmax]:  # fmt: skip
+    """:func:`sliding_attention_triton` and, from the same walk, each row's softmax over its
+    local keys ``[max(t // l' - 1, 0) * l', t]`` (:class:`nsa_core.local_softmax.LocalSoftmax`,
+    l' = ``sel_block``), which the selected branch starts from where it shares k and v.
+
+    Arguments as :func:`sliding_attention_triton`, and sel_block (keyword): l', with w >= 2 l'
+    (or a window no shorter than the keys), so that the window holds the local keys.
+
+    Returns:
+        o [B, Tq, HQ, dv] (differentiable as :func:`sliding_attention_triton`'s) and the local
+        softmax (no gradient).
+    """
+    if sel_block < 1:
+        raise ValueError(f"sel_block must be >= 1, got {sel_block}")
+    if not holds_local_keys(window, sel_block, k.shape[1]):
+        raise ValueError(
+            f"window={window} < 2 * sel_block={2 * sel_block}: the window does not hold every "
+            "row's local blocks"
+        )
+    info, cfg = _prepare(q, k, v, window, scale, q_start, cu_seqlens, config, local_block=sel_block)
+    local = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
+    o, _ = attend_with_lse(q, k, v, info, cfg, local)
+    return o, LocalSoftmax(o=local[0], lse=local[1], sel_block=sel_block)
+
+
+def _prepare(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None, q_start: int,
+    cu_seqlens: Tensor | None, config: CmpConfig | None, *, local_block: int,
+) -> tuple[_Launch, CmpConfig]:  # fmt: skip
+    """Validate like the reference op, then the kernels' limits; the launch facts and tiles."""
     check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
     dk, dv = q.shape[3], v.shape[3]
     check_dtype(q.dtype, "sliding attention")
@@ -52,12 +92,11 @@ def sliding_attention_triton(
     # bounds nothing, so the plain causal kernels serve it.
     info = _Launch.of_call(
         q, k, v, scale, q_start, cu_seqlens, cmp_block=1, cmp_stride=1, cmp_cu=cu_seqlens,
-        window=int(window) if window < k.shape[1] else 0,
+        window=int(window) if window < k.shape[1] else 0, local_block=local_block,
     )  # fmt: skip
     shared = max_shared_bytes(q.device)
     cfg = resolve_config(config, dk, dv, q.dtype, windowed=info.windowed, shared_bytes=shared)
-    o, _ = attend_with_lse(q, k, v, info, cfg)
-    return o
+    return info, cfg
 
 
-__all__ = ["sliding_attention_triton"]
+__all__ = ["sliding_attention_triton", "sliding_attention_triton_with_local"]

@@ -1,0 +1,126 @@
+"""The selected forward that starts from the sliding branch's local softmax (``local``).
+
+Where the selected and sliding branches share k and v, the sliding kernel hands over each row's
+softmax over its local keys ``[max(jt - 1, 0) l', t]`` (nsa_core.local_softmax), and the selected
+walk covers only the row's blocks below them. Output, log-sum-exp and every gradient must be the
+reference's, for index rows that hold their forced blocks; a row without them says so with NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from kernel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
+from sel_testlib import Case, make_inputs, reference, reference_lse
+
+pytest.importorskip("triton")
+
+from nsa_core.local_softmax import LocalSoftmax, local_softmax_reference
+from nsa_core.reference.combine import gated_combine
+from nsa_kernels.selected.function import (
+    SelConfig,
+    selected_attention_fwd,
+    selected_attention_gated_triton,
+    tma_available,
+)
+
+F32, F64 = torch.float32, torch.float64
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
+TMA = pytest.mark.skipif(
+    not tma_available(), reason="this triton has no triton.tools.tensor_descriptor (< 3.4)"
+)
+
+CASES = [
+    Case("G=1 batch 2", group=1, batch=2, tq=53, n=5),
+    Case("G=3", group=3, tq=45, n=4),
+    Case("G=16 paper l'=64", group=16, h=1, tq=150, dk=32, dv=32, sel_block=64, n=4),
+    Case("q_start>0 off the block grid", group=2, tq=21, q_start=37, n=3),
+    Case("varlen with a length-1 sequence", group=2, tq=58, seqlens=[1, 33, 0, 24], n=4),
+    # Contiguous runs of blocks ending at jt: everything below the local blocks is walked.
+    Case("spans", group=2, tq=50, n=4, indices="span"),
+    # Two programs per row along dv, each starting from its channels of the local output.
+    Case("dv chunks", group=2, tq=40, dv=32, n=4, config={"block_dv": 16, "tma": 2}),
+    pytest.param(Case("TMA", group=3, tq=45, n=4, config={"tma": 1}), marks=TMA, id="TMA"),
+]
+
+
+def local_of(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: Case, cu: Any
+) -> LocalSoftmax:
+    """The float64 definition of the local softmax, rounded to the kernel's float32."""
+    want = local_softmax_reference(
+        q.double(), k.double(), v.double(), case.sel_block, q_start=case.q_start, cu_seqlens=cu
+    )
+    return LocalSoftmax(o=want.o.float(), lse=want.lse.float(), sel_block=case.sel_block)
+
+
+def ids(case: Any) -> str:
+    return str(case.name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_forward_from_the_local_softmax_matches_reference(case: Case) -> None:
+    assert DEVICE is not None
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, idx, cu = make_inputs(case, gen, F32, DEVICE)
+    o, lse = selected_attention_fwd(
+        q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu,
+        config=SelConfig(**case.config), local=local_of(q, k, v, case, cu),
+    )  # fmt: skip
+    assert rel_err(o, reference(q, k, v, idx, case, cu)) < BOUND[F32]
+    want_lse = reference_lse(q, k, idx, case)
+    assert torch.equal(torch.isinf(lse).cpu(), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    assert (lse.double().cpu()[finite] - want_lse[finite]).abs().max().item() < BOUND[F32]
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids)
+def test_gated_gradients_from_the_local_softmax_match_reference(case: Case) -> None:
+    """The gated launch with a gradient: o and the gradients of q, k, v, o_cmp, o_win and gates
+    within twice the float32 bound of the float64 reference (the backward recomputes the
+    softmax from the final lse, so it needs nothing of the local one)."""
+    assert DEVICE is not None
+    gen = torch.Generator().manual_seed(6)
+    q, k, v, idx, cu = make_inputs(case, gen, F32, DEVICE)
+    shape = (case.batch, case.tq, case.hq, case.dv)
+    o_cmp = torch.randn(shape, generator=gen).to(DEVICE)
+    o_win = torch.randn(shape, generator=gen).to(DEVICE)
+    gates = torch.sigmoid(torch.randn(*shape[:3], 3, generator=gen)).to(DEVICE)
+    do = torch.randn(shape, generator=gen).to(DEVICE)
+    local = local_of(q, k, v, case, cu)
+
+    def grads(dtype: torch.dtype, fused: bool) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v, o_cmp, o_win, gates)]
+        if fused:
+            out = selected_attention_gated_triton(
+                *leaves[:3], idx, case.sel_block, o_cmp=leaves[3], o_win=leaves[4],
+                gates=leaves[5], q_start=case.q_start, cu_seqlens=cu,
+                config=SelConfig(**case.config), local=local,
+            )  # fmt: skip
+        else:
+            o_slc = reference(*leaves[:3], idx, case, cu)
+            out = gated_combine(leaves[3], o_slc, leaves[4], leaves[5])
+        return [out.detach(), *torch.autograd.grad(out, leaves, do.to(dtype))]
+
+    names = ("o", "dq", "dk", "dv", "d o_cmp", "d o_win", "d gates")
+    for name, a, b in zip(names, grads(F32, True), grads(F64, False), strict=True):
+        assert rel_err(a, b) < 2 * BOUND[F32], name
+
+
+def test_a_row_without_its_local_blocks_gives_nan() -> None:
+    """The local softmax stands for the blocks jt - 1 and jt; a row whose set lacks one of them
+    has no right output from it: NaN on that row's heads, the other rows as the reference."""
+    assert DEVICE is not None
+    case = Case("missing", group=2, tq=40, n=3)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, idx, cu = make_inputs(case, gen, F32, DEVICE)
+    idx[0, 35, 1] = torch.tensor([0, 1, -1], dtype=idx.dtype)  # jt = 2: block 2 is missing
+    o, lse = selected_attention_fwd(q, k, v, idx, case.sel_block, local=local_of(q, k, v, case, cu))
+    bad = torch.zeros(o.shape[:3], dtype=torch.bool)
+    bad[0, 35, 2:4] = True  # the two query heads of kv head 1
+    assert torch.isnan(o.cpu()).any(-1).equal(bad)
+    assert torch.isnan(lse.cpu()).equal(bad)
+    want = reference(q, k, v, idx, case, cu)
+    assert rel_err(o[~bad.to(o.device)], want[~bad]) < BOUND[F32]
