@@ -75,7 +75,8 @@ class LocalSpy:
             Backend(
                 "selected_attention", "sel_spy",
                 lambda *a, toggles, **k: selected_attention_impl(*a, **k), accept, priority=5,
-                fn_gated=self.gated, gated_local=self.gated_local, gated_grad=True,
+                fn_gated=self.gated, gated_grad=True,
+                gated_local=(lambda ctx: True) if self.gated_local else None,
             )
         )  # fmt: skip
         register_backend(

@@ -228,7 +228,7 @@ def selected_attention_gated(
     if isinstance(o_cmp, RowRuns) and not gated.gated_runs:
         o_cmp = o_cmp.assemble()
     extra: dict[str, Any] = {}
-    if gated.gated_local and local is not None:
+    if gated.gated_local is not None and local is not None:
         if local.sel_block != sel_block or tuple(local.o.shape) != tuple(o_win.shape):
             raise ValueError(
                 f"local softmax {list(local.o.shape)} of l'={local.sel_block} for a call of "
@@ -258,8 +258,9 @@ def selected_takes_local(
 ) -> bool:
     """Whether :func:`selected_attention_gated` of these arguments would start from a
     :class:`~nsa_core.local_softmax.LocalSoftmax`: its backend runs the one-step gated sum and
-    has ``gated_local``. Asked before the sliding branch runs, so that it computes the local
-    softmax only for a consumer; ``win_grad``: o_win will need a gradient.
+    has a ``gated_local`` that wants one for this call. Asked before the sliding branch runs, so
+    that it computes the local softmax only for a consumer; ``win_grad``: o_win will need a
+    gradient.
     """
     dv = v.shape[-1]
     # o_win does not exist yet: a stand-in of its shape, dtype and device (no storage).
@@ -272,7 +273,7 @@ def selected_takes_local(
         q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens
     )
     gated = resolve_gated(ctx, combine_ctx, get_toggles())
-    return gated is not None and gated.gated_local
+    return gated is not None and gated.gated_local is not None and gated.gated_local(ctx)
 
 
 def sliding_attention_with_local(

@@ -22,6 +22,7 @@ from nsa_kernels.selected.backend import (
     decline_reason,
     device_policy,
     supports,
+    takes_local,
 )
 
 CUDA_OK: dict[str, Any] = dict(
@@ -77,6 +78,16 @@ def test_alignment_guard() -> None:
     assert alignment_reason(torch.float32, 192, 128) is None
     assert alignment_reason(torch.float16, 8, 64) is not None
     assert alignment_reason(torch.int8, 64, 64) is not None
+
+
+def test_the_local_softmax_is_taken_from_g_2_on() -> None:
+    """The gated launch starts from the sliding branch's local softmax where it pays (G > 1);
+    at G = 1 the forced-block prologue serves better, so the core computes none."""
+    (backend,) = backends()
+    assert backend.gated_local is takes_local
+    assert not takes_local(op_context(hq=4, h=4))
+    assert takes_local(op_context(hq=8, h=4))
+    assert takes_local(op_context(hq=64, h=4))
 
 
 @pytest.fixture

@@ -222,6 +222,18 @@ def selected_attention_gated_backend(
     )  # fmt: skip
 
 
+def takes_local(ctx: OpContext) -> bool:
+    """Whether the core should hand this call the sliding branch's local softmax: at G > 1.
+
+    At G = 1 the forced-block prologue serves the selected forward better. Sliding + selected
+    forward kernels on an H100, bf16, HQ = 64, dk = dv = 128, l' = 64, n = 16, w = 512, with
+    the prologue (G <= 4) or without it, against from the local softmax: G = 1, 8k: 25.41 ->
+    25.92 ms; G = 2, 16k: 27.39 -> 27.21; G = 4, 32k: 29.76 -> 29.54; G = 16, 64k: 19.84 ->
+    18.88 (docs/results/2026-11-27-h100-layer-12.md).
+    """
+    return ctx.num_q_heads > ctx.num_kv_heads
+
+
 def _requested(toggles: Toggles) -> bool:
     return toggles.sel_triton or toggles.sel_triton_force
 
@@ -239,6 +251,6 @@ def backends() -> list[Backend]:
             fn_gated=selected_attention_gated_backend,
             gated_grad=True,
             gated_runs=True,
-            gated_local=True,
+            gated_local=takes_local,
         )
     ]
