@@ -90,6 +90,9 @@ def local_softmax_reference(
     logits = torch.einsum("bthd,bshd->bhts", q, kq) * scale
     logits = logits.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [B, HQ, Tq]
-    o = torch.einsum("bhts,bshd->bthd", torch.exp(logits - lse[..., None]), vq)
-    o = o.to(q.dtype).contiguous()
+    p = torch.exp(logits - lse[..., None])
+    # Keys a row does not see take no part at all (0 x a non-finite value would be NaN).
+    products = p[..., None] * vq.permute(0, 2, 1, 3)[:, :, None]  # [B, HQ, Tq, Tk, dv]
+    o = torch.where(seen[None, None, :, :, None], products, 0).sum(dim=3)
+    o = o.permute(0, 2, 1, 3).to(q.dtype).contiguous()
     return LocalSoftmax(o=o, lse=lse.transpose(1, 2).contiguous(), sel_block=sel_block)

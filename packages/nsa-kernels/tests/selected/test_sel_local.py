@@ -124,3 +124,34 @@ def test_a_row_without_its_local_blocks_gives_nan() -> None:
     assert torch.isnan(lse.cpu()).equal(bad)
     want = reference(q, k, v, idx, case, cu)
     assert rel_err(o[~bad.to(o.device)], want[~bad]) < BOUND[F32]
+
+
+@pytest.mark.parametrize(
+    ("where", "bad"),
+    [("v", float("nan")), ("v", float("inf")), ("k", float("nan")), ("k", float("-inf"))],
+    ids=["nan_value", "inf_value", "nan_key", "-inf_key"],
+)
+def test_a_non_finite_local_key_or_value_reaches_the_rows_the_plain_walk_gives_it(
+    where: str, bad: float
+) -> None:
+    """A non-finite key or value inside some rows' local blocks: the sliding branch's local
+    softmax (its containing launch) and the selected walk from it give non-finite values
+    exactly where the selected kernel without it does (docs/spec.md, "Non-finite values"; which
+    of NaN or inf is not specified: the sliding kernel writes NaN in a value channel that meets
+    an inf), and the same finite values elsewhere within the float32 bound."""
+    from nsa_kernels.sliding.triton_function import sliding_attention_triton_with_local
+
+    assert DEVICE is not None
+    case = Case("non-finite", group=2, tq=70, n=4)
+    gen = torch.Generator().manual_seed(8)
+    q, k, v, idx, _ = make_inputs(case, gen, F32, DEVICE)
+    target = k if where == "k" else v
+    target[0, 37, 1, 3] = bad  # kv head 1: local to the rows of blocks 2 and 3 (l' = 16)
+    _, local = sliding_attention_triton_with_local(q, k, v, 40, sel_block=case.sel_block)
+    o_local, lse_local = selected_attention_fwd(q, k, v, idx, case.sel_block, local=local)
+    o_plain, lse_plain = selected_attention_fwd(q, k, v, idx, case.sel_block)
+    assert not torch.isfinite(o_plain).all()
+    for got, want in ((o_local, o_plain), (lse_local, lse_plain)):
+        finite = torch.isfinite(want)
+        assert torch.equal(torch.isfinite(got), finite)
+        assert rel_err(got[finite], want[finite]) < BOUND[F32]

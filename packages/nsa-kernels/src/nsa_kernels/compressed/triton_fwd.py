@@ -293,7 +293,7 @@ def cmp_fwd_kernel(
             )  # fmt: skip
         _store_rows(
             loc_o_ptr, loc_lse_ptr, b, rows, heads, row_ok, m_i, l_i, acc,
-            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, BV,
+            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, BV, True,
         )  # fmt: skip
         # Then the rest of the window, [nlo, lb), on the same running softmax.
         ws_last = tl.max(tl.where(row_ok, nlo, 0), axis=0)
@@ -340,15 +340,20 @@ def _fwd_walk(
 def _store_rows(
     o_ptr, lse_ptr, b, rows, heads, row_ok, m_i, l_i, acc,
     stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV: tl.constexpr, BV: tl.constexpr,
+    KEEP_NAN: tl.constexpr = False,
 ):  # fmt: skip
     """o = acc / l and lse = m + log2 l (natural log) of the tile's rows: 0 and -inf where a
-    row saw nothing."""
+    row saw nothing. KEEP_NAN: a NaN sum (a NaN or infinite logit among the row's keys) stores
+    lse = NaN rather than -inf, so that a walk continued from it (the selected branch's, from
+    the local softmax) stays NaN as the softmax over all its keys would."""
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
     # One reciprocal a row, then products: an IEEE division per element costs several times
     # more, in an epilogue that a short walk (the sliding branch's nine key tiles) feels.
     o = acc * (1.0 / denom)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(denom)) * _LN2, float("-inf"))
+    if KEEP_NAN:
+        lse = tl.where(l_i != l_i, l_i, lse)
     offs_v = tl.arange(0, BV)
     tl.store(
         o_ptr + b * stride_ob + rows[:, None] * stride_ot + heads[:, None] * stride_oh

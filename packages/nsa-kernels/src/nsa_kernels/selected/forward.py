@@ -165,7 +165,9 @@ def _sel_fwd_rows(
                            other=float("-inf"))  # fmt: skip
             some = lse0 != float("-inf")
             m_i = tl.where(some, lse0 * LOG2E_CONST, m_i)
-            l_i = tl.where(some, 1.0, l_i)
+            # A NaN lse (a NaN logit among those keys) starts a NaN sum: the row ends as the
+            # softmax over all its keys does, o NaN and lse -inf, walk or no walk.
+            l_i = tl.where(some, tl.where(lse0 == lse0, 1.0, float("nan")), l_i)
             acc = tl.load(
                 init_o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
                 + offs_v[None, :],
