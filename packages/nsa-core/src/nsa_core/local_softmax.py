@@ -42,6 +42,15 @@ class LocalSoftmax:
             raise ValueError(f"sel_block must be >= 1, got {self.sel_block}")
 
 
+def check_local_softmax(local: LocalSoftmax, o_shape: tuple[int, ...], sel_block: int) -> None:
+    """``local`` must be for a call whose output is o_shape [B, Tq, HQ, dv], at l' = sel_block."""
+    if local.sel_block != sel_block or tuple(local.o.shape) != tuple(o_shape):
+        raise ValueError(
+            f"local softmax {list(local.o.shape)} of l'={local.sel_block} for a call of "
+            f"{list(o_shape)}, l'={sel_block}"
+        )
+
+
 def holds_local_keys(window: int, sel_block: int, num_keys: int) -> bool:
     """Whether a window of ``window`` keys holds every row's local keys: w >= 2 l', or a window
     no shorter than the keys (then it bounds nothing)."""

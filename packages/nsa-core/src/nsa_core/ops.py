@@ -29,7 +29,7 @@ from nsa_core.checks import (
     check_selected_attention,
     check_sliding_attention,
 )
-from nsa_core.local_softmax import LocalSoftmax, holds_local_keys
+from nsa_core.local_softmax import LocalSoftmax, check_local_softmax, holds_local_keys
 from nsa_core.op_context import OpContext, op_context
 from nsa_core.registry import (
     resolve,
@@ -229,11 +229,7 @@ def selected_attention_gated(
         o_cmp = o_cmp.assemble()
     extra: dict[str, Any] = {}
     if gated.gated_local is not None and local is not None:
-        if local.sel_block != sel_block or tuple(local.o.shape) != tuple(o_win.shape):
-            raise ValueError(
-                f"local softmax {list(local.o.shape)} of l'={local.sel_block} for a call of "
-                f"{list(o_win.shape)}, l'={sel_block}"
-            )
+        check_local_softmax(local, tuple(o_win.shape), sel_block)
         extra["local"] = local
     o: torch.Tensor = gated.fn_gated(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,

@@ -116,7 +116,8 @@ def test_resolve_config_with_tma_runs_the_forward_one_warp_per_program(
 
 def test_resolve_config_takes_the_forced_block_prologue_where_it_applies() -> None:
     """On by default with TMA up to G = 4 (16 rows a program); 1 (off) without TMA, at larger G,
-    with the group split over programs, dv not one power-of-two tile, or more rows than l'."""
+    with the group split over programs, dv not one power-of-two tile, more rows than l', or
+    with a local softmax."""
     from nsa_kernels.selected.launch import resolve_config, tma_available
 
     assert resolve_config(None, 4, 128, 128, 64, device=torch.device("cpu")).forced_tokens == 1
@@ -126,6 +127,8 @@ def test_resolve_config_takes_the_forced_block_prologue_where_it_applies() -> No
     tma = SelConfig(tma=1)
     assert resolve_config(tma, 4, 128, 128, 64).forced_tokens == 16
     assert resolve_config(tma, 1, 128, 128, 64).forced_tokens == 16
+    # A forward from the sliding branch's local softmax has its forced local blocks already.
+    assert resolve_config(tma, 4, 128, 128, 64, local=True).forced_tokens == 1
     assert resolve_config(tma, 16, 128, 128, 64).forced_tokens == 1
     assert resolve_config(SelConfig(tma=1, forced_tokens=8), 16, 128, 128, 64).forced_tokens == 8
     assert resolve_config(SelConfig(tma=1, forced_tokens=8), 32, 128, 128, 64).forced_tokens == 1

@@ -155,3 +155,20 @@ def test_a_non_finite_local_key_or_value_reaches_the_rows_the_plain_walk_gives_i
         finite = torch.isfinite(want)
         assert torch.equal(torch.isfinite(got), finite)
         assert rel_err(got[finite], want[finite]) < BOUND[F32]
+
+
+def test_a_local_softmax_needs_a_call_prepared_for_it() -> None:
+    """The local softmax and the forced-block prologue cover the same blocks: forward refuses
+    a launch whose config still has the prologue on (prepare(..., local=True) turns it off)."""
+    from nsa_kernels.selected.forward import forward
+    from nsa_kernels.selected.launch import prepare
+
+    if not tma_available():
+        pytest.skip("this triton has no triton.tools.tensor_descriptor (< 3.4)")
+    assert DEVICE is not None
+    case = Case("prologue", group=2, tq=40, n=3)
+    q, k, v, idx, cu = make_inputs(case, torch.Generator().manual_seed(9), F32, DEVICE)
+    info = prepare(q, k, v, idx, case.sel_block, None, 0, cu, SelConfig(tma=1), None)
+    assert info.cfg.forced_tokens > 1
+    with pytest.raises(ValueError, match="prepared with local=True"):
+        forward(q, k, v, idx, info, local=local_of(q, k, v, case, cu))

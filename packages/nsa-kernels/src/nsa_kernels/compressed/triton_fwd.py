@@ -109,16 +109,15 @@ def query_tile_rows(
     tokens = tl.minimum(r_end - r0, TPP)
     n_lo = tl.where(tokens > 0, visible_blocks(t0, LBLK, DSTR), 0)
     n_hi = tl.where(tokens > 0, visible_blocks(t0 + tokens - 1, LBLK, DSTR), 0)
-    n_full = (n_lo // BN) * BN
     if WINDOWED:
         nlo = window_start(t0 + tok, window)
-        n_start = tl.where(tokens > 0, (window_start(t0, window) // BN) * BN, 0)
-        top = tl.cdiv(window_start(t0 + tokens - 1, window), BN) * BN
-        n_open = tl.minimum(tl.maximum(top, n_start), n_full)
+        lo_first = tl.where(tokens > 0, window_start(t0, window), 0)
+        lo_last = window_start(t0 + tokens - 1, window)
     else:
         nlo = nvis * 0
-        n_start = n_full * 0
-        n_open = n_start
+        lo_first = n_lo * 0
+        lo_last = lo_first
+    n_start, n_open, n_full, n_hi = stretch_bounds(lo_first, lo_last, n_lo, n_hi, BN)
     return b, kvh, kbase, rows, row_ok, heads, nvis, n_hi, n_full, nlo, n_start, n_open
 
 

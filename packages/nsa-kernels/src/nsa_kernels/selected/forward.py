@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_core.local_softmax import LocalSoftmax
+from nsa_core.local_softmax import LocalSoftmax, check_local_softmax
 from nsa_core.row_runs import RowRuns, as_tensor
 from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
@@ -383,7 +383,8 @@ def forward(
     ``local``: each row's softmax over its local blocks ``max(jt - 1, 0) .. jt`` (the sliding
     branch's, over the same keys and values, l' = info.sel_block); every row's index set holds
     those blocks (its forced ones), and the walk starts from that softmax and covers the blocks
-    below them (sel_fwd_kernel's LOCAL). The forced-block prologue then stays off.
+    below them (sel_fwd_kernel's LOCAL); the call's config comes from ``prepare(..., local=True)``
+    (the forced-block prologue off).
     """
     if slc_out is not None and (gated is None or not slc_out.is_contiguous()):
         raise ValueError("slc_out takes a contiguous tensor, and only beside a gated sum")
@@ -391,6 +392,8 @@ def forward(
     o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if local is not None:
         check_local(local, o, lse, sel_block)
+        if cfg.forced_tokens > 1:
+            raise ValueError("a call with a local softmax is prepared with local=True")
     if info.rows == 0:
         return o, lse
     if info.n == 0:
@@ -418,8 +421,9 @@ def forward(
     v_desc: Any = kv_descriptor(v, cfg.fwd_block_l) if v_tma else v
     # The forced blocks first, TB rows a program (nsa_kernels.selected.forced), where the
     # V_TMA launch walks the rest: there keys and values must both be finite.
-    # resolve_config left forced_tokens > 1 only where the prologue applies (V through TMA).
-    prologue = cfg.forced_tokens > 1 and local is None
+    # resolve_config left forced_tokens > 1 only where the prologue applies (V through TMA,
+    # no local softmax).
+    prologue = cfg.forced_tokens > 1
     finite, _ = finite_path_launches(v_tma, *((k, v) if prologue else (v,)))
     init_o, init_lse, rest = o, lse, idx
     if prologue:
@@ -464,8 +468,7 @@ def forward(
 
 def check_local(local: LocalSoftmax, o: Tensor, lse: Tensor, sel_block: int) -> None:
     """The local softmax must be o's and lse's shape, dtype, device and strides, for l'."""
-    if local.sel_block != sel_block:
-        raise ValueError(f"local softmax of l'={local.sel_block} for a call of l'={sel_block}")
+    check_local_softmax(local, tuple(o.shape), sel_block)
     for name, got, want in (("o", local.o, o), ("lse", local.lse, lse)):
         if (got.shape, got.dtype, got.device, got.stride()) != (
             want.shape, want.dtype, want.device, want.stride()

@@ -63,7 +63,10 @@ def selected_attention_fwd(
     Arguments as :func:`selected_attention_triton`. ``lse`` is -inf on rows that see no token.
     ``local``: as :func:`selected_attention_gated_triton` takes it.
     """
-    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    info = prepare(
+        q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles,
+        local=local is not None,
+    )  # fmt: skip
     return forward(*_operands(q, k, v, block_indices, info), info, local=local)
 
 
@@ -106,7 +109,10 @@ def selected_attention_gated_triton(
     """
     cmp_runs = o_cmp if isinstance(o_cmp, RowRuns) else RowRuns.whole(o_cmp)
     check_gated_combine_runs(o_cmp, o_win, gates)
-    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    info = prepare(
+        q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles,
+        local=local is not None,
+    )  # fmt: skip
     expected = (info.batch, info.tq, info.hq, info.dv)
     if tuple(cmp_runs.shape) != expected:
         raise ValueError(f"o_cmp {list(cmp_runs.shape)} must be [B, Tq, HQ, dv] = {list(expected)}")

@@ -125,8 +125,12 @@ def resolve_config(
     shared_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | None = None,
+    local: bool = False,
 ) -> SelConfig:
     """Fill the zeros of ``config`` with the defaults (``toggles`` default: :func:`get_toggles`).
+
+    ``local``: the forward starts from the sliding branch's local softmax (forward's
+    ``local``), which covers the forced blocks jt-1 and jt: the forced-block prologue is off.
 
     Defaults (tuned on an H100 at the paper's shapes, docs/selection.md): one key tile per
     selected block up to 64 keys (larger blocks are walked 64 at a time), the whole dk and dv in
@@ -184,7 +188,7 @@ def resolve_config(
         tma == 1 and block_dv == dv == dv_tile and heads == group <= 16
     )  # fmt: skip
     forced_tokens = cfg.forced_tokens or (FORCED_TOKENS if group <= FORCED_MAX_GROUP else 1)
-    if not prologue_fits or forced_tokens > sel_block:
+    if local or not prologue_fits or forced_tokens > sel_block:
         forced_tokens = 1
     return replace(
         cfg,
@@ -251,11 +255,14 @@ def prepare(
     cu_seqlens: torch.Tensor | None,
     config: SelConfig | None,
     toggles: Toggles | None,
+    *,
+    local: bool = False,
 ) -> Launch:
     """Validate like the reference op, resolve the tiles and collect the launch facts.
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n],
-    cu_seqlens int32 [S+1] or None; ``config`` as :func:`resolve_config` takes it.
+    cu_seqlens int32 [S+1] or None; ``config`` and ``local`` as :func:`resolve_config` takes
+    them.
     """
     batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
     if sel_block < 1:
@@ -289,6 +296,7 @@ def prepare(
             shared_bytes=max_shared_bytes(q.device),
             dtype=q.dtype,
             device=q.device,
+            local=local,
         ),
         batch=batch,
         tq=tq,
