@@ -1,10 +1,11 @@
-"""The sliding branch handing the selected one each row's softmax over its local keys.
+"""The sliding branch handing the selected one each row's softmax over its forced blocks.
 
-A query at t always selects its blocks jt - 1 and jt (forced, docs/spec.md), whose keys
-``[max(jt - 1, 0) l', t]`` a window of w >= 2 l' holds too. Where the two branches share k and v,
-the core asks the sliding backend for that softmax (``fn_with_local``) and hands it to a selected
-backend whose one-step gated sum starts from it (``gated_local``); everywhere else the sliding
-branch computes nothing more. The layer's output is the all-reference one either way.
+A query at t always selects its blocks 0, jt - 1 and jt (forced, docs/spec.md); the keys of the
+last two, ``[max(jt - 1, 0) l', t]``, a window of w >= 2 l' holds too. Where the two branches
+share k and v, the core asks the sliding backend for that softmax (``fn_with_local``) and hands
+it to a selected backend whose one-step gated sum starts from it (``gated_local``); everywhere
+else the sliding branch computes nothing more. The layer's output is the all-reference one
+either way.
 """
 
 from __future__ import annotations
@@ -160,8 +161,9 @@ def test_with_a_gradient_the_local_softmax_is_handed_over_and_gradients_flow() -
 
 
 def test_the_local_keys_are_the_forced_blocks_keys() -> None:
-    """The definition: row t attends to positions max(t // l' - 1, 0) l' .. t, in one softmax
-    (here against a loop over rows), restarting in every packed sequence."""
+    """The definition: row t attends to positions 0 .. l' - 1 and max(t // l' - 1, 0) l' .. t
+    (those up to t), in one softmax (here against a loop over rows), restarting in every packed
+    sequence."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 19, 2, 4, generator=gen, dtype=F64)
     k = torch.randn(1, 19, 1, 4, generator=gen, dtype=F64)
@@ -172,9 +174,10 @@ def test_the_local_keys_are_the_forced_blocks_keys() -> None:
         for r in range(start, end):
             t = r - start
             lo = start + max(t // 4 - 1, 0) * 4
-            s = torch.einsum("hd,nd->hn", q[0, r], k[0, lo : r + 1, 0]) * 0.5
+            keys = sorted(set(range(start, min(start + 4, r + 1))) | set(range(lo, r + 1)))
+            s = torch.einsum("hd,nd->hn", q[0, r], k[0, keys, 0]) * 0.5
             torch.testing.assert_close(got.lse[0, r], torch.logsumexp(s, -1))
-            torch.testing.assert_close(got.o[0, r], torch.softmax(s, -1) @ v[0, lo : r + 1, 0])
+            torch.testing.assert_close(got.o[0, r], torch.softmax(s, -1) @ v[0, keys, 0])
 
 
 def test_a_window_holds_the_local_keys_from_2_l_or_over_all_keys() -> None:

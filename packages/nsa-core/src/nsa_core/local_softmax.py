@@ -1,12 +1,14 @@
-"""The softmax of each query row over its local keys, handed from the sliding branch to the
+"""The softmax of each query row over its forced blocks, handed from the sliding branch to the
 selected one.
 
-A query at position t (jt = t // l') always selects its blocks jt - 1 and jt (docs/spec.md,
-"Forced blocks"), whose keys ``[max(jt - 1, 0) * l', t]`` a window of w >= 2 l' holds as well.
-Where the selected and sliding branches share their keys and values (the spec's allowed special
-case), a sliding kernel that walks those keys first has their softmax on the way: it stores it
+A query at position t (jt = t // l') always selects its blocks 0, jt - 1 and jt (docs/spec.md,
+"Forced blocks": 1 initial + 2 local). The local ones hold the keys ``[max(jt - 1, 0) * l', t]``,
+which a window of w >= 2 l' holds as well. Where the selected and sliding branches share their
+keys and values (the spec's allowed special case), a sliding kernel that walks those keys first
+has their softmax on the way; it adds block 0's keys and stores the result
 (:class:`LocalSoftmax`), and the selected kernel starts its own walk from it instead of loading
-those tiles once per row (:func:`nsa_core.ops.sliding_attention_with_local`).
+those tiles once per row (:func:`nsa_core.ops.sliding_attention_with_local`). The name keeps
+the local keys, the part the window shares.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from nsa_core.reference.common import spans
 
 @dataclass(frozen=True)
 class LocalSoftmax:
-    """Each row's softmax over its local keys ``[max(t // l' - 1, 0) * l', t]``.
+    """Each row's softmax over the keys of its forced blocks: ``[0, l')`` and
+    ``[max(t // l' - 1, 0) * l', t]``, those up to t.
 
     o [B, Tq, HQ, dv] normalised, in q's dtype; lse [B, Tq, HQ] float32 (float64 from
     :func:`local_softmax_reference` on float64 inputs), natural log; sel_block: l'. No gradient
@@ -70,8 +73,9 @@ def local_softmax_reference(
     """The local softmax straight from its definition, in q's dtype (float64 for tests).
 
     q [B, Tq, HQ, dk] (row r at position q_start + r; varlen: positions restart in every
-    sequence), k [B, Tk, H, dk], v [B, Tk, H, dv]: row t attends to the keys at positions
-    ``max(t // l' - 1, 0) * l' .. t`` of its sequence. Dense over [Tq, Tk]: small shapes only.
+    sequence), k [B, Tk, H, dk], v [B, Tk, H, dv]: row t attends to the keys of its sequence at
+    positions ``0 .. l' - 1`` and ``max(t // l' - 1, 0) * l' .. t``, those up to t. Dense over
+    [Tq, Tk]: small shapes only.
     """
     _, tq, hq, dk = q.shape
     h = k.shape[2]
@@ -89,10 +93,9 @@ def local_softmax_reference(
             q_seq[start:end] = i
         k_pos, k_seq = q_pos, q_seq
     first = torch.clamp(q_pos // sel_block - 1, min=0) * sel_block
+    forced = (k_pos[None, :] >= first[:, None]) | (k_pos[None, :] < sel_block)
     seen = (
-        (k_seq[None, :] == q_seq[:, None])
-        & (k_pos[None, :] >= first[:, None])
-        & (k_pos[None, :] <= q_pos[:, None])
+        (k_seq[None, :] == q_seq[:, None]) & forced & (k_pos[None, :] <= q_pos[:, None])
     )  # [Tq, Tk]
     kq = k.repeat_interleave(hq // h, dim=2)
     vq = v.repeat_interleave(hq // h, dim=2)

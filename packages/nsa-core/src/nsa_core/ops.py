@@ -211,10 +211,10 @@ def selected_attention_gated(
     (:func:`compressed_attention_runs_with_lse`): read in place where the backend takes runs
     (``gated_runs``; with a gradient, each run gets its own), else assembled first.
 
-    ``local``: each row's softmax over its local keys, from
+    ``local``: each row's softmax over its forced blocks, from
     :func:`sliding_attention_with_local` over these same k and v (l' = ``sel_block``); every
-    index row must hold its blocks ``max(jt - 1, 0) .. jt`` (``select_blocks``'s forced blocks,
-    n >= 3). A backend with ``gated_local`` starts from it (:func:`selected_takes_local`
+    index row must hold its blocks 0 and ``max(jt - 1, 0) .. jt`` (``select_blocks``'s forced
+    blocks, n >= 3). A backend with ``gated_local`` starts from it (:func:`selected_takes_local`
     asks first); the result is the same up to rounding.
     """
     combine_ctx = check_gated_combine_runs(o_cmp, o_win, gates)
@@ -284,10 +284,11 @@ def sliding_attention_with_local(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LocalSoftmax | None]:
     """:func:`sliding_attention` and, where its backend has a ``fn_with_local``, each row's
-    softmax over its local keys ``[max(t // l' - 1, 0) * l', t]`` (l' = ``sel_block``).
+    softmax over its forced blocks' keys, ``[0, l')`` and ``[max(t // l' - 1, 0) * l', t]``
+    (l' = ``sel_block``).
 
-    Arguments as :func:`sliding_attention`, and sel_block: l'. The window must hold the local
-    keys (w >= 2 l', or no shorter than the keys).
+    Arguments as :func:`sliding_attention`, and sel_block: l'. The window must hold the second
+    range, the local keys (w >= 2 l', or no shorter than the keys).
 
     Returns:
         o_win [B, Tq, HQ, dv], what :func:`sliding_attention` returns (up to rounding: the

@@ -82,13 +82,13 @@ class Backend:
 
     ``fn_with_local`` (``sliding_attention`` only, optional) takes the same arguments plus
     ``sel_block`` (l', keyword) and returns ``(o, local)``: the output ``fn`` gives, and each
-    row's softmax over its local keys ``[max(t // l' - 1, 0) * l', t]`` as a
-    :class:`nsa_core.local_softmax.LocalSoftmax` (the window must hold them: w >= 2 l').
+    row's softmax over its forced blocks' keys, ``[0, l')`` and ``[max(t // l' - 1, 0) * l', t]``,
+    as a :class:`nsa_core.local_softmax.LocalSoftmax` (the window must hold the second: w >= 2 l').
     ``gated_local`` (``selected_attention`` only, optional): ``fn_gated`` takes the keyword
     ``local`` (None or such a softmax over the same keys and values, where every index row holds
-    its blocks ``max(jt - 1, 0) .. jt``) and starts from it, the output ``fn_gated``'s without it
-    up to rounding; called with the selected call's context, it says whether the core should
-    compute one for that call (where it pays).
+    its blocks 0 and ``max(jt - 1, 0) .. jt``) and starts from it, the output ``fn_gated``'s
+    without it up to rounding; called with the selected call's context, it says whether the
+    core should compute one for that call (where it pays).
 
     ``fn_sum3`` (``gated_combine`` only, optional) takes three tensors of one shape and dtype
     and the keyword ``toggles`` and returns ``a + b + c`` (float32 sums, one rounding, a new

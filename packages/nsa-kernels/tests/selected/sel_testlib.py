@@ -16,7 +16,8 @@ class Case(KernelCase):
 
     ``indices``: "random" (uniform in [-1, NB): padding, future blocks and repeats appear),
     "nsa" (forced {0, jt-1, jt} plus random valid blocks, distinct, -1 padded at the end),
-    "span" (one contiguous run ending at jt), "empty" (rows of only -1 or only future blocks
+    "span" (one contiguous run ending at jt), "initial_span" (block 0, then a contiguous run
+    ending at jt), "empty" (rows of only -1 or only future blocks
     mixed with nsa rows), "repeat" (nsa rows with some entries duplicated).
     """
 
@@ -59,6 +60,8 @@ def make_indices(case: Case, gen: torch.Generator) -> torch.Tensor:
 def nsa_row(jt: int, n: int, gen: torch.Generator, kind: str) -> list[int]:
     if kind == "span":
         return list(range(max(0, jt - n + 1), jt + 1))
+    if kind == "initial_span":
+        return [0, *range(max(1, jt - n + 2), jt + 1)]
     forced = sorted({0, jt, max(jt - 1, 0)})
     rest = [j for j in range(jt + 1) if j not in forced]
     order = torch.randperm(len(rest), generator=gen).tolist()

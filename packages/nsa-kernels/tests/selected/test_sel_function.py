@@ -127,7 +127,7 @@ def test_resolve_config_takes_the_forced_block_prologue_where_it_applies() -> No
     tma = SelConfig(tma=1)
     assert resolve_config(tma, 4, 128, 128, 64).forced_tokens == 16
     assert resolve_config(tma, 1, 128, 128, 64).forced_tokens == 16
-    # A forward from the sliding branch's local softmax has its forced local blocks already.
+    # A forward from the sliding branch's local softmax has its forced blocks already.
     assert resolve_config(tma, 4, 128, 128, 64, local=True).forced_tokens == 1
     assert resolve_config(tma, 16, 128, 128, 64).forced_tokens == 1
     assert resolve_config(SelConfig(tma=1, forced_tokens=8), 16, 128, 128, 64).forced_tokens == 8

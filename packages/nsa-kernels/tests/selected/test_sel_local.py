@@ -1,9 +1,10 @@
 """The selected forward that starts from the sliding branch's local softmax (``local``).
 
 Where the selected and sliding branches share k and v, the sliding kernel hands over each row's
-softmax over its local keys ``[max(jt - 1, 0) l', t]`` (nsa_core.local_softmax), and the selected
-walk covers only the row's blocks below them. Output, log-sum-exp and every gradient must be the
-reference's, for index rows that hold their forced blocks; a row without them says so with NaN.
+softmax over its forced blocks' keys, ``[0, l')`` and ``[max(jt - 1, 0) l', t]``
+(nsa_core.local_softmax), and the selected walk covers only the row's blocks between them.
+Output, log-sum-exp and every gradient must be the reference's, for index rows that hold their
+forced blocks; a row without them says so with NaN.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ CASES = [
     Case("G=16 paper l'=64", group=16, h=1, tq=150, dk=32, dv=32, sel_block=64, n=4),
     Case("q_start>0 off the block grid", group=2, tq=21, q_start=37, n=3),
     Case("varlen with a length-1 sequence", group=2, tq=58, seqlens=[1, 33, 0, 24], n=4),
-    # Contiguous runs of blocks ending at jt: everything below the local blocks is walked.
-    Case("spans", group=2, tq=50, n=4, indices="span"),
+    # Block 0 and a contiguous run of blocks ending at jt: every block between is walked.
+    Case("spans", group=2, tq=50, n=4, indices="initial_span"),
     # Two programs per row along dv, each starting from its channels of the local output.
     Case("dv chunks", group=2, tq=40, dv=32, n=4, config={"block_dv": 16, "tma": 2}),
     pytest.param(Case("TMA", group=3, tq=45, n=4, config={"tma": 1}), marks=TMA, id="TMA"),
@@ -109,17 +110,20 @@ def test_gated_gradients_from_the_local_softmax_match_reference(case: Case) -> N
         assert rel_err(a, b) < 2 * BOUND[F32], name
 
 
-def test_a_row_without_its_local_blocks_gives_nan() -> None:
-    """The local softmax stands for the blocks jt - 1 and jt; a row whose set lacks one of them
-    has no right output from it: NaN on that row's heads, the other rows as the reference."""
+def test_a_row_without_its_forced_blocks_gives_nan() -> None:
+    """The local softmax stands for the blocks 0, jt - 1 and jt; a row whose set lacks one of
+    them has no right output from it: NaN on that row's heads, the other rows as the
+    reference."""
     assert DEVICE is not None
     case = Case("missing", group=2, tq=40, n=3)
     gen = torch.Generator().manual_seed(7)
     q, k, v, idx, cu = make_inputs(case, gen, F32, DEVICE)
     idx[0, 35, 1] = torch.tensor([0, 1, -1], dtype=idx.dtype)  # jt = 2: block 2 is missing
+    idx[0, 38, 0] = torch.tensor([1, 2, -1], dtype=idx.dtype)  # jt = 2: block 0 is missing
     o, lse = selected_attention_fwd(q, k, v, idx, case.sel_block, local=local_of(q, k, v, case, cu))
     bad = torch.zeros(o.shape[:3], dtype=torch.bool)
     bad[0, 35, 2:4] = True  # the two query heads of kv head 1
+    bad[0, 38, 0:2] = True
     assert torch.isnan(o.cpu()).any(-1).equal(bad)
     assert torch.isnan(lse.cpu()).equal(bad)
     want = reference(q, k, v, idx, case, cu)
@@ -131,10 +135,12 @@ def test_a_row_without_its_local_blocks_gives_nan() -> None:
     [("v", float("nan")), ("v", float("inf")), ("k", float("nan")), ("k", float("-inf"))],
     ids=["nan_value", "inf_value", "nan_key", "-inf_key"],
 )
+@pytest.mark.parametrize("at", [37, 5], ids=["in_local_blocks", "in_block_0"])
 def test_a_non_finite_local_key_or_value_reaches_the_rows_the_plain_walk_gives_it(
-    where: str, bad: float
+    where: str, bad: float, at: int
 ) -> None:
-    """A non-finite key or value inside some rows' local blocks: the sliding branch's local
+    """A non-finite key or value inside some rows' local blocks (position 37: those of blocks 2
+    and 3, l' = 16) or in block 0 (every row's): the sliding branch's local
     softmax (its containing launch) and the selected walk from it give non-finite values
     exactly where the selected kernel without it does (docs/spec.md, "Non-finite values"; which
     of NaN or inf is not specified: the sliding kernel writes NaN in a value channel that meets
@@ -146,7 +152,7 @@ def test_a_non_finite_local_key_or_value_reaches_the_rows_the_plain_walk_gives_i
     gen = torch.Generator().manual_seed(8)
     q, k, v, idx, _ = make_inputs(case, gen, F32, DEVICE)
     target = k if where == "k" else v
-    target[0, 37, 1, 3] = bad  # kv head 1: local to the rows of blocks 2 and 3 (l' = 16)
+    target[0, at, 1, 3] = bad  # kv head 1
     _, local = sliding_attention_triton_with_local(q, k, v, 40, sel_block=case.sel_block)
     o_local, lse_local = selected_attention_fwd(q, k, v, idx, case.sel_block, local=local)
     o_plain, lse_plain = selected_attention_fwd(q, k, v, idx, case.sel_block)

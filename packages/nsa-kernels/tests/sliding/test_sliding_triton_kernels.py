@@ -135,6 +135,10 @@ LOCAL_CASES = [
     Case("window_covers_all", window=64, sel_block=48, tq=50, group=2, config=SMALL),
     # The default tiles, l' = 64 as in the paper, G = 4.
     Case("default_tiles", window=160, sel_block=64, tq=230, group=4, dk=32, dv=32),
+    # Block 0 over two key tiles (l' = 20), in a tile whose first rows (t < 2 l') hold it among
+    # their local keys and whose others take it apart.
+    Case("initial_block_in_a_mixed_tile", window=40, sel_block=20, tq=40, q_start=33, h=2,
+         config=SMALL),
 ]  # fmt: skip
 
 
@@ -142,9 +146,10 @@ LOCAL_CASES = [
 def test_local_softmax_and_window_match_reference(
     case: Case, request: pytest.FixtureRequest
 ) -> None:
-    """The sliding call that also hands out each row's softmax over its local keys
-    ``[max(t // l' - 1, 0) l', t]``: o and its gradients as the reference's sliding attention,
-    the local o and lse as the float64 definition, all within the float32 bound."""
+    """The sliding call that also hands out each row's softmax over its forced blocks' keys,
+    ``[0, l')`` and ``[max(t // l' - 1, 0) l', t]``: o and its gradients as the reference's
+    sliding attention, the local o and lse as the float64 definition, all within the float32
+    bound."""
     gen = torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
     q, k, v, cu = inputs(case, gen)
     do = torch.randn(case.batch, case.tq, case.hq, case.dv, generator=gen).to(q.device)

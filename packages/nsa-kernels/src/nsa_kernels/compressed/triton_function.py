@@ -400,8 +400,8 @@ def _fwd(
     """(o, lse) of the forward kernel, written into ``into`` when given.
 
     ``local`` (with ``info.local_block``, the sliding branch): (o_loc [B, Tq, HQ, dv], lse_loc
-    [B, Tq, HQ]) at o's and lse's strides, receive each row's softmax over its local keys
-    (cmp_fwd_kernel's LOCAL).
+    [B, Tq, HQ]) at o's and lse's strides, receive each row's softmax over its forced blocks'
+    keys (cmp_fwd_kernel's LOCAL).
 
     ``unless_finite``: an :func:`all_finite_flag`; launch the containing path alone, gated on
     it, so that its programs work only where the flagged tensors hold a non-finite value and

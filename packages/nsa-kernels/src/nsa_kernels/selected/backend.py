@@ -211,7 +211,7 @@ def selected_attention_gated_backend(
     toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp (a tensor or a
     :class:`~nsa_core.row_runs.RowRuns`) and o_win [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] ->
     o [B, Tq, HQ, dv], differentiable in all six; ``local`` (``gated_local``): the sliding
-    branch's softmax over each row's local keys, the walk's start."""
+    branch's softmax over each row's forced blocks, the walk's start."""
     from nsa_kernels.selected.function import selected_attention_gated_triton
 
     _log_device(q.device)

@@ -159,7 +159,7 @@ def _sel_fwd_rows(
         acc = tl.zeros([BG, BV], dtype=tl.float32)
         if HAS_INIT or LOCAL:
             # The prologue's softmax over the row's forced blocks (nsa_kernels.selected.forced),
-            # or the sliding branch's over its local keys (LOCAL), as a running state:
+            # or the sliding branch's over the same blocks (LOCAL), as a running state:
             # m = its lse (base 2), l = 1, acc = its normalised output.
             lse0 = tl.load(init_lse_ptr + b * stride_lb + r * stride_lt + heads, mask=g_mask,
                            other=float("-inf"))  # fmt: skip
@@ -174,11 +174,12 @@ def _sel_fwd_rows(
                 mask=(g_mask & some)[:, None] & v_mask[None, :], other=0.0,
             ).to(tl.float32)  # fmt: skip
         if LOCAL:
-            steps, held = walk_before_local(idx_row, nsel, t, SEL=SEL, NSUB=NSUB, NP=NP)
+            start, steps, held = walk_before_local(idx_row, nsel, t, SEL=SEL, NSUB=NSUB, NP=NP)
         else:
+            start = 0
             # Tiles that hold no key the row sees end the walk: left out (walk_steps).
             steps = walk_steps(idx_row, nsel, t, SEL=SEL, BL=BL, NSUB=NSUB, NP=NP)
-        for it in range(steps):
+        for it in range(start, steps):
             pos, live, first = selected_tile(idx_row, it, t, SEL=SEL, BL=BL, NSUB=NSUB)
             k_rows = k_head + pos.to(tl.int64)[:, None] * stride_kt
             kv_row = (b * tk + tok0 + first).to(tl.int32)
@@ -380,10 +381,10 @@ def forward(
     ``gated``: o is the gated sum of the three branches instead (see sel_fwd_kernel's GATED);
     lse stays the selected branch's own. ``slc_out`` (with ``gated``): a contiguous
     [B, Tq, HQ, dv] tensor of q's dtype that receives the selected branch's own output as well.
-    ``local``: each row's softmax over its local blocks ``max(jt - 1, 0) .. jt`` (the sliding
-    branch's, over the same keys and values, l' = info.sel_block); every row's index set holds
-    those blocks (its forced ones), and the walk starts from that softmax and covers the blocks
-    below them (sel_fwd_kernel's LOCAL); the call's config comes from ``prepare(..., local=True)``
+    ``local``: each row's softmax over its forced blocks 0 and ``max(jt - 1, 0) .. jt`` (the
+    sliding branch's, over the same keys and values, l' = info.sel_block); every row's index set
+    holds those blocks, and the walk starts from that softmax and covers the blocks between
+    them (sel_fwd_kernel's LOCAL); the call's config comes from ``prepare(..., local=True)``
     (the forced-block prologue off).
     """
     if slc_out is not None and (gated is None or not slc_out.is_contiguous()):

@@ -13,7 +13,7 @@ natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
 - :func:`selected_tile`: step ``it`` of the walk: the keys of one BL-tile of one selected block,
   and which of them the row sees.
 - :func:`walk_steps`: how many steps of the walk can hold a key the row sees (forward and dq).
-- :func:`walk_before_local`: the forward's walk where the row's local blocks come from the
+- :func:`walk_before_local`: the forward's walk where the row's forced blocks come from the
   sliding branch's softmax.
 - :func:`query_tokens` and :func:`compact_rows`: the TB consecutive rows a program of the
   forward's forced-block prologue serves (:mod:`nsa_kernels.selected.forced`), and the blocks
@@ -154,18 +154,22 @@ def walk_steps(
 
 @triton.jit
 def walk_before_local(idx_row, nsel, t, SEL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr):
-    """(steps, held) of a walk that leaves the row's local blocks ``max(jt - 1, 0) .. jt``
-    (jt = t // SEL) to a softmax computed elsewhere (:class:`nsa_core.local_softmax.
-    LocalSoftmax`): steps covers every tile of the row's blocks below them, all whole (the
-    first slots of an ascending set); held: the set holds every local block, without which
-    that softmax is not the row's."""
+    """(first, steps, held) of a walk that leaves the row's forced blocks 0 and
+    ``max(jt - 1, 0) .. jt`` (jt = t // SEL) to a softmax computed elsewhere
+    (:class:`nsa_core.local_softmax.LocalSoftmax`): steps ``first .. steps - 1`` cover every
+    tile of the row's blocks between them, all whole (an ascending set's slots after block 0);
+    held: the set holds every forced block, without which that softmax is not the row's."""
     slots = tl.arange(0, NP)
     blocks = tl.load(idx_row + slots, mask=slots < nsel, other=-1)
     jt = t // SEL
     first_local = tl.maximum(jt - 1, 0)
     below = tl.sum(((blocks >= 0) & (blocks < first_local)).to(tl.int32), axis=0)
     local = tl.sum(((blocks >= first_local) & (blocks <= jt)).to(tl.int32), axis=0)
-    return below * NSUB, local == jt - first_local + 1
+    # Below the local blocks, block 0 is the set's first slot.
+    apart = first_local > 0
+    has_initial = tl.sum((blocks == 0).to(tl.int32), axis=0) > 0
+    held = (local == jt - first_local + 1) & (has_initial | (first_local == 0))
+    return tl.where(apart, NSUB, 0), below * NSUB, held
 
 
 @triton.jit

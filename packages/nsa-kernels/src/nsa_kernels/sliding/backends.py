@@ -19,7 +19,7 @@ H = 4, d = 128, w = 512, bf16 on an H200 it took 1.58 / 2.87 / 5.22 / 10.48 ms f
 (docs/results/2026-11-26-h200-layer.md). It serves any G, needs no compile step, and its
 backward is deterministic. FA-2 stays above it where flash_attn is installed.
 
-``triton_win`` also hands the selected branch each row's softmax over its local keys
+``triton_win`` also hands the selected branch each row's softmax over its forced blocks
 (``fn_with_local``, :mod:`nsa_core.local_softmax`) where the two branches share k and v.
 """
 

@@ -56,8 +56,9 @@ def sliding_attention_triton_with_local(
     q_start: int = 0, cu_seqlens: Tensor | None = None, config: CmpConfig | None = None,
 ) -> tuple[Tensor, LocalSoftmax]:  # fmt: skip
     """:func:`sliding_attention_triton` and, from the same walk, each row's softmax over its
-    local keys ``[max(t // l' - 1, 0) * l', t]`` (:class:`nsa_core.local_softmax.LocalSoftmax`,
-    l' = ``sel_block``), which the selected branch starts from where it shares k and v.
+    forced blocks' keys, ``[0, l')`` and ``[max(t // l' - 1, 0) * l', t]``
+    (:class:`nsa_core.local_softmax.LocalSoftmax`, l' = ``sel_block``), which the selected
+    branch starts from where it shares k and v.
 
     Arguments as :func:`sliding_attention_triton`, and sel_block (keyword): l', with w >= 2 l'
     (or a window no shorter than the keys), so that the window holds the local keys.
