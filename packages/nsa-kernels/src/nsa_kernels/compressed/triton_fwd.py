@@ -35,7 +35,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # Plain module floats are not visible inside @jit; constexpr globals are.
 _LN2 = tl.constexpr(LN2)
-_LOG2E = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -253,9 +252,9 @@ def cmp_fwd_kernel(
     LOCAL (the sliding branch, l = d = 1, with w >= 2 SEL or no window): each row walks its
     local keys ``[max(jt - 1, 0) * SEL, t]`` (jt = t // SEL, SEL = l') first and stores that
     softmax, normalised, as loc_o and loc_lse (at o's and lse's strides), then the rest of its
-    window on the same running state; last, block 0's keys join the stored softmax
-    (:func:`_add_initial_block`). The selected branch always attends to those keys (its forced
-    blocks 0, jt - 1 and jt) and starts its own walk from that state
+    window on the same running state; block 0's keys join the stored softmax only (a copy of
+    the state). The selected branch always attends to those keys (its forced blocks 0, jt - 1
+    and jt) and starts its own walk from that state
     (:func:`nsa_kernels.selected.forward.forward`'s ``local``): their tiles are loaded once per
     query tile here instead of once per row there.
     """
@@ -292,8 +291,22 @@ def cmp_fwd_kernel(
                 q, k_head, v_head, kbase + n0, n0, n_hi, nvis, lb, m_i, l_i, acc,
                 stride_kt, stride_vt, qk_scale, DK, BK, DV, BV, BN, True, CONTAIN, True, DOT_PREC,
             )  # fmt: skip
+        # Block 0 joins a copy of that state for the rows whose local keys start past it (it
+        # lies outside their window): stored, it is the softmax over the forced blocks. The
+        # copy costs a second accumulator for one tile; taking block 0 after the window walk
+        # instead, from the stored softmax, cost more (the sliding forward at 64k, G = 16 on
+        # an H100: +0.88 ms, against 3.96 ms without block 0).
+        m_z, l_z, acc_z = m_i, l_i, acc
+        if lb_last > 0:
+            apart = tl.where(row_ok & (lb > 0), SEL, 0)
+            for z0 in tl.static_range(0, SEL, BN):
+                m_z, l_z, acc_z = _fwd_key_tile(
+                    q, k_head, v_head, kbase + z0, z0, SEL, apart, apart, m_z, l_z, acc_z,
+                    stride_kt, stride_vt, qk_scale, DK, BK, DV, BV, BN, True, CONTAIN, False,
+                    DOT_PREC,
+                )  # fmt: skip
         _store_rows(
-            loc_o_ptr, loc_lse_ptr, b, rows, heads, row_ok, m_i, l_i, acc,
+            loc_o_ptr, loc_lse_ptr, b, rows, heads, row_ok, m_z, l_z, acc_z,
             stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, BV, True,
         )  # fmt: skip
         # Then the rest of the window, [nlo, lb), on the same running softmax.
@@ -312,54 +325,6 @@ def cmp_fwd_kernel(
         o_ptr, lse_ptr, b, rows, heads, row_ok, m_i, l_i, acc,
         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, BV,
     )  # fmt: skip
-    if LOCAL:
-        # Block 0 joins the local softmax of the rows whose local keys start past it. It lies
-        # outside their window state, so it comes last, from the stored local softmax: the
-        # accumulator is free again, where a second one beside the window walk's would spill.
-        _add_initial_block(
-            q, k_head, v_head, kbase, lb, lb_last, loc_o_ptr, loc_lse_ptr, b, rows, heads, row_ok,
-            stride_kt, stride_vt, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-            qk_scale, DK, BK, DV, BV, BN, SEL, CONTAIN, DOT_PREC,
-        )  # fmt: skip
-
-
-@triton.jit
-def _add_initial_block(
-    q, k_head, v_head, kbase, lb, lb_last, loc_o_ptr, loc_lse_ptr, b, rows, heads, row_ok,
-    stride_kt, stride_vt, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, qk_scale,
-    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
-    SEL: tl.constexpr, CONTAIN: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """The stored local softmax (loc_o, loc_lse) of the rows whose local keys start at lb > 0,
-    carried over block 0's keys ``[0, SEL)`` and stored again: then it is the softmax over
-    the row's forced blocks {0, jt - 1, jt}. Rows with lb = 0 hold block 0 among their local
-    keys already and are left as they are (lb_last = 0: every row of the tile)."""
-    if lb_last > 0:
-        # Other threads of the program stored those rows: their stores must reach the loads.
-        tl.debug_barrier()
-        takes = row_ok & (lb > 0)
-        lse0 = tl.load(loc_lse_ptr + b * stride_lb + rows * stride_lt + heads, mask=takes,
-                       other=float("-inf"))  # fmt: skip
-        # The same running state the selected walk starts from (m = lse in base 2, l = 1,
-        # acc = the normalised output); a NaN lse starts a NaN sum.
-        some = lse0 != float("-inf")
-        m_i = tl.where(some, lse0 * _LOG2E, -1.0e30)
-        l_i = tl.where(some, tl.where(lse0 == lse0, 1.0, float("nan")), 0.0)
-        offs_v = tl.arange(0, BV)
-        o_rows = loc_o_ptr + b * stride_ob + rows[:, None] * stride_ot + heads[:, None] * stride_oh
-        v_ok = (offs_v < DV)[None, :]
-        acc = tl.load(o_rows + offs_v[None, :], mask=(takes & some)[:, None] & v_ok, other=0.0)
-        acc = acc.to(tl.float32)
-        upper = tl.where(takes, SEL, 0)
-        for n0 in tl.static_range(0, SEL, BN):
-            m_i, l_i, acc = _fwd_key_tile(
-                q, k_head, v_head, kbase + n0, n0, SEL, upper, upper, m_i, l_i, acc,
-                stride_kt, stride_vt, qk_scale, DK, BK, DV, BV, BN, True, CONTAIN, False, DOT_PREC,
-            )  # fmt: skip
-        _store_rows(
-            loc_o_ptr, loc_lse_ptr, b, rows, heads, takes, m_i, l_i, acc,
-            stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, DV, BV, True,
-        )  # fmt: skip
 
 
 @triton.jit
