@@ -102,7 +102,8 @@ def selected_attention_gated_triton(
             :func:`nsa_kernels.sliding.triton_function.sliding_attention_triton_with_local`);
             every index row must hold the row's blocks 0 and ``max(jt - 1, 0) .. jt`` (the forced
             blocks of ``select_blocks`` with n >= 3: a row without them gives NaN). The kernel
-            starts from it and walks the blocks below; the gradients are those of the plain call.
+            starts from it and walks the blocks between; the gradients are those of the plain
+            call.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
