@@ -200,8 +200,9 @@ def _count_local_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward+backward"])
+@pytest.mark.parametrize(("hq", "h"), [(16, 2), (4, 4)], ids=["G=8", "G=1"])
 def test_the_core_from_the_local_softmax_matches_the_reference_in_float32(
-    monkeypatch: pytest.MonkeyPatch, grad: bool
+    monkeypatch: pytest.MonkeyPatch, grad: bool, hq: int, h: int
 ) -> None:
     """The core on the default routes, k and v shared by the branches: the sliding branch hands
     its local softmax to the selected one (counted), and o (and the gradients of q, k, v and
@@ -214,10 +215,10 @@ def test_the_core_from_the_local_softmax_matches_the_reference_in_float32(
     calls = _count_local_calls(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(3)
     t = 2048 + 7
-    q, k, v = (torch.randn(1, t, hq, 64, device="cuda", generator=gen) for hq in (16, 2, 2))
-    gates = torch.sigmoid(torch.randn(1, t, 16, 3, device="cuda", generator=gen))
-    do = torch.randn(1, t, 16, 64, device="cuda", generator=gen)
-    config = NSAConfig(num_q_heads=16, num_kv_heads=2, head_dim_qk=64, head_dim_v=64)
+    q, k, v = (torch.randn(1, t, heads, 64, device="cuda", generator=gen) for heads in (hq, h, h))
+    gates = torch.sigmoid(torch.randn(1, t, hq, 3, device="cuda", generator=gen))
+    do = torch.randn(1, t, hq, 64, device="cuda", generator=gen)
+    config = NSAConfig(num_q_heads=hq, num_kv_heads=h, head_dim_qk=64, head_dim_v=64)
     inputs = (q, k, v, gates)
     leaves = [x.clone().requires_grad_(grad) for x in inputs]
     ref_leaves = [x.double().cpu().requires_grad_(grad) for x in inputs]

@@ -80,12 +80,12 @@ def test_alignment_guard() -> None:
     assert alignment_reason(torch.int8, 64, 64) is not None
 
 
-def test_the_local_softmax_is_taken_from_g_2_on() -> None:
-    """The gated launch starts from the sliding branch's local softmax where it pays (G > 1);
-    at G = 1 the forced-block prologue serves better, so the core computes none."""
+def test_the_local_softmax_is_taken_at_every_group_size() -> None:
+    """The gated launch starts from the sliding branch's softmax over the forced blocks at every
+    G: holding block 0 too, it beats the forced-block prologue at G = 1 as well."""
     (backend,) = backends()
     assert backend.gated_local is takes_local
-    assert not takes_local(op_context(hq=4, h=4))
+    assert takes_local(op_context(hq=4, h=4))
     assert takes_local(op_context(hq=8, h=4))
     assert takes_local(op_context(hq=64, h=4))
 

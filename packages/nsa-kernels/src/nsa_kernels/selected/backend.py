@@ -223,15 +223,17 @@ def selected_attention_gated_backend(
 
 
 def takes_local(ctx: OpContext) -> bool:
-    """Whether the core should hand this call the sliding branch's local softmax: at G > 1.
+    """Whether the core should hand this call the sliding branch's local softmax: at every G.
 
-    At G = 1 the forced-block prologue serves the selected forward better. Sliding + selected
-    forward kernels on an H100, bf16, HQ = 64, dk = dv = 128, l' = 64, n = 16, w = 512, with
-    the prologue (G <= 4) or without it, against from the local softmax: G = 1, 8k: 25.41 ->
-    25.92 ms; G = 2, 16k: 27.39 -> 27.21; G = 4, 32k: 29.76 -> 29.54; G = 16, 64k: 19.84 ->
-    18.88 (docs/results/2026-11-27-h100-layer-12.md).
+    Since that softmax holds all three forced blocks it beats the forced-block prologue at
+    G = 1 as well (the prologue had won there while block 0 was still walked per row). Sliding
+    + selected forward kernels on an H100, bf16, HQ = 64, dk = dv = 128, l' = 64, n = 16,
+    w = 512, with the prologue (G <= 4) or without it, against from the local softmax: G = 1,
+    8k: 25.18 -> 24.07 ms; G = 2, 16k: 27.27 -> 25.29; G = 4, 32k: 29.11 -> 27.65; G = 16, 64k:
+    19.53 -> 18.05 (docs/results/2026-11-27-h100-layer-13.md). The registry asks for a
+    predicate so that a backend may decide per call; this one takes it for every call.
     """
-    return ctx.num_q_heads > ctx.num_kv_heads
+    return True
 
 
 def _requested(toggles: Toggles) -> bool:
