@@ -160,6 +160,23 @@ def test_with_a_gradient_the_local_softmax_is_handed_over_and_gradients_flow() -
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("isolated_registry")
+@pytest.mark.parametrize("gated_local", [True, False], ids=["taken", "not taken"])
+def test_routing_report_says_where_the_sliding_branch_hands_over_its_softmax(
+    gated_local: bool,
+) -> None:
+    from nsa_core.registry import routing_report
+
+    LocalSpy(gated_local=gated_local).register()
+    ctx = OpContext(
+        device=torch.device("cpu"), dtype=F64, seq_len=23, num_q_heads=4, num_kv_heads=2,
+        head_dim_qk=8, head_dim_v=8, requires_grad=False, varlen=False,
+    )  # fmt: skip
+    (line,) = [x for x in routing_report(ctx, Toggles()).splitlines() if "sliding_attention" in x]
+    assert "win_spy" in line
+    assert ("softmax over its forced blocks" in line) == gated_local
+
+
 def test_the_local_keys_are_the_forced_blocks_keys() -> None:
     """The definition: row t attends to positions 0 .. l' - 1 and max(t // l' - 1, 0) l' .. t
     (those up to t), in one softmax (here against a loop over rows), restarting in every packed

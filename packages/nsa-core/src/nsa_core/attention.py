@@ -188,10 +188,10 @@ def _local_softmax_serves(
     cu_seqlens: torch.Tensor | None,
 ) -> bool:
     """Whether the sliding branch should hand the selected one its local softmax
-    (:mod:`nsa_core.local_softmax`): the two branches share their keys and values and their
-    positions, the window holds every row's blocks jt - 1 and jt (NSAConfig's n >= 3 puts
-    those blocks in every index row: forced, docs/spec.md), and the selected backend's one-step
-    gated sum starts from such a softmax."""
+    (:mod:`nsa_core.local_softmax`, over each row's forced blocks 0, jt - 1 and jt, which
+    NSAConfig's n >= 3 puts in every index row: docs/spec.md): the two branches share their
+    keys and values and their positions, the window holds every row's blocks jt - 1 and jt,
+    and the selected backend's one-step gated sum starts from such a softmax."""
     shared = k_slc is k_win and v_slc is v_win and (win_start is None or win_start == q_start)
     if not shared:
         return False

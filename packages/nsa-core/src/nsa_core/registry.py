@@ -252,7 +252,9 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
     Where the attention core would sum the gated combine inside the selected branch's launch
     (:func:`resolve_gated` gives a backend for this context), the ``gated_combine`` line
     says so; where it would hand the compressed output to that launch as runs of rows
-    (``fn_runs_with_lse`` and ``gated_runs``), the ``compressed_attention`` line does.
+    (``fn_runs_with_lse`` and ``gated_runs``), the ``compressed_attention`` line does; where
+    the sliding backend would hand that launch each row's softmax over its forced blocks
+    (``fn_with_local`` and ``gated_local``), the ``sliding_attention`` line does.
     """
     toggles = get_toggles() if toggles is None else toggles
     lines = []
@@ -266,6 +268,11 @@ def routing_report(ctx: OpContext, toggles: Toggles | None = None) -> str:
         if op == "compressed_attention" and _runs_in_place(res.backend, ctx, toggles):
             need = "with grad" if ctx.requires_grad else "no grad"
             line += f"   ({need}: its output reaches selected_attention's launch as runs of rows)"
+        if op == "sliding_attention" and _hands_local(res.backend, ctx, toggles):
+            line += (
+                "   (where the branches share k and v and w >= 2 l': it hands "
+                "selected_attention's launch each row's softmax over its forced blocks)"
+            )
         lines.append(line)
     return "\n".join(lines)
 
@@ -279,6 +286,18 @@ def _runs_in_place(compressed: Backend, ctx: OpContext, toggles: Toggles) -> boo
         return False
     gated = resolve_gated(ctx, ctx, toggles)
     return gated is not None and gated.gated_runs
+
+
+def _hands_local(sliding: Backend, ctx: OpContext, toggles: Toggles) -> bool:
+    """Whether the attention core has this sliding backend hand the selected step's one-launch
+    sum each row's softmax over its forced blocks (:mod:`nsa_core.local_softmax`): no debug
+    hook, the backend has ``fn_with_local``, and the selected backend of that sum has a
+    ``gated_local`` that wants one for this context. Whether a call's branches share k and v
+    and its window holds the local keys is the call's to say, not the context's."""
+    if toggles.debug_hooks or sliding.fn_with_local is None:
+        return False
+    gated = resolve_gated(ctx, ctx, toggles)
+    return gated is not None and gated.gated_local is not None and gated.gated_local(ctx)
 
 
 def _always(ctx: OpContext, toggles: Toggles) -> str | None:
