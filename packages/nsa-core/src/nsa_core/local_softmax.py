@@ -60,6 +60,16 @@ def holds_local_keys(window: int, sel_block: int, num_keys: int) -> bool:
     return window >= 2 * sel_block or window >= num_keys
 
 
+def check_holds_local_keys(window: int, sel_block: int, num_keys: int) -> None:
+    """Refuse a sliding call asked for the local softmax whose window does not hold the local
+    keys (:func:`holds_local_keys`)."""
+    if not holds_local_keys(window, sel_block, num_keys):
+        raise ValueError(
+            f"window={window} < 2 * sel_block={2 * sel_block}: the window does not hold every "
+            "row's local blocks"
+        )
+
+
 def local_softmax_reference(
     q: torch.Tensor,
     k: torch.Tensor,

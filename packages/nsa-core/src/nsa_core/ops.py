@@ -29,7 +29,7 @@ from nsa_core.checks import (
     check_selected_attention,
     check_sliding_attention,
 )
-from nsa_core.local_softmax import LocalSoftmax, check_local_softmax, holds_local_keys
+from nsa_core.local_softmax import LocalSoftmax, check_holds_local_keys, check_local_softmax
 from nsa_core.op_context import OpContext, op_context
 from nsa_core.registry import (
     resolve,
@@ -296,11 +296,7 @@ def sliding_attention_with_local(
         backend has no ``fn_with_local`` (or a debug hook is on: the hooks observe ``fn``).
     """
     ctx = check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-    if not holds_local_keys(window, sel_block, k.shape[1]):
-        raise ValueError(
-            f"window={window} < 2 * sel_block={2 * sel_block}: the window does not hold every "
-            "row's local blocks"
-        )
+    check_holds_local_keys(window, sel_block, k.shape[1])
     toggles = get_toggles()
     args = (q, k, v, window, scale)
     kwargs = {"q_start": q_start, "cu_seqlens": cu_seqlens, "toggles": toggles}

@@ -41,7 +41,7 @@ from nsa_kernels.selected.row_walk import (
     LOG2E_CONST,
     query_row,
     selected_tile,
-    walk_before_local,
+    walk_between_forced,
     walk_steps,
 )
 
@@ -174,7 +174,7 @@ def _sel_fwd_rows(
                 mask=(g_mask & some)[:, None] & v_mask[None, :], other=0.0,
             ).to(tl.float32)  # fmt: skip
         if LOCAL:
-            start, steps, held = walk_before_local(idx_row, nsel, t, SEL=SEL, NSUB=NSUB, NP=NP)
+            start, steps, held = walk_between_forced(idx_row, nsel, t, SEL=SEL, NSUB=NSUB, NP=NP)
         else:
             start = 0
             # Tiles that hold no key the row sees end the walk: left out (walk_steps).

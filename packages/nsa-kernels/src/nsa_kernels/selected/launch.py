@@ -130,7 +130,8 @@ def resolve_config(
     """Fill the zeros of ``config`` with the defaults (``toggles`` default: :func:`get_toggles`).
 
     ``local``: the forward starts from the sliding branch's local softmax (forward's
-    ``local``), which covers the forced blocks jt-1 and jt: the forced-block prologue is off.
+    ``local``), which covers the forced blocks 0, jt-1 and jt: the forced-block prologue is
+    off.
 
     Defaults (tuned on an H100 at the paper's shapes, docs/selection.md): one key tile per
     selected block up to 64 keys (larger blocks are walked 64 at a time), the whole dk and dv in

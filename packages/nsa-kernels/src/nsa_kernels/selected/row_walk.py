@@ -13,7 +13,7 @@ natural log, so ``p = exp2(qk_scale * q.k - lse * log2(e))``.
 - :func:`selected_tile`: step ``it`` of the walk: the keys of one BL-tile of one selected block,
   and which of them the row sees.
 - :func:`walk_steps`: how many steps of the walk can hold a key the row sees (forward and dq).
-- :func:`walk_before_local`: the forward's walk where the row's forced blocks come from the
+- :func:`walk_between_forced`: the forward's walk where the row's forced blocks come from the
   sliding branch's softmax.
 - :func:`query_tokens` and :func:`compact_rows`: the TB consecutive rows a program of the
   forward's forced-block prologue serves (:mod:`nsa_kernels.selected.forced`), and the blocks
@@ -153,7 +153,7 @@ def walk_steps(
 
 
 @triton.jit
-def walk_before_local(idx_row, nsel, t, SEL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr):
+def walk_between_forced(idx_row, nsel, t, SEL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr):
     """(first, steps, held) of a walk that leaves the row's forced blocks 0 and
     ``max(jt - 1, 0) .. jt`` (jt = t // SEL) to a softmax computed elsewhere
     (:class:`nsa_core.local_softmax.LocalSoftmax`): steps ``first .. steps - 1`` cover every

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from nsa_core.checks import check_sliding_attention
-from nsa_core.local_softmax import LocalSoftmax, holds_local_keys
+from nsa_core.local_softmax import LocalSoftmax, check_holds_local_keys
 from nsa_kernels.common.forward_outputs import forward_outputs
 from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
 from nsa_kernels.compressed.triton_function import (
@@ -69,11 +69,7 @@ def sliding_attention_triton_with_local(
     """
     if sel_block < 1:
         raise ValueError(f"sel_block must be >= 1, got {sel_block}")
-    if not holds_local_keys(window, sel_block, k.shape[1]):
-        raise ValueError(
-            f"window={window} < 2 * sel_block={2 * sel_block}: the window does not hold every "
-            "row's local blocks"
-        )
+    check_holds_local_keys(window, sel_block, k.shape[1])
     info, cfg = _prepare(q, k, v, window, scale, q_start, cu_seqlens, config, local_block=sel_block)
     local = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     o, _ = attend_with_lse(q, k, v, info, cfg, local)
