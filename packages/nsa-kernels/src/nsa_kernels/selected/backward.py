@@ -7,11 +7,10 @@
   p from lse; writes dq and delta = rowsum(o * do).
 
 GATED (the gated combine's backward, :class:`~nsa_kernels.selected.function.GatedSelectedFunction`):
-the kernels take the combine's upstream gradient do and the selected gate g instead of a stored
-d o_slc = g * do (one q-sized write and read less). g scales the float32 products do . v and
-p (for dv) per row, and delta = g * rowsum(do * o_slc); the dq kernel, which reads o_slc and do
-anyway, also writes the gate's gradient rowsum(do * o_slc). Without d o_slc's rounding to q's
-dtype the gradients agree with those of the steps apart to rounding, not bit for bit.
+the kernels take the combine's upstream gradient and the selected gate g instead of d o_slc, and
+form ``d o_slc = g * do`` where they load it, rounded as the combine's kernel rounds it (so the
+gradients are bit-equal to those from a stored d o_slc, one q-sized write and read less); the dq
+kernel, which reads o_slc and do anyway, also writes the gate's gradient rowsum(do * o_slc).
 - ``sel_bwd_dkv_kernel``: one program per work segment of one (key block, kv head): a slice of the
   queries that selected the block (the CSR of :mod:`nsa_kernels.selected.csr`), gathered TPI
   tokens x G heads at a time.
@@ -96,20 +95,21 @@ def _sel_bwd_dq_rows(
         ov_mask = g_mask[:, None] & v_mask[None, :]
         do = tl.load(do_ptr + o_rows, mask=ov_mask, other=0.0)
         o = tl.load(o_ptr + o_rows, mask=ov_mask, other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-        gate = tl.full([BG], 1.0, tl.float32)
         if GATED:
-            # do is the combine's upstream gradient, this branch's is gate * do: rowsum(do * o)
-            # is the gate's gradient, and gate * it this branch's delta (module docstring).
+            # do is the combine's upstream gradient: the gate's gradient is rowsum(do * o_slc),
+            # and this branch's upstream gradient g * do (see the module docstring).
             if WRITE_DG:
+                d_gate = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
                 tl.store(
                     dgate_ptr + b * stride_eb + r * stride_et + heads * stride_eh,
-                    delta.to(dgate_ptr.dtype.element_ty),
+                    d_gate.to(dgate_ptr.dtype.element_ty),
                     mask=g_mask,
                 )
-            gate_rows = gate_ptr + b * stride_gb + r * stride_gt + heads * stride_gh
-            gate = tl.load(gate_rows, mask=g_mask, other=0.0).to(tl.float32)
-            delta = gate * delta
+            gate = tl.load(
+                gate_ptr + b * stride_gb + r * stride_gt + heads * stride_gh, mask=g_mask, other=0.0
+            )
+            do = (gate.to(tl.float32)[:, None] * do.to(tl.float32)).to(do.dtype)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         stat = b * stride_lb + r * stride_lt + heads
         tl.store(delta_ptr + stat, delta, mask=g_mask)
         lse = tl.load(lse_ptr + stat, mask=g_mask, other=0.0)
@@ -144,8 +144,6 @@ def _sel_bwd_dq_rows(
             s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
             p = tl.where(live[None, :], tl.exp2(s - lse2[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(vt), input_precision=DOT_PREC)
-            if GATED:
-                dp = dp * gate[:, None]
             ds = p * (dp - delta[:, None])
             dq = tl.dot(ds.to(kt.dtype), kt, dq, input_precision=DOT_PREC)
 
@@ -314,6 +312,13 @@ def sel_bwd_dkv_kernel(
             mask=rvalid[:, None] & v_mask[None, :],
             other=0.0,
         )
+        if GATED:
+            gate = tl.load(
+                gate_ptr + b * stride_gb + qrow * stride_gt + heads * stride_gh,
+                mask=rvalid,
+                other=0.0,
+            )
+            dot_ = (gate.to(tl.float32)[:, None] * dot_.to(tl.float32)).to(dot_.dtype)
         stat = b * stride_lb + qrow * stride_lt + heads
         lse2 = tl.load(lse_ptr + stat, mask=rvalid, other=0.0) * LOG2E_CONST
         delta = tl.load(delta_ptr + stat, mask=rvalid, other=0.0)
@@ -321,19 +326,8 @@ def sel_bwd_dkv_kernel(
         st = tl.dot(kt, tl.trans(qt), input_precision=DOT_PREC) * qk_scale
         vis = kvalid[:, None] & rvalid[None, :] & (kpos[:, None] <= t[None, :])
         pt = tl.where(vis, tl.exp2(st - lse2[None, :]), 0.0)
+        dv = tl.dot(pt.to(dot_.dtype), dot_, dv, input_precision=DOT_PREC)
         dpt = tl.dot(vt, tl.trans(dot_), input_precision=DOT_PREC)
-        if GATED:
-            # p^T (g * do) and v (g * do)^T: the gate scales the rows' columns here, so that
-            # do stays the operand the loads pipeline (scaling it in registers lost that).
-            gate = tl.load(
-                gate_ptr + b * stride_gb + qrow * stride_gt + heads * stride_gh,
-                mask=rvalid,
-                other=0.0,
-            ).to(tl.float32)
-            dv = tl.dot((pt * gate[None, :]).to(dot_.dtype), dot_, dv, input_precision=DOT_PREC)
-            dpt = dpt * gate[None, :]
-        else:
-            dv = tl.dot(pt.to(dot_.dtype), dot_, dv, input_precision=DOT_PREC)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(qt.dtype), qt, dk, input_precision=DOT_PREC)
     dk = dk * scale
