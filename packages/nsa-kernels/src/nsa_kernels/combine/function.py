@@ -93,15 +93,12 @@ def combine_bwd(
     *,
     want_branches: bool = True,
     want_gates: bool = True,
-    with_slc: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """d o_cmp, d o_slc, d o_win [B, T, HQ, dv] and d gates [B, T, HQ, 3] for upstream ``do``.
 
     ``want_branches`` / ``want_gates`` False: those gradients are None (not computed). o_cmp
     may come as a :class:`~nsa_core.row_runs.RowRuns` (unit stride along dv), read where its
-    runs lie; d o_cmp is one tensor all the same. ``with_slc`` False: the selected branch's
-    share is left to a caller that forms it where it is used (the gated selected backward):
-    d o_slc is None, d gates[..., 1] is left unwritten and o_slc is not read.
+    runs lie; d o_cmp is one tensor all the same.
     """
     batch, t, hq, dv = o_slc.shape
     do = _unit_last(do)
@@ -110,10 +107,8 @@ def combine_bwd(
     n_rows = batch * t * hq
     kind, device = o_slc.dtype, o_slc.device
     d_branches = [
-        torch.empty(batch, t, hq, dv, dtype=kind, device=device)
-        if want_branches and (with_slc or branch != 1)
-        else None
-        for branch in range(3)
+        torch.empty(batch, t, hq, dv, dtype=kind, device=device) if want_branches else None
+        for _ in range(3)
     ]
     d_gates = torch.empty(batch, t, hq, 3, dtype=gates.dtype, device=device) if want_gates else None
     if d_gates is not None and dv == 0:
@@ -129,7 +124,7 @@ def combine_bwd(
             *_strides3(o_win), *_strides3(gates), gates.stride(3),
             n_rows, t, hq, cmp.start, cmp.first_rows,
             DV=dv, BR=br, BD=bd, WRITE_DO=want_branches, WRITE_DG=want_gates,
-            WITH_SLC=with_slc, CMP_RUNS=cmp.runs, num_warps=NUM_WARPS,
+            CMP_RUNS=cmp.runs, num_warps=NUM_WARPS,
         )  # fmt: skip
     return d_branches[0], d_branches[1], d_branches[2], d_gates
 

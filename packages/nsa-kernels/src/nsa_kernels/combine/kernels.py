@@ -156,14 +156,11 @@ def combine_bwd_kernel(
     BD: tl.constexpr,
     WRITE_DO: tl.constexpr,
     WRITE_DG: tl.constexpr,
-    WITH_SLC: tl.constexpr,
     CMP_RUNS: tl.constexpr,
 ):
     """d o_cmp, d o_slc, d o_win [B, T, HQ, DV] (contiguous) and d gates [B, T, HQ, 3]
     (contiguous) for BR rows. WRITE_DO / WRITE_DG: whether the branch / gate gradients are
-    wanted (the others are neither computed nor stored). WITH_SLC false: the selected branch's
-    two (d o_slc and d gates[..., 1]) are left to the selected backward, and o_slc is not
-    read (``slc_ptr`` and ``dslc_ptr`` unused). CMP_RUNS: o_cmp comes as two runs of
+    wanted (the others are neither computed nor stored). CMP_RUNS: o_cmp comes as two runs of
     rows (``nsa_core.row_runs.RowRuns``): rows before ``cmp_start`` read 0, the first run
     (``cmp_ptr``) holds ``cmp_rows`` rows from there, the second (``cmp2_ptr``) the rest."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
@@ -192,22 +189,20 @@ def combine_bwd_kernel(
         if WRITE_DO:
             dst = out_rows[:, None] + cols[None, :]
             tl.store(dcmp_ptr + dst, (g0 * do).to(dcmp_ptr.dtype.element_ty), mask=ok)
-            if WITH_SLC:
-                tl.store(dslc_ptr + dst, (g1 * do).to(dslc_ptr.dtype.element_ty), mask=ok)
+            tl.store(dslc_ptr + dst, (g1 * do).to(dslc_ptr.dtype.element_ty), mask=ok)
             tl.store(dwin_ptr + dst, (g2 * do).to(dwin_ptr.dtype.element_ty), mask=ok)
         if WRITE_DG:
             a = _load_chunk(cmp_at, cols, ok & cmp_ok[:, None])
+            b = _load_chunk(slc_rows, cols, ok)
             c = _load_chunk(win_rows, cols, ok)
             dg0 += tl.sum(do * a, axis=1)
-            if WITH_SLC:
-                dg1 += tl.sum(do * _load_chunk(slc_rows, cols, ok), axis=1)
+            dg1 += tl.sum(do * b, axis=1)
             dg2 += tl.sum(do * c, axis=1)
     if WRITE_DG:
         dg_rows = dg_ptr + rows * 3
         kind = dg_ptr.dtype.element_ty
         tl.store(dg_rows, dg0.to(kind), mask=row_ok)
-        if WITH_SLC:
-            tl.store(dg_rows + 1, dg1.to(kind), mask=row_ok)
+        tl.store(dg_rows + 1, dg1.to(kind), mask=row_ok)
         tl.store(dg_rows + 2, dg2.to(kind), mask=row_ok)
 
 

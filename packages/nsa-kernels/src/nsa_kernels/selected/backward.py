@@ -5,12 +5,6 @@
 
 - ``sel_bwd_dq_kernel``: the forward's walk (:mod:`nsa_kernels.selected.row_walk`), recomputing
   p from lse; writes dq and delta = rowsum(o * do).
-
-GATED (the gated combine's backward, :class:`~nsa_kernels.selected.function.GatedSelectedFunction`):
-the kernels take the combine's upstream gradient and the selected gate g instead of d o_slc, and
-form ``d o_slc = g * do`` where they load it, rounded as the combine's kernel rounds it (so the
-gradients are bit-equal to those from a stored d o_slc, one q-sized write and read less); the dq
-kernel, which reads o_slc and do anyway, also writes the gate's gradient rowsum(do * o_slc).
 - ``sel_bwd_dkv_kernel``: one program per work segment of one (key block, kv head): a slice of the
   queries that selected the block (the CSR of :mod:`nsa_kernels.selected.csr`), gathered TPI
   tokens x G heads at a time.
@@ -56,7 +50,7 @@ from nsa_kernels.selected.row_walk import (
 def _sel_bwd_dq_rows(
     blk,
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
-    finite_ptr, k_desc, v_desc, gate_ptr, dgate_ptr,
+    finite_ptr, k_desc, v_desc,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -64,15 +58,12 @@ def _sel_bwd_dq_rows(
     stride_db, stride_dt, stride_dh,
     stride_lb, stride_lt,
     stride_ib, stride_it, stride_ih,
-    stride_gb, stride_gt, stride_gh,
-    stride_eb, stride_et, stride_eh,
     n_rows, tq, tk, q_start, nsel, qk_scale, scale,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
-    GATED: tl.constexpr, WRITE_DG: tl.constexpr,
 ):  # fmt: skip
     """The body of :func:`sel_bwd_dq_kernel` for the rows of row block ``blk``."""
     # RPP consecutive rows per program: rows of one query block share their forced blocks
@@ -95,20 +86,6 @@ def _sel_bwd_dq_rows(
         ov_mask = g_mask[:, None] & v_mask[None, :]
         do = tl.load(do_ptr + o_rows, mask=ov_mask, other=0.0)
         o = tl.load(o_ptr + o_rows, mask=ov_mask, other=0.0)
-        if GATED:
-            # do is the combine's upstream gradient: the gate's gradient is rowsum(do * o_slc),
-            # and this branch's upstream gradient g * do (see the module docstring).
-            if WRITE_DG:
-                d_gate = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-                tl.store(
-                    dgate_ptr + b * stride_eb + r * stride_et + heads * stride_eh,
-                    d_gate.to(dgate_ptr.dtype.element_ty),
-                    mask=g_mask,
-                )
-            gate = tl.load(
-                gate_ptr + b * stride_gb + r * stride_gt + heads * stride_gh, mask=g_mask, other=0.0
-            )
-            do = (gate.to(tl.float32)[:, None] * do.to(tl.float32)).to(do.dtype)
         delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
         stat = b * stride_lb + r * stride_lt + heads
         tl.store(delta_ptr + stat, delta, mask=g_mask)
@@ -157,7 +134,7 @@ def _sel_bwd_dq_rows(
 @triton.jit
 def sel_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr, seq_ptr, cu_ptr,
-    finite_ptr, k_desc, v_desc, gate_ptr, dgate_ptr,
+    finite_ptr, k_desc, v_desc,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -165,15 +142,12 @@ def sel_bwd_dq_kernel(
     stride_db, stride_dt, stride_dh,
     stride_lb, stride_lt,
     stride_ib, stride_it, stride_ih,
-    stride_gb, stride_gt, stride_gh,
-    stride_eb, stride_et, stride_eh,
     n_rows, tq, tk, q_start, nsel, qk_scale, scale,
     G: tl.constexpr, HPP: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     RPP: tl.constexpr,
     KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr, KV_TMA: tl.constexpr,
-    GATED: tl.constexpr, WRITE_DG: tl.constexpr,
     STRIDED: tl.constexpr,
 ):  # fmt: skip
     """dq [BG, BK] and delta [BG] of one query row for HPP heads of one kv head's group.
@@ -189,8 +163,6 @@ def sel_bwd_dq_kernel(
     that works; the other one's programs return at once. A call without TMA launches it once,
     with masked pointer loads and a zero flag. STRIDED: as in sel_fwd_kernel, the launch
     without KV_TMA beside one with it strides a few programs per SM over the row blocks.
-    GATED: ``do`` is the gated combine's upstream gradient and gate [B, Tq, HQ] the selected
-    gate (any strides); WRITE_DG: d_gate [B, Tq, HQ] gets rowsum(do * o) (module docstring).
     """
     if (tl.load(finite_ptr) != 0) != KV_TMA:
         return
@@ -199,26 +171,22 @@ def sel_bwd_dq_kernel(
         for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
             _sel_bwd_dq_rows(
                 blk, q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, idx_ptr,
-                seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc, gate_ptr, dgate_ptr,
-                stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-                stride_db, stride_dt, stride_dh, stride_lb, stride_lt,
-                stride_ib, stride_it, stride_ih, stride_gb, stride_gt, stride_gh,
-                stride_eb, stride_et, stride_eh, n_rows, tq, tk, q_start, nsel, qk_scale, scale,
+                seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc, stride_qb, stride_qt, stride_qh,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_ob,
+                stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb, stride_lt,
+                stride_ib, stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale, scale,
                 G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC,
-                KV_TMA, GATED, WRITE_DG,
+                KV_TMA,
             )  # fmt: skip
     else:
         _sel_bwd_dq_rows(
             tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-            idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc, gate_ptr, dgate_ptr,
-            stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-            stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
-            stride_db, stride_dt, stride_dh, stride_lb, stride_lt,
-            stride_ib, stride_it, stride_ih, stride_gb, stride_gt, stride_gh,
-            stride_eb, stride_et, stride_eh, n_rows, tq, tk, q_start, nsel, qk_scale, scale,
-            G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC,
-            KV_TMA, GATED, WRITE_DG,
+            idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc, stride_qb, stride_qt,
+            stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_ob, stride_ot, stride_oh, stride_db, stride_dt, stride_dh, stride_lb,
+            stride_lt, stride_ib, stride_it, stride_ih, n_rows, tq, tk, q_start, nsel, qk_scale,
+            scale, G, HPP, BG, DK, BK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC,
+            KV_TMA,
         )  # fmt: skip
 
 
@@ -245,18 +213,17 @@ def block_entry(table_ptr, FIELDS: tl.constexpr, SEL: tl.constexpr, BL: tl.const
 @triton.jit
 def sel_bwd_dkv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
-    seg_ptr, csr_ptr, gate_ptr,
+    seg_ptr, csr_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt,
-    stride_gb, stride_gt, stride_gh,
     qk_scale, scale,
     G: tl.constexpr, R: tl.constexpr, TPI: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, SELP: tl.constexpr, SEG_FIELDS: tl.constexpr,
-    DOT_PREC: tl.constexpr, GATED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     """dk, dv [BL, *] of key sub-tile ``program_id(1)`` of one segment's block.
 
@@ -265,8 +232,7 @@ def sel_bwd_dkv_kernel(
     A segment is a slice ``[start, end)`` of the CSR rows of one (batch, kv head, key block); its
     query rows are processed TPI at a time as R = TPI * G (padded) rows of one ``tl.dot``. ``dk``
     go to k's and v's layout, or, when the block is split over several segments, to the fp32
-    partials ``dk_part [P, SELP, BK]`` / ``dv_part [P, SELP, BV]`` at row ``part``. GATED: as in
-    :func:`sel_bwd_dq_kernel`, ``do`` times the gate [B, Tq, HQ] is this branch's upstream gradient.
+    partials ``dk_part [P, SELP, BK]`` / ``dv_part [P, SELP, BV]`` at row ``part``.
     """
     seg, b, h, in_blk, krow, kvalid = block_entry(seg_ptr, FIELDS=SEG_FIELDS, SEL=SEL, BL=BL)
     pos0 = tl.load(seg + 4)
@@ -312,13 +278,6 @@ def sel_bwd_dkv_kernel(
             mask=rvalid[:, None] & v_mask[None, :],
             other=0.0,
         )
-        if GATED:
-            gate = tl.load(
-                gate_ptr + b * stride_gb + qrow * stride_gt + heads * stride_gh,
-                mask=rvalid,
-                other=0.0,
-            )
-            dot_ = (gate.to(tl.float32)[:, None] * dot_.to(tl.float32)).to(dot_.dtype)
         stat = b * stride_lb + qrow * stride_lt + heads
         lse2 = tl.load(lse_ptr + stat, mask=rvalid, other=0.0) * LOG2E_CONST
         delta = tl.load(delta_ptr + stat, mask=rvalid, other=0.0)
@@ -384,24 +343,14 @@ def sel_dkv_reduce_kernel(
 
 
 def backward(
-    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, idx: Tensor, info: Launch,
-    *, gate: Tensor | None = None, d_gate: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, idx: Tensor, info: Launch
+) -> tuple[Tensor, Tensor, Tensor]:
     """dq [B, Tq, HQ, dk], dk [B, Tk, H, dk], dv [B, Tk, H, dv] for the upstream gradient
-    ``do [B, Tq, HQ, dv]``, from the forward's o and lse and its index rows as sets ``idx``.
-
-    ``gate`` [B, Tq, HQ] (any strides): ``do`` is the gated combine's upstream gradient and this
-    branch's is ``gate * do``, formed in the kernels (see the module docstring); ``d_gate``
-    [B, Tq, HQ] (any strides, with ``gate`` only) then receives rowsum(do * o).
-    """
-    if d_gate is not None and gate is None:
-        raise ValueError("d_gate is written only for a gated call: pass the gate with it")
+    ``do [B, Tq, HQ, dv]``, from the forward's o and lse and its index rows as sets ``idx``."""
     sel_block, cfg = info.sel_block, info.cfg
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
     if info.rows == 0 or info.n == 0:
-        if d_gate is not None:
-            d_gate.copy_((do.float() * o.float()).sum(-1))
         return torch.zeros_like(q), dk, dv
     # The dq kernel writes every row and head: no fill (1 GiB of q's size at T = 64k, HQ = 64).
     dq = torch.empty_like(q)
@@ -415,9 +364,6 @@ def backward(
     hpp = cfg.heads_per_prog
     nch = -(-info.group // hpp)
     delta = torch.empty_like(lse)
-    # Stand-ins where the call is not gated (GATED / WRITE_DG off: never read or written).
-    gate_arg = gate if gate is not None else lse
-    d_gate_arg = d_gate if d_gate is not None else lse
     # K and V through TMA where the forward takes TMA K loads and dv fits one tile too: two
     # launches, one per kind of keys and values (see sel_bwd_dq_kernel).
     kv_tma = cfg.tma == 1 and info.dk == bk and values_fit_tma(bv, info)
@@ -434,7 +380,6 @@ def backward(
     for kv_path, strided in path_launches(kv_tma):
         sel_bwd_dq_kernel[strided_grid(grid, q.device) if strided else grid](
             q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
-            gate_arg, d_gate_arg,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -442,20 +387,17 @@ def backward(
             dq.stride(0), dq.stride(1), dq.stride(2),
             lse.stride(0), lse.stride(1),
             idx.stride(0), idx.stride(1), idx.stride(2),
-            *gate_arg.stride(), *d_gate_arg.stride(),
             info.rows, info.tq, k.shape[1], info.q_start, info.n, info.scale * LOG2E, info.scale,
             G=info.group, HPP=hpp, BG=max(16, pow2(hpp)),
             DK=info.dk, BK=bk, DV=info.dv, BV=bv,
             SEL=sel_block, BL=cfg.block_l, NSUB=nsub, NP=pow2(info.n),
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path, STRIDED=strided,
-            GATED=gate is not None, WRITE_DG=d_gate is not None,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         )  # fmt: skip
     dkv_backward(
-        q, k, v, do, lse, delta, dk, dv, reverse.finish(), sel_block, info.scale, cfg, prec,
-        gate=gate,
-    )  # fmt: skip
+        q, k, v, do, lse, delta, dk, dv, reverse.finish(), sel_block, info.scale, cfg, prec
+    )
     return dq, dk, dv
 
 
@@ -473,13 +415,8 @@ def dkv_backward(
     scale: float,
     cfg: SelConfig,
     prec: str,
-    *,
-    gate: torch.Tensor | None = None,
 ) -> None:
-    """Write dk [B, Tk, H, dk] and dv [B, Tk, H, dv] (zero-filled by the caller) from the CSR.
-
-    ``gate`` [B, Tq, HQ]: as :func:`backward` takes it (the upstream gradient is ``gate * do``).
-    """
+    """Write dk [B, Tk, H, dk] and dv [B, Tk, H, dv] (zero-filled by the caller) from the CSR."""
     group = q.shape[2] // k.shape[2]
     num_pairs = int(csr.rows.numel())
     if num_pairs == 0:
@@ -496,21 +433,18 @@ def dkv_backward(
     dk_part = torch.empty(parts, selp, bk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(parts, selp, bv, dtype=torch.float32, device=q.device)
     rows = cfg.dkv_rows
-    gate_arg = gate if gate is not None else lse  # a stand-in, never read unless GATED
     sel_bwd_dkv_kernel[(work.segments.shape[0], nsub)](
-        q, k, v, do, lse, delta, dk, dv, dk_part, dv_part, work.segments, csr.rows, gate_arg,
+        q, k, v, do, lse, delta, dk, dv, dk_part, dv_part, work.segments, csr.rows,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         lse.stride(0), lse.stride(1),
-        *gate_arg.stride(),
         scale * LOG2E, scale,
         G=group, R=rows, TPI=rows // group,
         DK=k.shape[3], BK=bk, DV=v.shape[3], BV=bv,
         SEL=sel_block, BL=cfg.block_l, SELP=selp, SEG_FIELDS=block_csr.SEG_FIELDS,
-        DOT_PREC=prec, GATED=gate is not None,
-        num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages,
+        DOT_PREC=prec, num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages,
     )  # fmt: skip
     if work.reductions.shape[0]:
         sel_dkv_reduce_kernel[(work.reductions.shape[0], nsub)](

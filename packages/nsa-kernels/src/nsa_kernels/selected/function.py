@@ -135,11 +135,10 @@ class GatedSelectedFunction(torch.autograd.Function):
     """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
     branch and the sum in one launch; o_cmp comes as the runs of a
     :class:`~nsa_core.row_runs.RowRuns` from row ``cmp_start`` (each a differentiable input, read
-    in place). Backward: the combine's backward kernel (d o_cmp, d o_win and the gates of those
-    two from one read of do; each run's gradient a slice of d o_cmp), then the selected branch's,
-    without atomics, which forms its own upstream gradient g_slc * do and the selected gate's
-    gradient where it reads do. Its kernels give no graph of their own (once_differentiable): a
-    second derivative through them raises where the upstream gradient carries a graph."""
+    in place). Backward: the combine's backward kernel (d o_cmp, d o_slc, d o_win, d gates from
+    one read of do; each run's gradient a slice of d o_cmp), then the selected branch's, without
+    atomics. Its kernels give no graph of their own (once_differentiable): a second derivative
+    through them raises where the upstream gradient carries a graph."""
 
     @staticmethod
     def forward(
@@ -162,17 +161,12 @@ class GatedSelectedFunction(torch.autograd.Function):
         q, k, v, o_slc, lse, idx, o_win, gates, *cmp_runs = ctx.saved_tensors
         want_gates = ctx.needs_input_grad[4]
         o_cmp = RowRuns(start=ctx.cmp_start, runs=tuple(cmp_runs))
-        # The selected branch's share of the combine's backward (its upstream gradient
-        # g_slc * do and the gate's gradient rowsum(do * o_slc)) is formed in its own kernels,
-        # which read do and o_slc anyway: no q-sized d o_slc goes through memory.
-        d_cmp, _, d_win, d_gates = combine_bwd(
-            do, o_cmp, o_slc, o_win, gates, want_gates=want_gates, with_slc=False
+        d_cmp, d_slc, d_win, d_gates = combine_bwd(
+            do, o_cmp, o_slc, o_win, gates, want_gates=want_gates
         )
         assert d_cmp is not None
-        dq, dk, dv = backward(
-            do, q, k, v, o_slc, lse, idx, ctx.info, gate=gates[..., 1],
-            d_gate=d_gates[..., 1] if d_gates is not None else None,
-        )  # fmt: skip
+        assert d_slc is not None
+        dq, dk, dv = backward(d_slc, q, k, v, o_slc, lse, idx, ctx.info)
         # Each run's gradient is its rows of d o_cmp (a view).
         d_runs, row = [], ctx.cmp_start
         for run in cmp_runs:
