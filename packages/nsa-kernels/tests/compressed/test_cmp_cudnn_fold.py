@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_testlib import rel_err
+from kernel_testlib import DEVICE, SKIP_REASON, rel_err
 
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.reference import compressed_attention
@@ -50,7 +50,8 @@ def model_attend(
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
     if causal:
         tq, tk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(tq, tk, dtype=torch.bool).triu(1), float("-inf"))
+        later = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(later, float("-inf"))
     if bias is not None:
         s = s + bias.double()
     lse = torch.logsumexp(s, dim=-1)
@@ -69,7 +70,8 @@ def reference_lse(
         [
             [num_cmp_blocks(q_start + t + 1, cmp_block, d) > n for n in range(k.shape[1])]
             for t in range(q.shape[1])
-        ]
+        ],
+        device=q.device,
     )
     return torch.logsumexp(s.masked_fill(~seen[None, :, None, :], float("-inf")), dim=-1)
 
@@ -166,6 +168,7 @@ def test_backend_refuses_packed_sequences_before_any_kernel() -> None:
 
 
 @pytest.mark.triton
+@pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
 @pytest.mark.parametrize("bad", ["k", "v", "none"])
 def test_non_finite_keys_with_a_gradient_are_contained_without_a_host_sync(
     bad: str, monkeypatch: pytest.MonkeyPatch
@@ -186,6 +189,7 @@ def test_non_finite_keys_with_a_gradient_are_contained_without_a_host_sync(
     if bad != "none":
         (k if bad == "k" else v)[0, 1, 0, 3] = float("nan")
     do = torch.randn(1, 45, 2, 8, generator=gen)
+    q, k, v, do = (x.to(DEVICE) for x in (q, k, v, do))
 
     def run(fn: Any) -> list[torch.Tensor]:
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -203,7 +207,7 @@ def test_non_finite_keys_with_a_gradient_are_contained_without_a_host_sync(
         want = run(compressed_attention_triton_with_lse)
     # lse on the rows that see the bad block is left to the kernel (block scoring reads such
     # a row's NaN off its scores, whatever the normaliser: docs/spec.md).
-    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(45)])
+    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(45)], device=DEVICE)
     if bad != "none":
         got[1], want[1] = got[1][:, ~sees_bad], want[1][:, ~sees_bad]
         assert torch.equal(got[0].isnan().flatten(2).any(-1)[0], sees_bad)
@@ -219,6 +223,7 @@ def test_non_finite_keys_with_a_gradient_are_contained_without_a_host_sync(
 
 
 @pytest.mark.triton
+@pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
 @pytest.mark.parametrize("bad", ["k", "v", "none"])
 def test_non_finite_keys_without_a_gradient_are_contained_on_the_device(
     bad: str, monkeypatch: pytest.MonkeyPatch
@@ -239,6 +244,7 @@ def test_non_finite_keys_without_a_gradient_are_contained_on_the_device(
     k, v = torch.randn(1, 4, 1, 8, generator=gen), torch.randn(1, 4, 1, 8, generator=gen)
     if bad != "none":
         (k if bad == "k" else v)[0, 1, 0, 3] = float("nan")
+    q, k, v = (x.to(DEVICE) for x in (q, k, v))
     call = CompressedCall(
         scale=8**-0.5, q_start=0, cu_seqlens=None, toggles=Toggles(), cmp_block=16, cmp_stride=8
     )
@@ -249,7 +255,7 @@ def test_non_finite_keys_without_a_gradient_are_contained_on_the_device(
         assert torch.equal(lse, fold_lse)
         return
     ref = compressed_attention(q.double(), k.double(), v.double(), 16, 8)
-    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(40)])
+    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(40)], device=DEVICE)
     assert bool(torch.isnan(fold_o[0, ~sees_bad]).any()) == (bad == "v"), "the model leaks v"
     assert torch.equal(torch.isnan(o).any(-1).any(-1)[0], sees_bad)
     assert torch.equal(torch.isnan(ref).any(-1).any(-1)[0], sees_bad)
@@ -365,6 +371,7 @@ def test_fold_runs_are_the_folded_output_where_the_calls_left_it(
 
 
 @pytest.mark.triton
+@pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
 def test_fold_runs_with_a_gradient_give_the_reference_gradients_run_by_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -375,14 +382,14 @@ def test_fold_runs_with_a_gradient_give_the_reference_gradients_run_by_run(
 
     monkeypatch.setattr(cudnn, "cudnn_attend", model_attend)
     gen = torch.Generator().manual_seed(23)
-    q = torch.randn(1, 45, 2, 8, generator=gen, requires_grad=True)
-    k, v = (torch.randn(1, 5, 1, dim, generator=gen, requires_grad=True) for dim in (8, 6))
+    q = torch.randn(1, 45, 2, 8, generator=gen).to(DEVICE).requires_grad_()
+    k, v = (torch.randn(1, 5, 1, dim, generator=gen).to(DEVICE).requires_grad_() for dim in (8, 6))
     runs, _ = cudnn.compressed_attention_cudnn_runs_with_lse(q, k, v, 16, 8)
     split = row_split(45, 0, 16, 8)
     assert runs.start == split.blind
     assert len(runs.runs) == 2, "the full rows and the cut row after them"
     ref = compressed_attention(q, k, v, 16, 8)
-    do = torch.randn(ref.shape, generator=gen)
+    do = torch.randn(ref.shape, generator=gen).to(DEVICE)
     do[:, : runs.start] = 0  # the blind rows' output is 0 whatever q
     row, grads = runs.start, []
     for run in runs.runs:
@@ -396,6 +403,7 @@ def test_fold_runs_with_a_gradient_give_the_reference_gradients_run_by_run(
 
 
 @pytest.mark.triton
+@pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
 @pytest.mark.parametrize("bad", ["k", "v", "none"])
 def test_fold_runs_without_a_gradient_are_contained_run_by_run(
     bad: str, monkeypatch: pytest.MonkeyPatch
@@ -414,6 +422,7 @@ def test_fold_runs_without_a_gradient_are_contained_run_by_run(
     k, v = torch.randn(1, 5, 1, 8, generator=gen), torch.randn(1, 5, 1, 8, generator=gen)
     if bad != "none":
         (k if bad == "k" else v)[0, 1, 0, 3] = float("nan")
+    q, k, v = (x.to(DEVICE) for x in (q, k, v))
     runs, lse = cudnn.compressed_attention_cudnn_runs_with_lse(q, k, v, 16, 8)
     assert runs.start == 15
     assert [r.shape[1] for r in runs.runs] == [24, 6]
@@ -424,7 +433,7 @@ def test_fold_runs_without_a_gradient_are_contained_run_by_run(
         assert torch.equal(lse, lse_want)
         return
     ref = compressed_attention(q.double(), k.double(), v.double(), 16, 8)
-    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(45)])
+    sees_bad = torch.tensor([num_cmp_blocks(t + 1, 16, 8) > 1 for t in range(45)], device=DEVICE)
     assert torch.equal(torch.isnan(o).any(-1).any(-1)[0], sees_bad)
     assert torch.equal(torch.isnan(ref).any(-1).any(-1)[0], sees_bad)
     assert rel_err(o[0, ~sees_bad], ref[0, ~sees_bad]) < BOUND
