@@ -138,7 +138,7 @@ def test_the_core_with_a_gradient_reads_the_compressed_runs_in_place(
 
     import nsa_core
     from nsa_core.config import NSAConfig
-    from nsa_core.row_runs import RowRuns
+    from nsa_kernels.common.row_runs import RowRuns
     from nsa_kernels.compressed import cudnn
 
     gen = torch.Generator(device="cuda").manual_seed(2)

@@ -1,15 +1,17 @@
 """nsa-core: Native Sparse Attention (arXiv 2502.11089), its reference in pure PyTorch and its ops.
 
-docs/spec.md fixes the semantics. The public ops (:mod:`nsa_core.ops`) validate their arguments
-once and run the backend the registry (:mod:`nsa_core.registry`) picks: faster ones plug in from
-nsa-kernels, and the reference bodies (:mod:`nsa_core.reference`) serve everything else and stay
-callable by name.
+docs/spec.md fixes the semantics. The public ops (:mod:`nsa_core.ops`: the six steps, and the
+attention core that runs them all, :mod:`nsa_core.core`) validate their arguments once and run
+the backend the registry (:mod:`nsa_core.registry`) picks: faster ones plug in from nsa-kernels,
+and the reference bodies (:mod:`nsa_core.reference`) serve everything else and stay callable by
+name.
 """
 
 from nsa_core.attention import BranchInputs, DecodeStats, NSAAttention, nsa_attention
 from nsa_core.blocks import cmp_block_overlap, cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
 from nsa_core.cache import NSACache
 from nsa_core.config import NSAConfig
+from nsa_core.core import attention_core
 from nsa_core.ops import (
     apply_rope,
     compressed_attention,
@@ -28,7 +30,7 @@ from nsa_core.reference import (
     split_blocks,
     topn_blocks,
 )
-from nsa_core.registry import register_reference_backends
+from nsa_core.reference_backends import register_reference_backends
 from nsa_core.toggles import Toggles, get_toggles
 
 register_reference_backends()
@@ -44,6 +46,7 @@ __all__ = [
     "NSAConfig",
     "Toggles",
     "apply_rope",
+    "attention_core",
     "block_scores",
     "cmp_block_overlap",
     "cmp_cu_seqlens",

@@ -19,15 +19,17 @@ from nsa_core.checks import (
     check_int,
     check_rank,
     check_same_place,
+    per_head_context,
     shape,
 )
 from nsa_core.config import NSAConfig
-from nsa_core.local_softmax import holds_local_keys
+from nsa_core.registry import resolve_fn
+from nsa_core.toggles import get_toggles
 from nsa_core.reads import expected_reads
-from nsa_core.reference.compress import CompressMLP, compress
+from nsa_core.core import run_attention_core
+from nsa_core.reference.compress import CompressMLP, compress, compress_impl
 from nsa_core.reference.compressed_attention import cmp_visible
 from nsa_core.reference.selected_attention import selected_visibility
-from nsa_core.row_runs import RowRuns, as_tensor
 
 BRANCHES = ("cmp", "slc", "win")
 
@@ -96,112 +98,24 @@ def branch_outputs(
     win_start: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """o_cmp, o_slc, o_win [B, Tq, HQ, dv] and the block indices [B, Tq, H, n] used.
+    """o_cmp, o_slc, o_win [B, Tq, HQ, dv] and the block indices [B, Tq, H, n] used: the step ops
+    one by one, for a caller that needs the branches apart (the decode step and its statistics;
+    the gated output is :func:`nsa_core.core.attention_core`).
 
     q [B, Tq, HQ, dk] at positions ``q_start + r``; k_slc/v_slc hold every token from 0;
     k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
     Block scoring takes the compressed branch's log-sum-exp when its backend yields one
     (:func:`nsa_core.ops.compressed_attention_with_lse`), detached.
     """
-    cmp_out, indices = _compressed_and_indices(
+    o_cmp, indices = _compressed_and_indices(
         config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
     )
-    o_cmp = as_tensor(cmp_out)
     o_slc = ops.selected_attention(
         q, k_slc, v_slc, indices, config.sel_block, config.softmax_scale,
         q_start=q_start, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
     return o_cmp, o_slc, o_win, indices
-
-
-def gated_output(
-    config: NSAConfig,
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    gates: torch.Tensor,
-    *,
-    q_start: int = 0,
-    win_start: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """o [B, Tq, HQ, dv]: :func:`branch_outputs` summed by :func:`nsa_core.ops.gated_combine`.
-
-    Arguments as :func:`branch_outputs`, and gates [B, Tq, HQ, 3]. Where the selected branch's
-    backend sums the three terms in its own launch (:func:`nsa_core.ops.selected_attention_gated`;
-    with a gradient where that backend gives one), the selected branch runs last and does so:
-    the combine's pass over the three outputs is saved. The branches' three gradients of q are
-    summed in one pass where the combine's backend can (:func:`nsa_core.ops.fan_out`). The
-    compressed branch's output reaches that one-launch sum as runs of rows where its backend and
-    the selected one allow (:func:`nsa_core.ops.compressed_attention_runs_with_lse`): no copy
-    into one tensor first.
-    """
-    scale = config.softmax_scale
-    # Each branch reads q through its own view, so that the three gradients of q meet in one
-    # fused sum (ops.fan_out) where the combine's backend has one.
-    q_cmp, q_slc, q_win = ops.fan_out(q, gates)
-    cmp_runs, indices = _compressed_and_indices(
-        config, q_cmp, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens, runs=True
-    )
-    local = None
-    if _local_softmax_serves(
-        config, q_slc, k_slc, v_slc, k_win, v_win, indices, cmp_runs, gates, q_start, win_start,
-        cu_seqlens,
-    ):  # fmt: skip
-        o_win, local = ops.sliding_attention_with_local(
-            q_win, k_win, v_win, config.window, config.sel_block, scale, q_start=q_start,
-            cu_seqlens=cu_seqlens,
-        )  # fmt: skip
-    else:
-        o_win = _sliding(config, q_win, k_win, v_win, q_start, win_start, cu_seqlens)
-    o = ops.selected_attention_gated(
-        q_slc, k_slc, v_slc, indices, config.sel_block, scale, o_cmp=cmp_runs, o_win=o_win,
-        gates=gates, q_start=q_start, cu_seqlens=cu_seqlens, local=local,
-    )  # fmt: skip
-    if o is not None:
-        return o
-    o_cmp = as_tensor(cmp_runs)
-    o_slc = ops.selected_attention(
-        q_slc, k_slc, v_slc, indices, config.sel_block, scale, q_start=q_start,
-        cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return ops.gated_combine(o_cmp, o_slc, o_win, gates)
-
-
-def _local_softmax_serves(
-    config: NSAConfig,
-    q_slc: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    indices: torch.Tensor,
-    cmp_runs: torch.Tensor | RowRuns,
-    gates: torch.Tensor,
-    q_start: int,
-    win_start: int | None,
-    cu_seqlens: torch.Tensor | None,
-) -> bool:
-    """Whether the sliding branch should hand the selected one its local softmax
-    (:mod:`nsa_core.local_softmax`, over each row's forced blocks 0, jt - 1 and jt, which
-    NSAConfig's n >= 3 puts in every index row: docs/spec.md): the two branches share their
-    keys and values and their positions, the window holds every row's blocks jt - 1 and jt,
-    and the selected backend's one-step gated sum starts from such a softmax."""
-    shared = k_slc is k_win and v_slc is v_win and (win_start is None or win_start == q_start)
-    if not shared:
-        return False
-    if not holds_local_keys(config.window, config.sel_block, k_win.shape[1]):
-        return False
-    win_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_slc, k_win, v_win))
-    return ops.selected_takes_local(
-        q_slc, k_slc, v_slc, indices, config.sel_block, config.softmax_scale, o_cmp=cmp_runs,
-        gates=gates, win_grad=win_grad, q_start=q_start, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
 
 
 def _compressed_and_indices(
@@ -212,36 +126,19 @@ def _compressed_and_indices(
     *,
     q_start: int,
     cu_seqlens: torch.Tensor | None,
-    runs: bool = False,
-) -> tuple[torch.Tensor | RowRuns, torch.Tensor]:
-    """o_cmp [B, Tq, HQ, dv] (``runs``: as a :class:`~nsa_core.row_runs.RowRuns`, rows where its
-    backend computed them) and the selected block indices [B, Tq, H, n]."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """o_cmp [B, Tq, HQ, dv] and the selected block indices [B, Tq, H, n]."""
     cfg = config
     # The compressed branch runs first: where its backend yields the softmax's log-sum-exp,
     # block scoring reuses it instead of recomputing the normaliser (same q, k_cmp and scale).
-    with_lse = ops.compressed_attention_runs_with_lse if runs else ops.compressed_attention_with_lse
-    o_cmp, lse = with_lse(
-        q,
-        k_cmp,
-        v_cmp,
-        cfg.cmp_block,
-        cfg.cmp_stride,
-        cfg.softmax_scale,
-        q_start=q_start,
+    o_cmp, lse = ops.compressed_attention_with_lse(
+        q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, cfg.softmax_scale, q_start=q_start,
         cu_seqlens=cu_seqlens,
-    )
+    )  # fmt: skip
     indices, _ = ops.select_blocks(
-        q,
-        k_cmp,
-        cfg.cmp_block,
-        cfg.cmp_stride,
-        cfg.sel_block,
-        cfg.num_selected,
-        cfg.softmax_scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        lse=lse,
-    )
+        q, k_cmp, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected,
+        cfg.softmax_scale, q_start=q_start, cu_seqlens=cu_seqlens, lse=lse,
+    )  # fmt: skip
     return o_cmp, indices
 
 
@@ -351,23 +248,18 @@ def nsa_attention(
         cu_seqlens: int32 [S+1] for packed sequences (B == 1).
 
     Returns:
-        o [B, T, HQ, dv]. Every step runs on the backend the registry picks for it.
+        o [B, T, HQ, dv]. The arguments are validated once; compression runs here, the rest is
+        the attention core (:func:`nsa_core.core.attention_core`) on the backend the registry
+        picks for it.
     """
     ks, vs = check_nsa_attention(q, k, v, gates, config, phi_k, phi_v, cu_seqlens)
-    k_cmp = compress(ks["cmp"], config.cmp_block, config.cmp_stride, phi_k, cu_seqlens=cu_seqlens)
-    v_cmp = compress(vs["cmp"], config.cmp_block, config.cmp_stride, phi_v, cu_seqlens=cu_seqlens)
-    return gated_output(
-        config,
-        q,
-        k_cmp,
-        v_cmp,
-        ks["slc"],
-        vs["slc"],
-        ks["win"],
-        vs["win"],
-        gates,
+    l_cmp, d = config.cmp_block, config.cmp_stride
+    k_cmp = compress_impl(ks["cmp"], l_cmp, d, phi_k, cu_seqlens=cu_seqlens)
+    v_cmp = compress_impl(vs["cmp"], l_cmp, d, phi_v, cu_seqlens=cu_seqlens)
+    return run_attention_core(
+        q, k_cmp, v_cmp, ks["slc"], vs["slc"], ks["win"], vs["win"], gates, config,
         cu_seqlens=cu_seqlens,
-    )
+    )  # fmt: skip
 
 
 class NSAAttention(nn.Module):
@@ -415,15 +307,16 @@ class NSAAttention(nn.Module):
         cfg = self.config
         batch, t, _ = x.shape
         hq, h = cfg.num_q_heads, cfg.num_kv_heads
-        q = ops.apply_rope(
-            self.q_proj(x).view(batch, t, hq, cfg.head_dim_qk), positions, cfg.rope_theta
-        )
-        k = {
-            b: ops.apply_rope(
-                self.k_proj[b](x).view(batch, t, h, cfg.head_dim_qk), positions, cfg.rope_theta
-            )
-            for b in BRANCHES
-        }
+        toggles = get_toggles()
+
+        def rotate(y: torch.Tensor) -> torch.Tensor:
+            # The layer's own projections at its own positions: nothing left to validate.
+            rope = resolve_fn("apply_rope", per_head_context(y), toggles)
+            out: torch.Tensor = rope(y, positions, cfg.rope_theta, toggles=toggles)
+            return out
+
+        q = rotate(self.q_proj(x).view(batch, t, hq, cfg.head_dim_qk))
+        k = {b: rotate(self.k_proj[b](x).view(batch, t, h, cfg.head_dim_qk)) for b in BRANCHES}
         v = {b: self.v_proj[b](x).view(batch, t, h, cfg.head_dim_v) for b in BRANCHES}
         gates = torch.sigmoid(self.gate(x)).view(batch, t, hq, 3)
         return BranchInputs(q=q, k=k, v=v, gates=gates)
@@ -440,8 +333,25 @@ class NSAAttention(nn.Module):
         v_cmp = compress(v_raw, cfg.cmp_block, cfg.cmp_stride, self.phi_v, cu_seqlens=cu_seqlens)
         return k_cmp, v_cmp
 
+    def _attend(
+        self, inp: BranchInputs, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """o [B, T, HQ, dv] of the validated layer inputs, and the compressed k and v.
+
+        The inputs come from the layer's own projections of a checked x: compression and the
+        attention core run unchecked (:func:`nsa_core.core.run_attention_core`).
+        """
+        cfg = self.config
+        l_cmp, d = cfg.cmp_block, cfg.cmp_stride
+        k_cmp = compress_impl(inp.k["cmp"], l_cmp, d, self.phi_k, cu_seqlens=cu_seqlens)
+        v_cmp = compress_impl(inp.v["cmp"], l_cmp, d, self.phi_v, cu_seqlens=cu_seqlens)
+        o = run_attention_core(
+            inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"],
+            inp.gates, cfg, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        return o, k_cmp, v_cmp
+
     branch_outputs = _with_layer_config(branch_outputs)
-    gated_output = _with_layer_config(gated_output)
 
     # ----------------------------------------------------------------------------- entry points
 
@@ -466,18 +376,7 @@ class NSAAttention(nn.Module):
             check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
         positions = positions_of(x.shape[1], cu_seqlens, x.device)
         inp = self.branch_inputs(x, positions)
-        k_cmp, v_cmp = self.compress_kv(inp.k["cmp"], inp.v["cmp"], cu_seqlens)
-        o = self.gated_output(
-            inp.q,
-            k_cmp,
-            v_cmp,
-            inp.k["slc"],
-            inp.v["slc"],
-            inp.k["win"],
-            inp.v["win"],
-            inp.gates,
-            cu_seqlens=cu_seqlens,
-        )
+        o, _, _ = self._attend(inp, cu_seqlens)
         y: torch.Tensor = self.o_proj(o.flatten(2))
         return y
 
@@ -489,10 +388,7 @@ class NSAAttention(nn.Module):
         cfg = self.config
         positions = torch.arange(t, device=x.device)
         inp = self.branch_inputs(x, positions)
-        k_cmp, v_cmp = self.compress_kv(inp.k["cmp"], inp.v["cmp"])
-        o = self.gated_output(
-            inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.gates
-        )
+        o, k_cmp, v_cmp = self._attend(inp)
         y = self.o_proj(o.flatten(2))
         cache = NSACache.empty(
             cfg, batch, capacity=max(capacity, t), device=x.device, dtype=x.dtype

@@ -16,6 +16,7 @@ import numbers
 import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
+from nsa_core.limits import MAX_TOKENS as MAX_TOKENS  # re-exported: callers check against it
 from nsa_core.op_context import OpContext, op_context
 from nsa_core.toggles import get_toggles
 
@@ -148,10 +149,6 @@ def check_block_indices(
             )
 
 
-# Token positions are int32 in every kernel, so no sequence holds more than this many tokens.
-MAX_TOKENS = 2**31 - 1
-
-
 def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
     """``value`` as an int in [minimum, maximum]; bools and floats (even 4.0) are refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -219,7 +216,7 @@ def check_cmp_geometry(cmp_block: object, cmp_stride: object) -> tuple[int, int]
     return l_cmp, d
 
 
-def _check_varlen_or_start(
+def check_varlen_or_start(
     op: str,
     q: torch.Tensor,
     tk: int,
@@ -245,7 +242,7 @@ def _check_varlen_or_start(
     return start
 
 
-def _check_cmp_keys(
+def check_cmp_keys(
     op: str,
     q: torch.Tensor,
     k_cmp: torch.Tensor,
@@ -290,10 +287,10 @@ def check_compressed_attention(
     check_attention_args(q, k_cmp, v_cmp, k_name="k_cmp", v_name="v_cmp")
     l_cmp, d = check_cmp_geometry(cmp_block, cmp_stride)
     check_scale(scale)
-    start = _check_varlen_or_start(
+    start = check_varlen_or_start(
         "compressed_attention", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
-    _check_cmp_keys("compressed_attention", q, k_cmp, l_cmp, d, start, cu_seqlens)
+    check_cmp_keys("compressed_attention", q, k_cmp, l_cmp, d, start, cu_seqlens)
     return op_context(
         q, k_cmp, v_cmp, start + q.shape[1], varlen=cu_seqlens is not None, q_start=start
     )
@@ -322,7 +319,7 @@ def check_selected_attention(
         check_range = q.device.type == "cpu" or get_toggles().sel_check_indices
     l_sel = check_int("sel_block", sel_block, 1)
     check_scale(scale)
-    _check_varlen_or_start("selected_attention", q, k.shape[1], q_start, cu_seqlens)
+    check_varlen_or_start("selected_attention", q, k.shape[1], q_start, cu_seqlens)
     keys = max(tq, 1) if cu_seqlens is not None else k.shape[1]
     check_block_indices(
         block_indices,
@@ -351,7 +348,7 @@ def check_sliding_attention(
     check_attention_args(q, k, v)
     check_int("window", window, 1)
     check_scale(scale)
-    _check_varlen_or_start("sliding_attention", q, k.shape[1], q_start, cu_seqlens)
+    check_varlen_or_start("sliding_attention", q, k.shape[1], q_start, cu_seqlens)
     return op_context(q, k, v, k.shape[1], varlen=cu_seqlens is not None)
 
 
@@ -379,10 +376,10 @@ def check_select_blocks(
         raise ValueError(f"cmp_stride ({d}) must divide sel_block ({l_sel})")
     check_num_selected(num_selected, l_sel)
     check_scale(scale)
-    start = _check_varlen_or_start(
+    start = check_varlen_or_start(
         "select_blocks", q, k_cmp.shape[1], q_start, cu_seqlens, keys_are_tokens=False
     )
-    _check_cmp_keys("select_blocks", q, k_cmp, l_cmp, d, start, cu_seqlens)
+    check_cmp_keys("select_blocks", q, k_cmp, l_cmp, d, start, cu_seqlens)
     ctx = op_context(q, k_cmp, k_cmp, start + q.shape[1], varlen=cu_seqlens is not None)
     return dataclasses.replace(ctx, requires_grad=False)
 
@@ -418,10 +415,10 @@ def check_block_scores(
     if l_sel % d != 0:
         raise ValueError(f"cmp_stride ({d}) must divide sel_block ({l_sel})")
     check_scale(scale)
-    start = _check_varlen_or_start(
+    start = check_varlen_or_start(
         "block_scores", q, k_cmp.shape[1], q_start, None, keys_are_tokens=False
     )
-    _check_cmp_keys("block_scores", q, k_cmp, l_cmp, d, start, None)
+    check_cmp_keys("block_scores", q, k_cmp, l_cmp, d, start, None)
 
 
 def check_topn_blocks(

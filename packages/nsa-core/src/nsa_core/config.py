@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from nsa_core.checks import MAX_TOKENS
+from nsa_core.limits import MAX_TOKENS
 
 PhiKind = Literal["avg", "mlp"]
 

@@ -10,6 +10,7 @@ One folder per NSA step, each with one table of its backends and their prioritie
 | selected branch | ``selected_attention`` | :mod:`nsa_kernels.selected.backends` |
 | sliding branch | ``sliding_attention`` | :mod:`nsa_kernels.sliding.backends` |
 | gated combine | ``gated_combine`` | :mod:`nsa_kernels.combine.backends` |
+| all steps after compression | ``attention_core`` | :mod:`nsa_kernels.core.backends` |
 
 Each backend decides per call whether it applies (device, dtype, shapes, toggles) and says why
 not; registering is cheap and imports no kernel compiler: Triton kernels compile on first use,
@@ -30,6 +31,7 @@ STEP_TABLES = (
     "nsa_kernels.selected.backends",
     "nsa_kernels.sliding.backends",
     "nsa_kernels.combine.backends",
+    "nsa_kernels.core.backends",
 )
 
 

@@ -2,7 +2,7 @@
 
 Where the selected and sliding branches share k and v, the sliding kernel hands over each row's
 softmax over its forced blocks' keys, ``[0, l')`` and ``[max(jt - 1, 0) l', t]``
-(nsa_core.local_softmax), and the selected walk covers only the row's blocks between them.
+(nsa_kernels.common.local_softmax), and the selected walk covers only the row's blocks between them.
 Output, log-sum-exp and every gradient must be the reference's, for index rows that hold their
 forced blocks; a row without them says so with NaN.
 """
@@ -18,7 +18,7 @@ from sel_testlib import Case, make_inputs, reference, reference_lse
 
 pytest.importorskip("triton")
 
-from nsa_core.local_softmax import LocalSoftmax, local_softmax_reference
+from nsa_kernels.common.local_softmax import LocalSoftmax, local_softmax_reference
 from nsa_core.reference.combine import gated_combine
 from nsa_kernels.selected.function import (
     SelConfig,

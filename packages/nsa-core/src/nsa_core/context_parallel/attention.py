@@ -11,10 +11,9 @@ the gates (and its share of phi's parameters). Per call, in this order:
    branch shares the selected branch's K/V tensors its halos are read from that exchange;
 2. each chunk compresses the blocks whose last token it holds, and one all-gather shares the
    compressed blocks (N_cmp(T) of them, T/d);
-3. each chunk runs nsa_core's public ops (:func:`nsa_core.attention.gated_output`: the three
-   branches and their gated combine, summed inside the selected branch's launch where its
-   backend can) with ``q_start`` = its offset in its sequence, so the
-   backends the registry picks serve all the local work.
+3. each chunk runs the attention core (:func:`nsa_core.core.run_attention_core`: block
+   scoring, the three branches and their gated combine) with ``q_start`` = its offset in its
+   sequence, so the backend the registry picks for the core serves all the local work.
 
 docs/context_parallel.md gives the volumes per rank.
 """
@@ -28,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nsa_core.attention import BRANCHES, check_nsa_attention, gated_output
+from nsa_core.attention import BRANCHES, check_nsa_attention
+from nsa_core.core import run_attention_core
 from nsa_core.checks import check_cu_seqlens, shape
 from nsa_core.config import NSAConfig
 from nsa_core.context_parallel.exchange import (
@@ -209,8 +209,7 @@ def context_parallel_nsa_attention(
             )
             cmp_rows = (seg.cmp_start, seg.cmp_end - seg.cmp_start)
             (slc_k, slc_v), (win_k, win_v) = sources["slc"], sources["win"]
-            o = gated_output(
-                config,
+            o = run_attention_core(
                 q.narrow(1, *rows),
                 k_cmp.narrow(1, *cmp_rows),
                 v_cmp.narrow(1, *cmp_rows),
@@ -219,6 +218,7 @@ def context_parallel_nsa_attention(
                 win_k.tokens(index, seg.win_start, seg.end),
                 win_v.tokens(index, seg.win_start, seg.end),
                 gates.narrow(1, *rows),
+                config,
                 q_start=0 if varlen_cu is not None else seg.start - seg.seq_start,
                 win_start=None if varlen_cu is not None else seg.start - seg.win_start,
                 cu_seqlens=varlen_cu,

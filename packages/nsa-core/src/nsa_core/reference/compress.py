@@ -9,7 +9,7 @@ from torch import nn
 
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.checks import check_compress, check_rank, check_split_blocks, shape
-from nsa_core.reference.common import spans
+from nsa_core.reference.common import spans, validated_by
 
 
 def split_blocks(x: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tensor:
@@ -103,6 +103,7 @@ class CompressMLP(nn.Module):
 Phi = nn.Module
 
 
+@validated_by(check_compress)
 def compress(
     x: torch.Tensor,
     cmp_block: int,
@@ -123,7 +124,6 @@ def compress(
     Returns:
         [B, N, H, D] with N = N_cmp(T) (or the sum of N_cmp(L_s) when varlen).
     """
-    check_compress(x, cmp_block, cmp_stride, phi, cu_seqlens=cu_seqlens)
 
     def one(part: torch.Tensor) -> torch.Tensor:
         if phi is None and cmp_block % cmp_stride == 0:
@@ -135,3 +135,7 @@ def compress(
     if cu_seqlens is None:
         return one(x)
     return torch.cat([one(x[:, s:e]) for s, e in spans(cu_seqlens)], dim=1)
+
+
+# The body without the checks, for callers that validated the call already (the attention core).
+compress_impl = compress.body

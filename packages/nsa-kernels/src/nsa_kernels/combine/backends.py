@@ -8,8 +8,8 @@ inputs' dtype) serves whatever they all decline: CPU, float64, ``NSA_COMBINE_BAC
 |---|---|---|
 | 20 | ``triton_combine`` | CUDA and triton, fp16/bf16/fp32 (forward and backward, any dv) |
 
-``triton_combine`` also gives ``fn_sum3``: the branches' three gradients of q summed in one pass
-(``nsa_core.ops.fan_out``).
+The fused core (:mod:`nsa_kernels.core`) also sums the branches' three gradients of q in one
+pass with this backend's kernels where it serves.
 """
 
 from __future__ import annotations
@@ -31,9 +31,4 @@ def backends() -> list[Backend]:
     """The gated combine's backends, highest priority first: the docstring's table, one row each
     as ``Backend(op, name, fn, supports, priority)``."""
     triton = triton_fn("nsa_kernels.combine.function", "gated_combine_triton")
-    sum3 = triton_fn("nsa_kernels.combine.function", "sum3_triton")
-    return [
-        Backend(
-            OP, "triton_combine", triton, triton_combine_supports, TRITON_PRIORITY, fn_sum3=sum3
-        )
-    ]
+    return [Backend(OP, "triton_combine", triton, triton_combine_supports, TRITON_PRIORITY)]

@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_gated_combine
-from nsa_core.row_runs import RowRuns
+from nsa_kernels.common.row_runs import RowRuns
 from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel, sum3_kernel
 from nsa_kernels.common.triton_inputs import check_dtype
 from nsa_kernels.common.two_runs import two_runs
@@ -97,7 +97,7 @@ def combine_bwd(
     """d o_cmp, d o_slc, d o_win [B, T, HQ, dv] and d gates [B, T, HQ, 3] for upstream ``do``.
 
     ``want_branches`` / ``want_gates`` False: those gradients are None (not computed). o_cmp
-    may come as a :class:`~nsa_core.row_runs.RowRuns` (unit stride along dv), read where its
+    may come as a :class:`~nsa_kernels.common.row_runs.RowRuns` (unit stride along dv), read where its
     runs lie; d o_cmp is one tensor all the same.
     """
     batch, t, hq, dv = o_slc.shape
@@ -192,9 +192,9 @@ SUM_BLOCK = 4096
 
 def sum3_triton(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """a + b + c for three tensors of one shape and dtype, in one pass: float32 sums, one
-    rounding (``Backend.fn_sum3`` of the Triton combine; nsa_core.ops.fan_out sums the three
-    branches' gradients of q with it, where autograd would add them two at a time, each add
-    reading two q-sized tensors and writing one).
+    rounding (the fused core, :mod:`nsa_kernels.core.fan_out`, sums the three branches'
+    gradients of q with it, where autograd would add them two at a time, each add reading two
+    q-sized tensors and writing one).
 
     CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), float16, bfloat16 or float32; any
     strides (a non-contiguous one is copied first). Returns a new contiguous tensor.

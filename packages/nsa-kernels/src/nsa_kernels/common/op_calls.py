@@ -25,7 +25,7 @@ from torch import Tensor
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_compressed_attention, check_sliding_attention
-from nsa_core.row_runs import RowRuns
+from nsa_kernels.common.row_runs import RowRuns
 from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.common.intervals import (
     compressed_intervals,

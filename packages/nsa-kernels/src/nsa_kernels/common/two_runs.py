@@ -1,4 +1,4 @@
-"""A tensor or its :class:`~nsa_core.row_runs.RowRuns` as a kernel reads it: at most two runs.
+"""A tensor or its :class:`~nsa_kernels.common.row_runs.RowRuns` as a kernel reads it: at most two runs.
 
 The folded cuDNN compressed branch leaves its output as the full rows' run and a short tail
 (:mod:`nsa_kernels.compressed.cudnn`). The kernels that read o_cmp in place (the selected
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from nsa_core.row_runs import RowRuns
+from nsa_kernels.common.row_runs import RowRuns
 
 
 @dataclass(frozen=True)

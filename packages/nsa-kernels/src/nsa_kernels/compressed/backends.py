@@ -27,7 +27,6 @@ from nsa_kernels.common.sdpa import compressed_attention_sdpa
 from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 from nsa_kernels.compressed.cudnn import (
     compressed_attention_cudnn,
-    compressed_attention_cudnn_runs_with_lse,
     compressed_attention_cudnn_with_lse,
     cudnn_compressed_supports,
 )
@@ -35,8 +34,8 @@ from nsa_kernels.compressed.fa2 import compressed_attention_fa2
 
 OP = "compressed_attention"
 TRITON_PRIORITY = 25
-# Above FA-2: on an H100 torch's FA-2 build took 13.55 ms for the folded 64k forward that cuDNN
-# ran in 8.20 (docs/results/2026-11-26-h100-layer-6.md).
+# Above FA-2: cuDNN's fused attention runs the folded compressed forward faster on sm90
+# (docs/performance.md).
 CUDNN_PRIORITY = 35
 _TRITON_MODULE = "nsa_kernels.compressed.triton_function"
 
@@ -54,8 +53,7 @@ def backends() -> list[Backend]:
     triton_with_lse = triton_fn(_TRITON_MODULE, "compressed_attention_triton_with_lse")
     return [
         Backend(OP, "cudnn", compressed_attention_cudnn, cudnn_compressed_supports, CUDNN_PRIORITY,
-                fn_with_lse=compressed_attention_cudnn_with_lse,
-                fn_runs_with_lse=compressed_attention_cudnn_runs_with_lse),
+                fn_with_lse=compressed_attention_cudnn_with_lse),
         Backend(OP, "fa2", fa2, routing.fa2_compressed_supports, routing.FA2_PRIORITY,
                 requested_by=routing.fa2_compressed_requested),
         Backend(OP, "triton_cmp", triton, triton_cmp_supports, TRITON_PRIORITY,

@@ -14,7 +14,7 @@ output 0, lse -inf, no gradient.
 A forward without a gradient on one sequence puts the slots into the batch dimension instead,
 every slot reading one stride-0 view of the keys (faster there); each run of queries is written
 once into the output, or left where cuDNN wrote it (:func:`folded_runs`, the backend's
-``fn_runs_with_lse``: a :class:`~nsa_core.row_runs.RowRuns`). With a gradient,
+``fn_runs_with_lse``: a :class:`~nsa_kernels.common.row_runs.RowRuns`). With a gradient,
 :class:`_FoldedFunction` keeps each run's graph, gives each run as a differentiable output (left
 where cuDNN wrote it as well) and writes dq once into place, where autograd on slices of q would
 zero-fill and add a q-sized gradient per run.
@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from nsa_core.registry import OpContext
-from nsa_core.row_runs import RowRuns
+from nsa_kernels.common.row_runs import RowRuns
 from nsa_core.toggles import Toggles
 from nsa_kernels.common.finite_flag import HostFlag, all_finite_flag
 from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
@@ -368,7 +368,7 @@ def folded_runs(
     contain: bool = False,
 ) -> tuple[RowRuns, Tensor]:
     """:func:`folded_attention` with o as the attention calls left it: a
-    :class:`~nsa_core.row_runs.RowRuns` from the first query that sees a block, one run per call
+    :class:`~nsa_kernels.common.row_runs.RowRuns` from the first query that sees a block, one run per call
     (each [B, n, HQ, dv], a view of that call's output where its layout allows), and lse
     [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size (0.71 ms
     at T = 64k, H100; docs/results/2026-11-26-h100-layer-8.md), which a consumer that reads the
@@ -404,7 +404,7 @@ def _with_lse(
 def _runs_with_lse(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
 ) -> tuple[RowRuns, Tensor]:
-    """:func:`_with_lse` with o as a :class:`~nsa_core.row_runs.RowRuns` (:func:`folded_runs`),
+    """:func:`_with_lse` with o as a :class:`~nsa_kernels.common.row_runs.RowRuns` (:func:`folded_runs`),
     with or without a gradient."""
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")

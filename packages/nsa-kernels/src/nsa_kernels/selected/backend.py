@@ -20,20 +20,17 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from nsa_core.debug_log import debug_log
-from nsa_core.local_softmax import LocalSoftmax
+from nsa_kernels.common.local_softmax import LocalSoftmax
 from nsa_core.registry import Backend, OpContext
-from nsa_core.row_runs import RowRuns
-from nsa_core.toggles import Toggles, get_toggles, legacy_sel_tiles
+from nsa_kernels.common.row_runs import RowRuns
+from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
-
-if TYPE_CHECKING:
-    from nsa_kernels.selected.function import SelConfig
 
 OP = "selected_attention"
 NAME = "triton_sel"
@@ -167,33 +164,14 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, call: Select
     """:func:`selected_attention_triton` with the routing's toggles.
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n].
-    The deprecated NSA_SEL_TRITON_BLOCK_* tiles (read once by nsa_core.toggles) arrive here as a
-    ``SelConfig``.
     """
     from nsa_kernels.selected.function import selected_attention_triton
 
     _log_device(q.device)
     return selected_attention_triton(
-        q,
-        k,
-        v,
-        block_indices,
-        call.sel_block,
-        call.scale,
-        q_start=call.q_start,
-        cu_seqlens=call.cu_seqlens,
-        config=_legacy_config(),
-        toggles=call.toggles,
-    )
-
-
-def _legacy_config() -> SelConfig | None:
-    """The deprecated NSA_SEL_TRITON_BLOCK_* tiles (read once by nsa_core.toggles) as a
-    ``SelConfig``, or None (the defaults)."""
-    from nsa_kernels.selected.function import SelConfig
-
-    tiles = legacy_sel_tiles()
-    return SelConfig(**tiles) if tiles else None
+        q, k, v, block_indices, call.sel_block, call.scale, q_start=call.q_start,
+        cu_seqlens=call.cu_seqlens, toggles=call.toggles,
+    )  # fmt: skip
 
 
 # The registered ``fn``: nsa_core's selected_attention on the Triton kernels, with its signature
@@ -201,39 +179,25 @@ def _legacy_config() -> SelConfig | None:
 selected_attention_backend = SelectedBackend(_triton)
 
 
-def selected_attention_gated_backend(
+def selected_attention_gated(
     q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
     scale: float | None = None, *, o_cmp: Tensor | RowRuns, o_win: Tensor, gates: Tensor,
     q_start: int = 0, cu_seqlens: Tensor | None = None, toggles: Toggles | None = None,
     local: LocalSoftmax | None = None,
 ) -> Tensor:  # fmt: skip
-    """The registered ``fn_gated``: :func:`selected_attention_gated_triton` with the routing's
-    toggles and the legacy tiles ``fn`` takes; q [B, Tq, HQ, dk], o_cmp (a tensor or a
-    :class:`~nsa_core.row_runs.RowRuns`) and o_win [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] ->
-    o [B, Tq, HQ, dv], differentiable in all six; ``local`` (``gated_local``): the sliding
-    branch's softmax over each row's forced blocks, the walk's start."""
+    """The gated combine summed inside the selected launch, for the fused core
+    (:mod:`nsa_kernels.core`): :func:`selected_attention_gated_triton` with the routing's
+    toggles; q [B, Tq, HQ, dk], o_cmp (a tensor or a :class:`~nsa_kernels.common.row_runs.RowRuns`)
+    and o_win [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] -> o [B, Tq, HQ, dv], differentiable in all
+    six; ``local``: the sliding branch's softmax over each row's forced blocks, the walk's start."""
     from nsa_kernels.selected.function import selected_attention_gated_triton
 
     _log_device(q.device)
     return selected_attention_gated_triton(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
-        q_start=q_start, cu_seqlens=cu_seqlens, config=_legacy_config(),
+        q_start=q_start, cu_seqlens=cu_seqlens,
         toggles=get_toggles() if toggles is None else toggles, local=local,
     )  # fmt: skip
-
-
-def takes_local(ctx: OpContext) -> bool:
-    """Whether the core should hand this call the sliding branch's local softmax: at every G.
-
-    Since that softmax holds all three forced blocks it beats the forced-block prologue at
-    G = 1 as well (the prologue had won there while block 0 was still walked per row). Sliding
-    + selected forward kernels on an H100, bf16, HQ = 64, dk = dv = 128, l' = 64, n = 16,
-    w = 512, with the prologue (G <= 4) or without it, against from the local softmax: G = 1,
-    8k: 25.18 -> 24.07 ms; G = 2, 16k: 27.27 -> 25.29; G = 4, 32k: 29.11 -> 27.65; G = 16, 64k:
-    19.53 -> 18.05 (docs/results/2026-11-27-h100-layer-13.md). The registry asks for a
-    predicate so that a backend may decide per call; this one takes it for every call.
-    """
-    return True
 
 
 def _requested(toggles: Toggles) -> bool:
@@ -250,9 +214,5 @@ def backends() -> list[Backend]:
             supports=supports,
             priority=PRIORITY,
             requested_by=_requested,
-            fn_gated=selected_attention_gated_backend,
-            gated_grad=True,
-            gated_runs=True,
-            gated_local=takes_local,
         )
     ]

@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_same_place
-from nsa_core.local_softmax import LocalSoftmax
-from nsa_core.row_runs import RowRuns, check_gated_combine_runs
+from nsa_kernels.common.local_softmax import LocalSoftmax
+from nsa_kernels.common.row_runs import RowRuns, check_gated_combine_runs
 from nsa_core.toggles import Toggles
 from nsa_kernels.combine.function import combine_bwd
 from nsa_kernels.selected.backward import backward
@@ -94,11 +94,11 @@ def selected_attention_gated_triton(
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles: as
             :func:`selected_attention_triton`.
         o_cmp, o_win: [B, Tq, HQ, dv] the compressed and sliding branches' outputs, q's dtype;
-            o_cmp may be a :class:`~nsa_core.row_runs.RowRuns`, read where its runs lie with or
+            o_cmp may be a :class:`~nsa_kernels.common.row_runs.RowRuns`, read where its runs lie with or
             without a gradient (no copy into one tensor; each run gets its own gradient).
         gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
         local: the softmax of each row over its forced blocks, computed by the sliding branch over
-            these same k and v (:class:`nsa_core.local_softmax.LocalSoftmax`,
+            these same k and v (:class:`nsa_kernels.common.local_softmax.LocalSoftmax`,
             :func:`nsa_kernels.sliding.triton_function.sliding_attention_triton_with_local`);
             every index row must hold the row's blocks 0 and ``max(jt - 1, 0) .. jt`` (the forced
             blocks of ``select_blocks`` with n >= 3: a row without them gives NaN). The kernel
@@ -134,7 +134,7 @@ def selected_attention_gated_triton(
 class GatedSelectedFunction(torch.autograd.Function):
     """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
     branch and the sum in one launch; o_cmp comes as the runs of a
-    :class:`~nsa_core.row_runs.RowRuns` from row ``cmp_start`` (each a differentiable input, read
+    :class:`~nsa_kernels.common.row_runs.RowRuns` from row ``cmp_start`` (each a differentiable input, read
     in place). Backward: the combine's backward kernel (d o_cmp, d o_slc, d o_win, d gates from
     one read of do; each run's gradient a slice of d o_cmp), then the selected branch's, without
     atomics. Its kernels give no graph of their own (once_differentiable): a second derivative

@@ -12,15 +12,11 @@ serves the call; whatever all of them decline falls to nsa-core's reference (pri
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA, when none of the above accepted |
 
-``triton_win`` sits above Flex as ``triton_cmp`` does in the compressed branch: at HQ = 64,
-H = 4, d = 128, w = 512, bf16 on an H200 it took 1.58 / 2.87 / 5.22 / 10.48 ms forward and
-5.67 / 10.68 / 20.42 / 40.29 ms forward+backward at T = 16k / 32k / 64k / 128k against Flex's
-2.06 / 4.14 / 5.30 / 15.06 and 8.08 / 15.56 / 20.80 / 59.81 ms; at 8k the two were within 5%
-(docs/results/2026-11-26-h200-layer.md). It serves any G, needs no compile step, and its
-backward is deterministic. FA-2 stays above it where flash_attn is installed.
-
-``triton_win`` also hands the selected branch each row's softmax over its forced blocks
-(``fn_with_local``, :mod:`nsa_core.local_softmax`) where the two branches share k and v.
+``triton_win`` sits above Flex as ``triton_cmp`` does in the compressed branch: it was faster
+from 16k tokens on and within noise at 8k (docs/performance.md), serves any G, needs no compile
+step, and its backward is deterministic. FA-2 stays above it where flash_attn is installed.
+The fused core (:mod:`nsa_kernels.core`) has it hand the selected branch each row's softmax over
+its forced blocks where the two branches share k and v.
 """
 
 from __future__ import annotations
@@ -47,20 +43,10 @@ def backends() -> list[Backend]:
     """The sliding branch's backends, highest priority first: the docstring's table, one row
     each as ``Backend(op, name, fn, supports, priority[, requested_by])``."""
     triton = triton_fn("nsa_kernels.sliding.triton_function", "sliding_attention_triton")
-    triton_local = triton_fn(
-        "nsa_kernels.sliding.triton_function", "sliding_attention_triton_with_local"
-    )
     fa2_row = (routing.fa2_sliding_supports, routing.FA2_PRIORITY, routing.fa2_sliding_requested)
     return [
         Backend(OP, "fa2", sliding_attention_fa2, *fa2_row),
         Backend(OP, "flex", sliding_attention_flex, routing.flex_supports, routing.FLEX_PRIORITY),
         Backend(OP, "sdpa", sliding_attention_sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
-        Backend(
-            OP,
-            "triton_win",
-            triton,
-            triton_win_supports,
-            TRITON_PRIORITY,
-            fn_with_local=triton_local,
-        ),
+        Backend(OP, "triton_win", triton, triton_win_supports, TRITON_PRIORITY),
     ]

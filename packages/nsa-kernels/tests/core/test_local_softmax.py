@@ -18,7 +18,7 @@ import torch
 
 import nsa_core
 from nsa_core import NSAConfig, ops
-from nsa_core.local_softmax import LocalSoftmax, holds_local_keys, local_softmax_reference
+from nsa_kernels.common.local_softmax import LocalSoftmax, holds_local_keys, local_softmax_reference
 from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
 from nsa_core.reference.sliding_attention import sliding_attention_impl

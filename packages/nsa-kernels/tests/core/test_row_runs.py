@@ -16,7 +16,7 @@ from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
 from nsa_core.registry import Backend, OpContext, register_backend
-from nsa_core.row_runs import RowRuns, as_tensor
+from nsa_kernels.common.row_runs import RowRuns, as_tensor
 from nsa_core.toggles import Toggles
 
 CONFIG = NSAConfig(

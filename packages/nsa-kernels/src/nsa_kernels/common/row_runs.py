@@ -2,9 +2,9 @@
 
 A backend that computes its rows in several calls (the folded cuDNN compressed branch:
 :mod:`nsa_kernels.compressed.cudnn`) has each call's rows in a buffer of its own. Putting them
-in one tensor is a copy of the whole output (0.7 ms at T = 64k on an H100,
-docs/results/2026-11-26-h100-layer-9.md); a consumer that can read the runs where they lie (the
-selected branch's gated launch) skips it, and every other consumer calls :meth:`RowRuns.assemble`.
+in one tensor is a copy of the whole output; a consumer that can read the runs where they lie
+(the selected branch's gated launch, which the fused core, :mod:`nsa_kernels.core`, hands them
+to) skips it, and every other consumer calls :meth:`RowRuns.assemble`.
 """
 
 from __future__ import annotations

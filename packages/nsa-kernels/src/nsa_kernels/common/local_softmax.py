@@ -7,7 +7,7 @@ which a window of w >= 2 l' holds as well. Where the selected and sliding branch
 keys and values (the spec's allowed special case), a sliding kernel that walks those keys first
 has their softmax on the way; it adds block 0's keys and stores the result
 (:class:`LocalSoftmax`), and the selected kernel starts its own walk from it instead of loading
-those tiles once per row (:func:`nsa_core.ops.sliding_attention_with_local`). The name keeps
+those tiles once per row (the fused core, :mod:`nsa_kernels.core`, hands it over). The name keeps
 the local keys, the part the window shares.
 """
 
