@@ -1,6 +1,5 @@
-"""The attention core hands the compressed branch's log-sum-exp to block scoring, the gated
-combine is a registry op like the others (NSA_COMBINE_BACKEND), and where no gradient is needed
-the selected branch's backend may sum the three branches in its own step (``fn_gated``)."""
+"""The reference attention core hands the compressed branch's log-sum-exp to block scoring, and
+the gated combine is a registry op like the others (NSA_COMBINE_BACKEND)."""
 
 from __future__ import annotations
 
@@ -14,11 +13,10 @@ import nsa_core
 from nsa_core import NSAConfig, ops, registry
 from nsa_core.reference import compressed_attention as reference_compressed_attention
 from nsa_core.reference.combine import gated_combine as reference_gated_combine
-from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
-from nsa_core.reference.selected_attention import selected_attention_impl
+from nsa_core.reference.selection import select_blocks_impl
 from nsa_core.registry import Backend, OpContext, register_backend
-from nsa_core.toggles import Toggles, reload_toggles, toggles_overridden
+from nsa_core.toggles import Toggles, reload_toggles
 
 CONFIG = NSAConfig(
     num_q_heads=4,
@@ -73,7 +71,7 @@ class Recorder:
 
     def select(self, *args: Any, toggles: Toggles, **kwargs: Any) -> Any:
         self.lse_given.append(kwargs.get("lse"))
-        return registry.select_blocks_reference(*args, **kwargs)
+        return select_blocks_impl(*args, **kwargs)
 
 
 def _register(recorder: Recorder, *, with_lse: bool = True) -> None:
@@ -258,194 +256,3 @@ def test_gated_combine_checks_its_arguments(gen: torch.Generator) -> None:
         ops.gated_combine(o_cmp, o_slc, o_win, gates[..., :2])
     with pytest.raises(TypeError, match="dtype"):
         ops.gated_combine(o_cmp, o_slc.float(), o_win, gates)
-
-
-class GatedSpy:
-    """A selected backend whose ``fn_gated`` sums the three branches (the reference ops), and a
-    combine backend that is not the reference, so the core may take the one-step sum.
-    ``gated_grad``: the backend says its ``fn_gated`` also gives gradients."""
-
-    def __init__(self, gated_grad: bool = False) -> None:
-        self.gated_calls = 0
-        self.combine_calls = 0
-        self.gated_grad = gated_grad
-
-    def gated(
-        self, *args: Any, o_cmp: Any, o_win: Any, gates: Any, toggles: Toggles, **kwargs: Any
-    ) -> Any:
-        self.gated_calls += 1
-        o_slc = selected_attention_impl(*args, **kwargs)
-        return gated_combine_impl(o_cmp, o_slc, o_win, gates)
-
-    def combine(self, *args: Any, toggles: Toggles, **kwargs: Any) -> Any:
-        self.combine_calls += 1
-        return gated_combine_impl(*args, **kwargs)
-
-    def register(self) -> None:
-        register_backend(
-            Backend(
-                "selected_attention",
-                "sel_spy",
-                lambda *a, toggles, **k: selected_attention_impl(*a, **k),
-                accept,
-                priority=5,
-                fn_gated=self.gated,
-                gated_grad=self.gated_grad,
-            )
-        )
-        register_backend(Backend("gated_combine", "combine_spy", self.combine, accept, priority=5))
-
-
-@pytest.mark.usefixtures("isolated_registry")
-def test_core_sums_the_branches_in_the_selected_step_when_no_gradient_is_needed(
-    gen: torch.Generator,
-) -> None:
-    q, k, v = _inputs(gen)
-    gates = torch.rand(1, q.shape[1], 4, 3, generator=gen, dtype=torch.float64)
-    want = nsa_core.nsa_attention(q, k, v, gates, CONFIG)  # all reference
-    spy = GatedSpy()
-    spy.register()
-    with torch.no_grad():
-        out = nsa_core.nsa_attention(q, k, v, gates, CONFIG)
-    assert (spy.gated_calls, spy.combine_calls) == (1, 0)
-    torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
-    # A gradient is needed: the selected step and the combine run apart.
-    again = nsa_core.nsa_attention(q, k, v, gates, CONFIG)
-    assert (spy.gated_calls, spy.combine_calls) == (1, 1)
-    assert again.requires_grad
-    torch.testing.assert_close(again, want, rtol=0, atol=0)
-
-
-@pytest.mark.usefixtures("isolated_registry")
-def test_core_sums_the_branches_in_the_selected_step_with_a_gradient_where_it_gives_one(
-    gen: torch.Generator,
-) -> None:
-    q, k, v = _inputs(gen)
-    gates = torch.rand(1, q.shape[1], 4, 3, generator=gen, dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, gates)]
-    want = nsa_core.nsa_attention(*leaves, CONFIG)  # all reference
-    grads_want = torch.autograd.grad(want.sum(), leaves)
-    spy = GatedSpy(gated_grad=True)
-    spy.register()
-    out = nsa_core.nsa_attention(*leaves, CONFIG)
-    assert (spy.gated_calls, spy.combine_calls) == (1, 0)
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
-    for got, expected in zip(torch.autograd.grad(out.sum(), leaves), grads_want, strict=True):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-@pytest.mark.usefixtures("isolated_registry")
-@pytest.mark.parametrize(
-    "env", [{"NSA_COMBINE_BACKEND": "reference"}, {"NSA_DEBUG_SHAPES": "1"}], ids=str
-)
-def test_no_one_step_sum_under_a_pinned_reference_combine_or_a_debug_hook(
-    gen: torch.Generator, restore_toggles: pytest.MonkeyPatch, env: dict[str, str]
-) -> None:
-    spy = GatedSpy()
-    spy.register()
-    for name, value in env.items():
-        restore_toggles.setenv(name, value)
-    reload_toggles()
-    q, k, v = _inputs(gen)
-    gates = torch.rand(1, q.shape[1], 4, 3, generator=gen, dtype=torch.float64)
-    with torch.no_grad():
-        out = nsa_core.nsa_attention(q, k, v, gates, CONFIG)
-    assert spy.gated_calls == 0
-    assert out.shape == (1, q.shape[1], 4, 8)
-
-
-@pytest.mark.usefixtures("isolated_registry")
-@pytest.mark.parametrize("gated_grad", [False, True], ids=["forward_only", "gated_grad"])
-def test_routing_report_says_where_the_combine_runs_inside_the_selected_launch(
-    gated_grad: bool,
-) -> None:
-    """Without a gradient the one-step sum serves; with one only where ``fn_gated`` gives it."""
-    from nsa_core.registry import routing_report
-
-    GatedSpy(gated_grad=gated_grad).register()
-    note = "summed inside selected_attention's launch"
-    for requires_grad in (False, True):
-        ctx = OpContext(
-            device=torch.device("cpu"), dtype=torch.float32, seq_len=13, num_q_heads=4,
-            num_kv_heads=2, head_dim_qk=8, head_dim_v=8, requires_grad=requires_grad,
-            varlen=False,
-        )  # fmt: skip
-        lines = dict(line.split(" -> ", 1) for line in routing_report(ctx).splitlines())
-        assert note not in lines["selected_attention".ljust(22)]
-        combine = lines["gated_combine".ljust(22)]
-        summed = not requires_grad or gated_grad
-        assert (note in combine) == summed, (requires_grad, combine)
-        if summed:
-            assert ("with grad" if requires_grad else "no grad") in combine
-
-
-def _combine(*args: torch.Tensor, toggles: Toggles) -> torch.Tensor:
-    return reference_gated_combine(*args)
-
-
-def _core_inputs(gen: torch.Generator) -> list[torch.Tensor]:
-    """q, k, v and gates of a short dense call of CONFIG, float64 leaves."""
-    t = 11
-    q = torch.randn(1, t, 4, 8, generator=gen, dtype=torch.float64)
-    k = torch.randn(1, t, 2, 8, generator=gen, dtype=torch.float64)
-    v = torch.randn(1, t, 2, 8, generator=gen, dtype=torch.float64)
-    gates = torch.sigmoid(torch.randn(1, t, 4, 3, generator=gen, dtype=torch.float64))
-    return [x.requires_grad_() for x in (q, k, v, gates)]
-
-
-@pytest.mark.usefixtures("isolated_registry")
-def test_core_sums_the_three_gradients_of_q_with_the_combine_backends_fn_sum3(
-    gen: torch.Generator,
-) -> None:
-    """The three branches read q through ops.fan_out: where the combine's backend has an
-    ``fn_sum3``, the backward hands it the three branches' gradients of q once, and q's gradient
-    is its result; without one (the reference) autograd adds them. Both give the same dq."""
-    sums: list[tuple[tuple[int, ...], ...]] = []
-
-    def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, toggles: Toggles) -> torch.Tensor:
-        sums.append((tuple(a.shape), tuple(b.shape), tuple(c.shape)))
-        return a + b + c
-
-    inputs = _core_inputs(gen)
-    out = nsa_core.nsa_attention(*inputs, CONFIG)
-    do = torch.randn(out.shape, generator=gen, dtype=torch.float64)
-    want = torch.autograd.grad(out, inputs, do)
-    register_backend(
-        Backend("gated_combine", "summing", _combine, accept, priority=5, fn_sum3=sum3)
-    )
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    out = nsa_core.nsa_attention(*leaves, CONFIG)
-    got = torch.autograd.grad(out, leaves, do)
-    assert sums == [((1, 11, 4, 8),) * 3]
-    for name, a, b in zip(("q", "k", "v", "gates"), got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=f"d{name}")
-
-
-@pytest.mark.usefixtures("isolated_registry")
-def test_fan_out_costs_nothing_without_a_gradient_and_adds_under_a_double_backward(
-    gen: torch.Generator,
-) -> None:
-    """No gradient: fan_out hands back q itself three times. A backward that builds a graph
-    (create_graph) adds the three gradients with torch, so the sum stays differentiable."""
-    sums: list[int] = []
-
-    def sum3(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, toggles: Toggles) -> torch.Tensor:
-        sums.append(1)
-        return a + b + c
-
-    register_backend(
-        Backend("gated_combine", "summing", _combine, accept, priority=5, fn_sum3=sum3)
-    )
-    q, _, _, gates = _core_inputs(gen)
-    with torch.no_grad():
-        assert all(x is q for x in ops.fan_out(q, gates))
-    with toggles_overridden(combine_grad_sum=False):
-        assert all(x is q for x in ops.fan_out(q, gates))
-    views = ops.fan_out(q, gates)
-    assert all(x is not q and x.data_ptr() == q.data_ptr() for x in views)
-    loss = (views[0] ** 2).sum() + (views[1] ** 3).sum() + views[2].sum()
-    (dq,) = torch.autograd.grad(loss, q, create_graph=True)
-    assert sums == []
-    torch.testing.assert_close(dq, 2 * q + 3 * q**2 + 1)
-    (ddq,) = torch.autograd.grad(dq.sum(), q)
-    torch.testing.assert_close(ddq, 2 + 6 * q)

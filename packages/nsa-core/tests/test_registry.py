@@ -12,13 +12,17 @@ import pytest
 import torch
 
 from nsa_core import registry
+from nsa_core.core import attention_core_reference
 from nsa_core.reference.combine import gated_combine_impl
 from nsa_core.reference.compressed_attention import compressed_attention_impl
 from nsa_core.reference.rope import apply_rope_impl
 from nsa_core.reference.selected_attention import selected_attention_impl
+from nsa_core.reference.selection import select_blocks_impl
 from nsa_core.reference.sliding_attention import sliding_attention_impl
 from nsa_core.registry import (
+    CORE_OP,
     OPS,
+    STEP_OPS,
     Backend,
     OpContext,
     Resolution,
@@ -31,14 +35,22 @@ from nsa_core.toggles import Toggles
 
 # The reference bodies each op's "reference" backend runs (after the public op validated).
 REFERENCE_FNS: dict[str, Callable[..., Any]] = {
+    "attention_core": attention_core_reference,
     "apply_rope": apply_rope_impl,
-    # select_blocks_impl behind the keyword lse, which the reference does not read.
-    "select_blocks": registry.select_blocks_reference,
+    # It takes the keyword lse, which the reference does not read.
+    "select_blocks": select_blocks_impl,
     "compressed_attention": compressed_attention_impl,
     "selected_attention": selected_attention_impl,
     "sliding_attention": sliding_attention_impl,
     "gated_combine": gated_combine_impl,
 }
+
+
+def body(backend: Backend) -> Callable[..., Any]:
+    """The reference body a reference backend runs: the step references are wrapped to drop
+    the toggles; the core's reference takes them."""
+    fn: Callable[..., Any] = getattr(backend.fn, "__wrapped__", backend.fn)
+    return fn
 
 
 def context(**overrides: Any) -> OpContext:
@@ -94,7 +106,7 @@ def test_reference_backends_registered_for_every_op() -> None:
         rows = backends(op)
         refs = [b for b in rows if b.name == "reference"]
         assert len(refs) == 1, op
-        assert refs[0].fn.__wrapped__ is REFERENCE_FNS[op]  # type: ignore[attr-defined]
+        assert body(refs[0]) is REFERENCE_FNS[op]
         assert refs[0].priority == 0
         assert [b.priority for b in rows] == sorted((b.priority for b in rows), reverse=True)
 
@@ -112,7 +124,7 @@ def test_reference_accepts_every_context(ctx: OpContext) -> None:
     for op in OPS:
         res = resolve(op, ctx, Toggles())
         assert res.backend.name == "reference"
-        assert res.backend.fn.__wrapped__ is REFERENCE_FNS[op]  # type: ignore[attr-defined]
+        assert body(res.backend) is REFERENCE_FNS[op]
         assert res.rejected == ()
 
 
@@ -206,10 +218,12 @@ def test_routing_report_shows_every_op() -> None:
     register_backend(Backend("sliding_attention", "fa2", dummy, accept, priority=10))
     report = routing_report(context(), Toggles())
     lines = report.splitlines()
-    assert len(lines) == len(OPS)
-    for op, line in zip(OPS, lines, strict=True):
+    order = (CORE_OP, *STEP_OPS)
+    assert len(lines) == len(order)
+    for op, line in zip(order, lines, strict=True):
         assert line.startswith(op)
-    by_op = dict(zip(OPS, lines, strict=True))
+    by_op = dict(zip(order, lines, strict=True))
+    assert "-> reference" in by_op[CORE_OP]
     assert "-> reference" in by_op["compressed_attention"]
     assert "passed over" not in by_op["compressed_attention"]
     assert "-> reference" in by_op["selected_attention"]
@@ -282,6 +296,8 @@ def test_module_routes_through_registry() -> None:
 
         def fn(*args: Any, toggles: Toggles, **kwargs: Any) -> Any:
             called.append(op)
+            if op == CORE_OP:  # the core's reference runs the steps it resolves: the spies
+                return reference(*args, toggles=toggles, **kwargs)
             return reference(*args, **kwargs)
 
         return fn
@@ -301,7 +317,7 @@ def test_module_routes_through_registry() -> None:
     )
     layer = NSAAttention(cfg, 8)
     layer(torch.randn(1, 10, 8))
-    # Each op once, and rotary embedding for q and for each of the three branches' k.
+    # The core and each step once, and rotary embedding for q and for each branch's k.
     assert sorted(called) == sorted([*OPS, *["apply_rope"] * 3])
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,14 +12,13 @@ from nsa_core import toggles as toggles_module
 from nsa_core.toggles import (
     Toggles,
     get_toggles,
-    legacy_sel_tiles,
-    legacy_sel_tiles_from_env,
     reload_toggles,
     toggles_overridden,
 )
 
 # The documented table of toggles (module docstring of nsa_core.toggles): name -> default.
 DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
+    "NSA_CORE_BACKEND": "auto",
     "NSA_ROPE_BACKEND": "auto",
     "NSA_SCORE_BACKEND": "auto",
     "NSA_CMP_BACKEND": "auto",
@@ -49,41 +47,29 @@ DOCUMENTED_DEFAULTS: dict[str, bool | int | str] = {
     "NSA_DEBUG_FA2_DENSE": False,
 }
 
-# Old name -> (new names it sets, a value to set, the parsed value).
-OLD_NAMES: dict[str, tuple[tuple[str, ...], str, bool | int]] = {
-    "NSA_USE_TRITON_SEL": (("NSA_SEL_TRITON",), "0", False),
-    "NSA_TRITON_SEL_FORCE": (("NSA_SEL_TRITON_FORCE",), "1", True),
-    "NSA_SEL_TRITON_ALLOW_GRAD": (("NSA_SEL_TRITON_GRAD",), "0", False),
-    "NSA_SEL_TRITON_MIN_L": (("NSA_SEL_TRITON_MIN_LEN",), "4096", 4096),
-    "NSA_SEL_TRITON_CHECK_INDICES": (("NSA_SEL_CHECK_INDICES",), "1", True),
-    "NSA_USE_CUDA_SEL": (("NSA_SEL_CUDA",), "1", True),
-    "NSA_USE_FA2": (("NSA_CMP_FA2", "NSA_WIN_FA2"), "0", False),
-    "NSA_FA2_MIN_LEN_CMP": (("NSA_CMP_FA2_MIN_LEN",), "64", 64),
-    "NSA_FA2_MIN_LEN_WIN": (("NSA_WIN_FA2_MIN_LEN",), "128", 128),
-    "NSA_LOG_LIMIT": (("NSA_DEBUG_LOG_LIMIT",), "3", 3),
-    "NSA_FA2_FORCE_VARLEN": (("NSA_DEBUG_FA2_VARLEN",), "1", True),
-    "NSA_FA2_FORCE_DENSE": (("NSA_DEBUG_FA2_DENSE",), "1", True),
-}
+# Names that were once toggles: nothing reads them now.
+RETIRED_NAMES = (
+    "NSA_USE_TRITON_SEL",
+    "NSA_TRITON_SEL_FORCE",
+    "NSA_SEL_TRITON_ALLOW_GRAD",
+    "NSA_SEL_TRITON_MIN_L",
+    "NSA_SEL_TRITON_CHECK_INDICES",
+    "NSA_USE_CUDA_SEL",
+    "NSA_USE_FA2",
+    "NSA_FA2_MIN_LEN_CMP",
+    "NSA_FA2_MIN_LEN_WIN",
+    "NSA_LOG_LIMIT",
+    "NSA_FA2_FORCE_VARLEN",
+    "NSA_FA2_FORCE_DENSE",
+    "NSA_SEL_TRITON_BLOCK_L",
+    "NSA_SEL_TRITON_BLOCK_D",
+    "NSA_SEL_TRITON_BLOCK_DV",
+)
 
 BOOL_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if isinstance(value, bool)]
 INT_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if type(value) is int]
 NAME_TOGGLES = [name for name, value in DOCUMENTED_DEFAULTS.items() if isinstance(value, str)]
-BLOCK_TOGGLES = {
-    "NSA_SEL_TRITON_BLOCK_D": "block_d",
-    "NSA_SEL_TRITON_BLOCK_L": "block_l",
-    "NSA_SEL_TRITON_BLOCK_DV": "block_dv",
-}
-STEPS = ("ROPE", "SCORE", "CMP", "SEL", "WIN", "COMBINE", "DECODE", "DEBUG")
-
-
-@pytest.fixture
-def fresh_warnings() -> Iterator[None]:
-    """Forget which deprecated names already warned (each warns once per process)."""
-    saved = set(toggles_module._warned)
-    toggles_module._warned.clear()
-    yield
-    toggles_module._warned.clear()
-    toggles_module._warned.update(saved)
+STEPS = ("CORE", "ROPE", "SCORE", "CMP", "SEL", "WIN", "COMBINE", "DEBUG")
 
 
 def field_of(env_name: str) -> str:
@@ -100,9 +86,6 @@ def test_every_toggle_is_named_step_then_knob_and_in_the_docstring_table() -> No
     for name in DOCUMENTED_DEFAULTS:
         assert name.split("_")[1] in STEPS, name
         assert f"| {name} |" in doc, name
-    for old in [*OLD_NAMES, *BLOCK_TOGGLES]:
-        assert old in doc, old
-    assert set(OLD_NAMES) == set(toggles_module.DEPRECATED_NAMES)
 
 
 def test_defaults_from_empty_environment() -> None:
@@ -171,84 +154,18 @@ def test_fa2_varlen_and_fa2_dense_conflict() -> None:
     assert Toggles.from_env({"NSA_DEBUG_FA2_DENSE": "1"}).debug_fa2_dense
 
 
-@pytest.mark.usefixtures("fresh_warnings")
-@pytest.mark.parametrize("old", list(OLD_NAMES))
-def test_old_name_still_works_and_warns_once_naming_the_new_one(old: str) -> None:
-    new_names, raw, expected = OLD_NAMES[old]
-    with pytest.warns(DeprecationWarning, match=re.escape(old)) as caught:
-        toggles = Toggles.from_env({old: raw})
-    message = str(caught[0].message)
-    for new in new_names:
-        assert new in message
-        assert getattr(toggles, field_of(new)) == expected
-    assert toggles == Toggles.from_env(dict.fromkeys(new_names, raw))
+@pytest.mark.parametrize("old", RETIRED_NAMES)
+def test_retired_names_are_read_by_nothing(old: str) -> None:
+    """The old spellings left with no release behind them: setting one changes no toggle."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert Toggles.from_env({old: raw}) == toggles  # warned once already
-
-
-@pytest.mark.usefixtures("fresh_warnings")
-@pytest.mark.parametrize("old", list(OLD_NAMES))
-def test_old_and_new_name_agreeing_is_fine_disagreeing_names_both(old: str) -> None:
-    new_names, raw, expected = OLD_NAMES[old]
-    other = "1" if raw == "0" else "0"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        same = Toggles.from_env({old: raw, **dict.fromkeys(new_names, raw)})
-        assert getattr(same, field_of(new_names[0])) == expected
-        for new in new_names:
-            with pytest.raises(ValueError, match=f"{old}=.*{new}=.*disagree"):
-                Toggles.from_env({old: raw, new: other})
-
-
-def test_old_name_with_a_bad_value_names_the_old_toggle() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        with pytest.raises(ValueError, match=re.escape("NSA_USE_FA2='maybe' is not a boolean")):
-            Toggles.from_env({"NSA_USE_FA2": "maybe"})
+        assert Toggles.from_env({old: "1"}) == Toggles()
 
 
 def test_tiles_are_not_toggles() -> None:
     names = {f.name for f in dataclasses.fields(Toggles)}
     assert not any("block" in name for name in names)
     assert Toggles.from_env({"NSA_SEL_TRITON_BLOCK_L": "32"}) == Toggles()
-
-
-@pytest.mark.usefixtures("fresh_warnings")
-@pytest.mark.parametrize("name", list(BLOCK_TOGGLES))
-@pytest.mark.parametrize("raw", ["0", "1", "16", "32", "128"])
-def test_old_tile_toggle_reads_into_a_config_field_and_warns(name: str, raw: str) -> None:
-    with pytest.warns(DeprecationWarning, match=r"SelConfig\(" + BLOCK_TOGGLES[name]):
-        tiles = legacy_sel_tiles_from_env({name: raw})
-    assert tiles == ({BLOCK_TOGGLES[name]: int(raw)} if int(raw) else {})
-
-
-@pytest.mark.usefixtures("fresh_warnings")
-@pytest.mark.parametrize("name", list(BLOCK_TOGGLES))
-@pytest.mark.parametrize("raw", ["3", "24", "100"])
-def test_old_tile_toggle_not_power_of_two_names_the_toggle(name: str, raw: str) -> None:
-    with (
-        pytest.warns(DeprecationWarning, match=name),
-        pytest.raises(ValueError, match=re.escape(f"{name}={raw} must be 0 or a power of two")),
-    ):
-        legacy_sel_tiles_from_env({name: raw})
-
-
-def test_old_tiles_read_once_until_reload(monkeypatch: pytest.MonkeyPatch) -> None:
-    saved = (toggles_module._cached, toggles_module._cached_tiles)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            monkeypatch.setenv("NSA_SEL_TRITON_BLOCK_L", "32")
-            reload_toggles()
-            assert legacy_sel_tiles() == {"block_l": 32}
-            monkeypatch.setenv("NSA_SEL_TRITON_BLOCK_L", "64")
-            assert legacy_sel_tiles() == {"block_l": 32}  # cached until reloaded
-            reload_toggles()
-            assert legacy_sel_tiles() == {"block_l": 64}
-    finally:
-        monkeypatch.undo()
-        toggles_module._cached, toggles_module._cached_tiles = saved
 
 
 def test_env_names_round_trip() -> None:
@@ -263,7 +180,7 @@ def test_env_names_round_trip() -> None:
 def test_get_toggles_reads_os_environ_once_and_reload_rereads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    saved = (toggles_module._cached, toggles_module._cached_tiles)
+    saved = toggles_module._cached
     try:
         monkeypatch.setenv("NSA_DEBUG_LOG_LIMIT", "7")
         assert reload_toggles().debug_log_limit == 7
@@ -276,7 +193,7 @@ def test_get_toggles_reads_os_environ_once_and_reload_rereads(
             reload_toggles()
     finally:
         monkeypatch.undo()
-        toggles_module._cached, toggles_module._cached_tiles = saved
+        toggles_module._cached = saved
 
 
 def test_toggles_overridden_applies_inside_the_block_and_restores() -> None:

@@ -7,6 +7,8 @@ paths a tier names (ci/tiers.py). Its fixtures serve every step's tests as well.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 
@@ -20,3 +22,12 @@ def kernels_registered() -> None:
     from nsa_kernels.registration import register
 
     register(registry.register_backend)
+
+
+@pytest.fixture
+def isolated_registry() -> Iterator[None]:
+    """nsa_core's registry with its reference backends alone for the test, restored after it."""
+    from nsa_core import registry
+
+    with registry.isolated_registry():
+        yield

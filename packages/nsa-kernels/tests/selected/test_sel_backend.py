@@ -22,7 +22,6 @@ from nsa_kernels.selected.backend import (
     decline_reason,
     device_policy,
     supports,
-    takes_local,
 )
 
 CUDA_OK: dict[str, Any] = dict(
@@ -78,22 +77,6 @@ def test_alignment_guard() -> None:
     assert alignment_reason(torch.float32, 192, 128) is None
     assert alignment_reason(torch.float16, 8, 64) is not None
     assert alignment_reason(torch.int8, 64, 64) is not None
-
-
-def test_the_local_softmax_is_taken_at_every_group_size() -> None:
-    """The gated launch starts from the sliding branch's softmax over the forced blocks at every
-    G: holding block 0 too, it beats the forced-block prologue at G = 1 as well."""
-    (backend,) = backends()
-    assert backend.gated_local is takes_local
-    assert takes_local(op_context(hq=4, h=4))
-    assert takes_local(op_context(hq=8, h=4))
-    assert takes_local(op_context(hq=64, h=4))
-
-
-@pytest.fixture
-def isolated_registry() -> Iterator[None]:
-    with registry.isolated_registry():
-        yield
 
 
 def test_registered_backend_falls_back_on_cpu_with_its_reason(

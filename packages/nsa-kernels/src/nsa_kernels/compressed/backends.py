@@ -37,7 +37,7 @@ TRITON_PRIORITY = 25
 # Above FA-2: cuDNN's fused attention runs the folded compressed forward faster on sm90
 # (docs/performance.md).
 CUDNN_PRIORITY = 35
-_TRITON_MODULE = "nsa_kernels.compressed.triton_function"
+_TRITON_MODULE = "nsa_kernels.compressed.function"
 
 
 def triton_cmp_supports(ctx: OpContext, toggles: Toggles) -> str | None:
