@@ -1,5 +1,5 @@
-"""The GPU robustness script (ci/gpu_robustness.py) on a CPU: its plan, its parsers, its report,
-and its real code paths on tiny shapes under the Triton interpreter.
+"""The GPU robustness check (ci/gpu_robustness.py, the package ci/robustness) on a CPU: its plan,
+its parsers, its report, and its real code paths on tiny shapes under the Triton interpreter.
 
 These need the checkout (ci/ is not installed): the root conftest.py puts its folder on sys.path.
 """
@@ -21,11 +21,46 @@ from typing import Any
 import pytest
 import torch
 
-from ci import gpu_robustness as gr
+from ci.robustness.children import Child, parse_shard, run_children, shard_of, visible_gpus
+from ci.robustness.cli import main
+from ci.robustness.launches import LaunchRecorder, kernel_launches
+from ci.robustness.long import parse_lengths, sample_rows
+from ci.robustness.parity import (
+    REQUIRED_BACKENDS,
+    Check,
+    ParityOptions,
+    parity_verdict,
+    run_parity_case,
+)
+from ci.robustness.plan import (
+    CPU_LIMITS,
+    DEFAULT_CASES,
+    DEFAULT_SEED,
+    GPU_LIMITS,
+    SHORT,
+    Geometry,
+    ParityCase,
+    ParityPlan,
+    describe_plan,
+    geometry_problems,
+    make_plan,
+)
+from ci.robustness.report import PartResult, load_parts, markdown_report, summary_lines, write_part
+from ci.robustness.runtime import setup_runtime
+from ci.robustness.sanitize import (
+    SweepSummary,
+    finding_kernels,
+    kernel_name,
+    parse_sanitizer,
+    parse_sweep,
+    tool_verdict,
+)
+from ci.robustness.sweep import run_sweep, sweep_cases
 from nsa_core import NSAConfig
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "ci" / "gpu_robustness.py"
+PACKAGE = ROOT / "ci" / "robustness"
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 needs_interpreter = pytest.mark.skipif(
     not INTERPRET, reason="runs Triton kernels on CPU: needs TRITON_INTERPRET=1"
@@ -36,16 +71,16 @@ needs_interpreter = pytest.mark.skipif(
 
 
 def test_plan_is_a_function_of_the_seed_and_case_n_of_any_length() -> None:
-    first = gr.make_plan(13, 200, gr.GPU_LIMITS)
-    assert first == gr.make_plan(13, 200, gr.GPU_LIMITS)
-    shorter = gr.make_plan(13, 37, gr.GPU_LIMITS)
+    first = make_plan(13, 200, GPU_LIMITS)
+    assert first == make_plan(13, 200, GPU_LIMITS)
+    shorter = make_plan(13, 37, GPU_LIMITS)
     assert shorter.geometries == first.geometries
     assert shorter.cases == first.cases[:37], "--case N must replay case N of the full run"
-    assert gr.make_plan(14, 200, gr.GPU_LIMITS).cases != first.cases
+    assert make_plan(14, 200, GPU_LIMITS).cases != first.cases
 
 
 def test_plan_covers_what_the_issue_asks_for() -> None:
-    plan = gr.make_plan(gr.DEFAULT_SEED, gr.DEFAULT_CASES, gr.GPU_LIMITS)
+    plan = make_plan(DEFAULT_SEED, DEFAULT_CASES, GPU_LIMITS)
     geos = plan.geometries
     assert {g.dtype for g in geos} == {"float16", "bfloat16", "float32"}
     assert len({g.group for g in geos}) == len(geos), "each geometry has its own G"
@@ -62,7 +97,7 @@ def test_plan_covers_what_the_issue_asks_for() -> None:
     assert any(c.batch == 2 for c in cases)
     lengths = {c.seq_len for c in cases}
     assert 1 in lengths
-    assert any(n < gr.SHORT for n in lengths)
+    assert any(n < SHORT for n in lengths)
     assert any(n >= 2048 for n in lengths)
     for c in cases:
         assert 1 <= c.seq_len <= 3000
@@ -72,7 +107,7 @@ def test_plan_covers_what_the_issue_asks_for() -> None:
             assert min(c.seqlens) >= 0
 
 
-def _config(g: gr.Geometry) -> NSAConfig:
+def _config(g: Geometry) -> NSAConfig:
     return NSAConfig(
         num_q_heads=g.num_q_heads,
         num_kv_heads=g.num_kv_heads,
@@ -88,14 +123,14 @@ def _config(g: gr.Geometry) -> NSAConfig:
 
 @pytest.mark.parametrize("seed", range(5))
 def test_every_drawn_geometry_is_a_valid_nsa_config(seed: int) -> None:
-    for limits in (gr.GPU_LIMITS, gr.CPU_LIMITS):
-        for g in gr.make_plan(seed, 0, limits).geometries:
-            assert gr.geometry_problems(g) == []
+    for limits in (GPU_LIMITS, CPU_LIMITS):
+        for g in make_plan(seed, 0, limits).geometries:
+            assert geometry_problems(g) == []
             assert _config(g).group_size == g.group
             assert g.num_q_heads <= limits.max_q_heads
 
 
-VALID = gr.Geometry("bfloat16", 2, 3, 64, 32, 32, 16, 64, 16, 512, False)
+VALID = Geometry("bfloat16", 2, 3, 64, 32, 32, 16, 64, 16, 512, False)
 
 
 @pytest.mark.parametrize(
@@ -112,22 +147,22 @@ VALID = gr.Geometry("bfloat16", 2, 3, 64, 32, 32, 16, 64, 16, 512, False)
 )
 def test_geometry_problems_name_the_broken_rule(change: dict[str, Any], problem: str) -> None:
     bad = dataclasses.replace(VALID, **change)
-    assert any(problem in p for p in gr.geometry_problems(bad))
+    assert any(problem in p for p in geometry_problems(bad))
     if change.get("dtype") is None:  # the config rules are NSAConfig's own
         with pytest.raises((ValueError, TypeError)):
             _config(bad)
 
 
 def test_parse_lengths() -> None:
-    assert gr.parse_lengths("128k, 256k,3000") == [131072, 262144, 3000]
+    assert parse_lengths("128k, 256k,3000") == [131072, 262144, 3000]
     for text in ("", "12x", "0", "-5"):
         with pytest.raises(ValueError, match=r"length"):
-            gr.parse_lengths(text)
+            parse_lengths(text)
 
 
 @pytest.mark.parametrize(("seq_len", "count"), [(262144, 64), (131072, 64), (100, 64), (5, 64)])
 def test_sampled_rows_include_the_last_rows_and_row_0(seq_len: int, count: int) -> None:
-    rows = gr.sample_rows(seq_len, count)
+    rows = sample_rows(seq_len, count)
     assert rows == sorted(set(rows))
     assert len(rows) == min(count, seq_len)
     assert rows[0] == 0
@@ -163,20 +198,20 @@ SWEEP kernels launched=m.x_kernel
 
 
 def test_parse_sanitizer() -> None:
-    mem = gr.parse_sanitizer(MEMCHECK_LOG)
+    mem = parse_sanitizer(MEMCHECK_LOG)
     assert mem.errors == 3
     assert mem.race_errors is None
     assert mem.first_finding == "Invalid __global__ read of size 2 bytes"
-    race = gr.parse_sanitizer(RACECHECK_LOG)
+    race = parse_sanitizer(RACECHECK_LOG)
     assert (race.errors, race.race_errors, race.race_warnings) == (0, 0, 2)
     assert race.first_finding == ""
-    unfinished = gr.parse_sanitizer("========= COMPUTE-SANITIZER\nSWEEP ok a (1 s)\n")
+    unfinished = parse_sanitizer("========= COMPUTE-SANITIZER\nSWEEP ok a (1 s)\n")
     assert unfinished.errors is None, "no ERROR SUMMARY line: the tool did not finish"
-    race_only = gr.parse_sanitizer(
+    race_only = parse_sanitizer(
         "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n"
     )
     assert (race_only.errors, race_only.race_errors, race_only.race_warnings) == (1, 1, 2)
-    two = gr.parse_sanitizer("ERROR SUMMARY: 1 error\nERROR SUMMARY: 2 errors\n")
+    two = parse_sanitizer("ERROR SUMMARY: 1 error\nERROR SUMMARY: 2 errors\n")
     assert two.errors == 3, "one summary per process checked: they add up"
 
 
@@ -199,22 +234,22 @@ SWEEP kernels launched=m.sel_fwd_kernel,m.combine_fwd_kernel
 
 
 def test_sanitizer_errors_are_tied_to_the_kernel_they_are_in() -> None:
-    assert gr.kernel_name("fmha_f(K<cutlass::bf16>::Params)") == ("fmha_f")
-    assert gr.kernel_name("sel_fwd_kernel") == "sel_fwd_kernel"
+    assert kernel_name("fmha_f(K<cutlass::bf16>::Params)") == ("fmha_f")
+    assert kernel_name("sel_fwd_kernel") == "sel_fwd_kernel"
     # Each error block once, by its first location; warnings are not errors.
-    assert gr.finding_kernels(RACES_LOG) == {"fmha_f": 2}
-    assert gr.finding_kernels(MEMCHECK_LOG) == {"sel_fwd_kernel": 1}
-    assert gr.parse_sanitizer(RACES_LOG).kernels == (("fmha_f", 2),)
+    assert finding_kernels(RACES_LOG) == {"fmha_f": 2}
+    assert finding_kernels(MEMCHECK_LOG) == {"sel_fwd_kernel": 1}
+    assert parse_sanitizer(RACES_LOG).kernels == (("fmha_f", 2),)
 
 
 def test_errors_only_in_kernels_not_ours_are_reported_apart(tmp_path: Path) -> None:
-    plain = gr.parse_sweep(RACES_LOG)
+    plain = parse_sweep(RACES_LOG)
 
     def verdict(text: str) -> tuple[str, dict[str, Any], list[str]]:
         log = tmp_path / "racecheck_0.log"
         log.write_text(text)
-        child = gr.Child("racecheck 0", [], log, 60.0, returncode=86, wall_s=1.0)
-        return gr._tool_verdict("racecheck", [child], plain)
+        child = Child("racecheck 0", [], log, 60.0, returncode=86, wall_s=1.0)
+        return tool_verdict("racecheck", [child], plain)
 
     line, details, failures = verdict(RACES_LOG)
     assert failures == []
@@ -235,19 +270,19 @@ def test_errors_only_in_kernels_not_ours_are_reported_apart(tmp_path: Path) -> N
 
 
 def test_parse_sweep_and_coverage_over_shards() -> None:
-    mem = gr.parse_sweep(MEMCHECK_LOG)
+    mem = parse_sweep(MEMCHECK_LOG)
     assert mem.ok == ("branches/g1/dense",)
     assert mem.failed == (
         ("branches/g3/varlen", "RuntimeError: CUDA error: unspecified launch failure"),
     )
     assert mem.found is None
     assert mem.missing() == [], "no coverage without the list of kernels found"
-    race = gr.parse_sweep(RACECHECK_LOG)
+    race = parse_sweep(RACECHECK_LOG)
     assert race.found == frozenset({"m.x_kernel", "m.y_kernel", "m.z_kernel"})
     assert race.missing() == ["m.y_kernel", "m.z_kernel"]
     assert race.missing(["z_kernel"]) == ["m.y_kernel"]
-    other = gr.parse_sweep("SWEEP ok c (2 s)\nSWEEP kernels launched=m.y_kernel,m.z_kernel\n")
-    merged = gr.SweepSummary.merge([race, other, mem])
+    other = parse_sweep("SWEEP ok c (2 s)\nSWEEP kernels launched=m.y_kernel,m.z_kernel\n")
+    merged = SweepSummary.merge([race, other, mem])
     assert merged.ok == ("a", "b", "c", "branches/g1/dense")
     assert len(merged.failed) == 1
     assert merged.missing() == [], "a kernel launched by any shard counts"
@@ -255,63 +290,63 @@ def test_parse_sweep_and_coverage_over_shards() -> None:
 
 def test_shards_take_every_nth_item() -> None:
     items = list(range(10))
-    slices = [gr.shard_of(items, i, 3) for i in range(3)]
+    slices = [shard_of(items, i, 3) for i in range(3)]
     assert slices == [[0, 3, 6, 9], [1, 4, 7], [2, 5, 8]]
-    assert gr.shard_of(items[:1], 2, 3) == []
-    assert gr.parse_shard("2/6") == (2, 6)
+    assert shard_of(items[:1], 2, 3) == []
+    assert parse_shard("2/6") == (2, 6)
     for bad in ("6/6", "1", "a/b", "-1/2"):
         with pytest.raises(ValueError, match="I/N"):
-            gr.parse_shard(bad)
+            parse_shard(bad)
 
 
 def test_children_spread_over_the_visible_gpus_one_each() -> None:
-    assert gr.visible_gpus("cpu", {"CUDA_VISIBLE_DEVICES": "0,1"}) == []
-    assert gr.visible_gpus("cuda", {"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
-    assert gr.visible_gpus("cuda", {"CUDA_VISIBLE_DEVICES": "1"}) == []  # one GPU: inherited
+    assert visible_gpus("cpu", {"CUDA_VISIBLE_DEVICES": "0,1"}) == []
+    assert visible_gpus("cuda", {"CUDA_VISIBLE_DEVICES": "2, 3"}) == ["2", "3"]
+    assert visible_gpus("cuda", {"CUDA_VISIBLE_DEVICES": "1"}) == []  # one GPU: inherited
 
 
 def test_run_children_pins_child_i_to_gpu_i_mod_n(tmp_path: Path) -> None:
     show = [sys.executable, "-c", "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"]
-    children = [gr.Child(f"c{i}", show, tmp_path / f"c{i}.log", 60.0) for i in range(3)]
-    gr.run_children(children, dict(os.environ), "test", ["4", "7"])
+    children = [Child(f"c{i}", show, tmp_path / f"c{i}.log", 60.0) for i in range(3)]
+    run_children(children, dict(os.environ), "test", ["4", "7"])
     assert [c.log_path.read_text().strip() for c in children] == ["4", "7", "4"]
     assert [c.returncode for c in children] == [0, 0, 0]
 
 
 def test_report_marks_a_missing_part_failed(tmp_path: Path) -> None:
-    passed = gr.PartResult("sanitize", "PASS", "memcheck 0 errors", 12.0, {"tools": ["a"]})
-    gr.write_part(tmp_path, passed)
-    results = gr.load_parts(tmp_path, ["sanitize", "long"])
+    passed = PartResult("sanitize", "PASS", "memcheck 0 errors", 12.0, {"tools": ["a"]})
+    write_part(tmp_path, passed)
+    results = load_parts(tmp_path, ["sanitize", "long"])
     assert [r.status for r in results] == ["PASS", "FAIL"]
     assert "did not finish" in results[1].headline
-    lines = gr.summary_lines(results)
+    lines = summary_lines(results)
     assert lines[1].split()[:2] == ["sanitize", "PASS"]
     assert lines[2].split()[:2] == ["long", "FAIL"]
     assert lines[-1] == "GPU robustness: FAIL (long)"
-    md = gr.markdown_report(results)
+    md = markdown_report(results)
     assert "| sanitize | PASS |" in md
     assert "| long | FAIL |" in md
-    ok = gr.summary_lines([passed])
+    ok = summary_lines([passed])
     assert ok[-1] == "GPU robustness: PASS"
 
 
 def test_report_command_exit_status(tmp_path: Path) -> None:
-    gr.write_part(tmp_path, gr.PartResult("parity", "PASS", "200/200 cases pass", 1.0))
-    assert gr.main(["report", "--out", str(tmp_path), "--sections", "parity"]) == 0
+    write_part(tmp_path, PartResult("parity", "PASS", "200/200 cases pass", 1.0))
+    assert main(["report", "--out", str(tmp_path), "--sections", "parity"]) == 0
     assert (tmp_path / "report.md").is_file()
-    assert gr.main(["report", "--out", str(tmp_path), "--sections", "parity long"]) == 1
+    assert main(["report", "--out", str(tmp_path), "--sections", "parity long"]) == 1
 
 
 def test_parity_verdict_needs_every_triton_backend_to_run_and_every_case() -> None:
-    plan = gr.make_plan(3, 3, gr.GPU_LIMITS)
+    plan = make_plan(3, 3, GPU_LIMITS)
     args = argparse.Namespace(device="cuda", case=None, seed=3)
     ran = [
-        gr.Check(name.split("/")[0], name.split("/")[1], "pass", "o 1e-3")
-        for name in gr.REQUIRED_BACKENDS
+        Check(name.split("/")[0], name.split("/")[1], "pass", "o 1e-3")
+        for name in REQUIRED_BACKENDS
     ]
-    ran.append(gr.Check("gated_combine", "triton_combine", "declined", "turned off"))
-    results = {0: ran, 1: [*ran[:-1], gr.Check("sliding_attention", "sdpa", "fail", "o 1 > 1e-2")]}
-    verdict = gr._parity_verdict(args, plan, plan.cases, results, [], {}, "replay", 0.0)
+    ran.append(Check("gated_combine", "triton_combine", "declined", "turned off"))
+    results = {0: ran, 1: [*ran[:-1], Check("sliding_attention", "sdpa", "fail", "o 1 > 1e-2")]}
+    verdict = parity_verdict(args, plan, plan.cases, results, [], {}, "replay", 0.0)
     assert verdict.status == "FAIL"
     assert verdict.headline.startswith("1/3 cases pass (seed 3)")
     assert any(
@@ -322,7 +357,7 @@ def test_parity_verdict_needs_every_triton_backend_to_run_and_every_case() -> No
     )
     assert "1 of 3 cases did not run" in verdict.failures
     every = {i: ran[:-1] for i in range(3)}
-    assert gr._parity_verdict(args, plan, plan.cases, every, [], {}, "r", 0.0).status == "PASS"
+    assert parity_verdict(args, plan, plan.cases, every, [], {}, "r", 0.0).status == "PASS"
 
 
 def test_every_name_the_script_imports_from_the_packages_exists() -> None:
@@ -330,7 +365,8 @@ def test_every_name_the_script_imports_from_the_packages_exists() -> None:
     a renamed function must fail here, on a CPU, not on the GPU host."""
     imports = [
         (node.module, alias.name)
-        for node in ast.walk(ast.parse(SCRIPT.read_text()))
+        for path in sorted(PACKAGE.glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
         if isinstance(node, ast.ImportFrom) and node.module
         for alias in node.names
         if node.module.split(".")[0] in ("nsa_core", "nsa_kernels")
@@ -340,6 +376,16 @@ def test_every_name_the_script_imports_from_the_packages_exists() -> None:
         assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
 
 
+def test_the_script_runs_from_any_folder(tmp_path: Path) -> None:
+    """The entry point finds its package from the checkout, whatever the working folder."""
+    command = [sys.executable, str(SCRIPT), "plan", "--device", "cpu", "--cases", "3"]
+    run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert run.stdout == describe_plan(make_plan(DEFAULT_SEED, 3, CPU_LIMITS)) + "\n"
+    usage = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
+    assert usage.returncode == 0
+    assert "GPU robustness of the Triton kernels: compute-sanitizer" in usage.stdout
+
+
 def test_shell_wrapper_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "ci" / "gpu_robustness.sh")], check=True)
 
@@ -347,23 +393,23 @@ def test_shell_wrapper_is_valid_bash() -> None:
 # ---------------------------------------------------------------------------- real code paths
 
 
-def _cpu_plan(*cases: gr.ParityCase) -> gr.ParityPlan:
-    geometry = gr.Geometry("float32", 1, 2, 16, 16, 8, 4, 8, 3, 5, True)
-    return gr.ParityPlan(0, gr.CPU_LIMITS, (geometry,), (), cases)
+def _cpu_plan(*cases: ParityCase) -> ParityPlan:
+    geometry = Geometry("float32", 1, 2, 16, 16, 8, 4, 8, 3, 5, True)
+    return ParityPlan(0, CPU_LIMITS, (geometry,), (), cases)
 
 
 @needs_interpreter
 @pytest.mark.triton
 def test_parity_case_runs_the_triton_backends_and_passes() -> None:
-    rt = gr.setup_runtime("cpu")
+    rt = setup_runtime("cpu")
     plan = _cpu_plan(
-        gr.ParityCase(0, 0, 1, 21, 5, None, 1),
-        gr.ParityCase(1, 0, 1, 22, 0, (1, 12, 0, 9), 2),
+        ParityCase(0, 0, 1, 21, 5, None, 1),
+        ParityCase(1, 0, 1, 22, 0, (1, 12, 0, 9), 2),
     )
     for case in plan.cases:
-        checks = gr.run_parity_case(rt, plan, case, gr.ParityOptions(flex_geometries=1))
+        checks = run_parity_case(rt, plan, case, ParityOptions(flex_geometries=1))
         status = {f"{c.op}/{c.backend}": c.status for c in checks}
-        for name in (*gr.REQUIRED_BACKENDS, "select_blocks/triton_score+lse"):
+        for name in (*REQUIRED_BACKENDS, "select_blocks/triton_score+lse"):
             assert status[name] == "pass", [c for c in checks if c.status == "fail"]
         assert status["sliding_attention/sdpa"] == "pass"
         assert status["sliding_attention/flex"] == "declined"
@@ -385,7 +431,7 @@ def test_parity_catches_a_wrong_backend(monkeypatch: pytest.MonkeyPatch) -> None
     def detached(q: Any, k: Any, v: Any, window: int, scale: Any, **kw: Any) -> torch.Tensor:
         return off(q, k, v, window, scale, **kw).detach() / 1.01
 
-    rt = gr.setup_runtime("cpu")
+    rt = setup_runtime("cpu")
     fakes = [
         Backend("sliding_attention", name, fn, lambda ctx, t: None, priority=-1)
         for name, fn in (("off_by_one_percent", off), ("detached", detached))
@@ -393,8 +439,8 @@ def test_parity_catches_a_wrong_backend(monkeypatch: pytest.MonkeyPatch) -> None
     # Registered for this test only (the registry has no removal; monkeypatch restores it).
     rows = registry.backends("sliding_attention")
     monkeypatch.setitem(registry._backends, "sliding_attention", [*rows, *fakes])
-    plan = _cpu_plan(gr.ParityCase(0, 0, 2, 9, 0, None, 3))
-    checks = gr.run_parity_case(rt, plan, plan.cases[0], gr.ParityOptions(flex_geometries=0))
+    plan = _cpu_plan(ParityCase(0, 0, 2, 9, 0, None, 3))
+    checks = run_parity_case(rt, plan, plan.cases[0], ParityOptions(flex_geometries=0))
     by_name = {c.backend: c for c in checks}
     assert by_name["off_by_one_percent"].status == "fail"
     assert "o 1.0" in by_name["off_by_one_percent"].detail
@@ -408,21 +454,21 @@ def test_parity_catches_a_wrong_backend(monkeypatch: pytest.MonkeyPatch) -> None
 def test_sweep_case_runs_and_its_kernel_launch_is_recorded(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert gr.run_sweep("cpu", "quick/") == 0
-    out = gr.parse_sweep(capsys.readouterr().out)
+    assert run_sweep("cpu", "quick/") == 0
+    out = parse_sweep(capsys.readouterr().out)
     assert out.ok == ("quick/dense_varlen",)
     assert [k.rsplit(".", 1)[1] for k in out.launched] == ["quick_fwd_kernel"]
     assert out.found is None, "a filtered sweep reports no coverage"
-    rt = gr.setup_runtime("cpu")
-    names = [name for name, _ in gr.sweep_cases(rt)]
+    rt = setup_runtime("cpu")
+    names = [name for name, _ in sweep_cases(rt)]
     assert len(names) == len(set(names))
-    with gr.kernel_launches() as (kernels, launched):
-        dict(gr.sweep_cases(rt))["quick/dense_varlen"]()
+    with kernel_launches() as (kernels, launched):
+        dict(sweep_cases(rt))["quick/dense_varlen"]()
     assert len(kernels) >= 15, "every Triton kernel of nsa_kernels is found"
     assert [k.rsplit(".", 1)[1] for k in launched] == ["quick_fwd_kernel"]
     from nsa_kernels.selected import quick
 
-    assert not isinstance(quick.quick_fwd_kernel, gr.LaunchRecorder), "restored after the block"
+    assert not isinstance(quick.quick_fwd_kernel, LaunchRecorder), "restored after the block"
 
 
 FAKE_SANITIZER = """#!/bin/sh
@@ -460,7 +506,7 @@ def test_sanitize_part_end_to_end(tmp_path: Path) -> None:
         [*command, "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 1, run.stderr
-    result = gr.load_parts(tmp_path, ["sanitize"])[0]
+    result = load_parts(tmp_path, ["sanitize"])[0]
     assert result.status == "FAIL"
     assert result.details["sweep_cases"] == 1
     assert result.details["memcheck"]["errors"] == 1
