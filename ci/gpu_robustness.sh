@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU host: robustness of the Triton kernels in one call (ci/gpu_robustness.py says what each
-# part checks): compute-sanitizer over a sweep of every kernel, 128k/256k tokens, randomized parity.
+# GPU host: robustness of the Triton kernels in one call (ci/robustness/__init__.py says what
+# each part checks): compute-sanitizer over a sweep of every kernel, 128k/256k tokens,
+# randomized parity.
 #
 #   [SECTIONS="sanitize long parity"] [SEED=13] [CASES=200] [OUT=...] bash ci/gpu_robustness.sh
 #
