@@ -31,11 +31,54 @@ def test_default_routes_on_cuda_are_gpu_backends() -> None:
     chosen = dict(
         (line.split("->")[0].strip(), line.split("->")[1].split()[0])
         for line in report.splitlines()
+        if not line.startswith(" ")
     )
+    assert chosen["attention_core"] == "fused"
     assert chosen["select_blocks"] == "triton_score"
     assert chosen["compressed_attention"] in ("fa2", "triton_cmp")
     assert chosen["selected_attention"] == "triton_sel"
     assert chosen["sliding_attention"] in ("fa2", "triton_win")
+
+
+def _call_counts() -> Any:
+    """nsa-core's tests/call_counts.py (what one call validates and resolves), by path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "nsa-core" / "tests" / "call_counts.py"
+    spec = importlib.util.spec_from_file_location("call_counts", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("t", [4096, 16384], ids=["4k (Triton compressed)", "16k (cuDNN)"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_one_core_call_on_the_default_routes_validates_once_and_resolves_the_core_once(
+    t: int, grad: bool
+) -> None:
+    """The fused core serves, resolves each step once, and no kernel validates again."""
+    import nsa_core
+    from nsa_core.config import NSAConfig
+
+    counting_calls = _call_counts().counting_calls
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def draw(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+        return x.requires_grad_(grad)
+
+    q, k, v, gates = draw(1, t, 64, 128), draw(1, t, 4, 128), draw(1, t, 4, 128), draw(1, t, 64, 3)
+    config = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
+    report = registry.routing_report(_ctx(torch.bfloat16), Toggles())
+    assert report.splitlines()[0].split("->")[1].split()[0] == "fused"
+    with torch.set_grad_enabled(grad), counting_calls() as counts:
+        nsa_core.nsa_attention(q, k, v, gates, config)
+    assert dict(counts.validated) == {"check_nsa_attention": 1}
+    assert counts.resolved["attention_core"] == 1
+    assert counts.step_resolutions == 5
 
 
 def test_float64_and_pinned_reference_run_the_reference() -> None:

@@ -22,8 +22,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_gated_combine
-from nsa_kernels.common.row_runs import RowRuns
 from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel, sum3_kernel
+from nsa_kernels.common.row_runs import RowRuns
 from nsa_kernels.common.triton_inputs import check_dtype
 from nsa_kernels.common.two_runs import two_runs
 
@@ -97,7 +97,7 @@ def combine_bwd(
     """d o_cmp, d o_slc, d o_win [B, T, HQ, dv] and d gates [B, T, HQ, 3] for upstream ``do``.
 
     ``want_branches`` / ``want_gates`` False: those gradients are None (not computed). o_cmp
-    may come as a :class:`~nsa_kernels.common.row_runs.RowRuns` (unit stride along dv), read where its
+    may come as a :class:`RowRuns` (unit stride along dv), read where its
     runs lie; d o_cmp is one tensor all the same.
     """
     batch, t, hq, dv = o_slc.shape

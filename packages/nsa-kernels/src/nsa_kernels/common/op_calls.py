@@ -8,7 +8,9 @@ dk ** -0.5``, the global toggles when none are handed over) are written once: a 
 
     sliding_attention_sdpa = SlidingBackend(attend)
 
-which is callable by name with the op's signature, as the registry and the tests call it. The
+which is callable by name with the op's signature and its checks, as users and the tests call
+it; the registry runs ``sliding_attention_sdpa.unchecked``, because the public op (or the
+attention core) validated the call already. The
 call records also give each query's visible key interval (:mod:`nsa_kernels.common.intervals`).
 The selected branch's kernels validate in their own prologue (the Triton launch can skip the
 index range check, a device sync), so :class:`SelectedBackend` hands its arguments on unchecked.
@@ -25,7 +27,6 @@ from torch import Tensor
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_compressed_attention, check_sliding_attention
-from nsa_kernels.common.row_runs import RowRuns
 from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.common.intervals import (
     compressed_intervals,
@@ -33,6 +34,7 @@ from nsa_kernels.common.intervals import (
     sliding_intervals,
     sliding_intervals_varlen,
 )
+from nsa_kernels.common.row_runs import RowRuns
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class CompressedCall(_WindowedCall):
 
 SlidingAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SlidingCall], torch.Tensor]
 # What a compressed backend's attend returns: o, or (o, lse) for a backend's ``fn_with_lse``,
-# or (o as RowRuns, lse) for its ``fn_runs_with_lse``.
+# or (o as RowRuns, lse) for the fused core's runs of rows.
 _Out = TypeVar(
     "_Out", torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[RowRuns, torch.Tensor]
 )
@@ -108,6 +110,15 @@ class SlidingBackend:
     ) -> Tensor:  # fmt: skip
         """nsa_core ``sliding_attention``: query t sees keys [max(0, t - w + 1), t]."""
         check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+        return self.unchecked(
+            q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens, toggles=toggles
+        )
+
+    def unchecked(
+        self, q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None, *,
+        q_start: int = 0, cu_seqlens: Tensor | None = None, toggles: Toggles | None = None,
+    ) -> Tensor:  # fmt: skip
+        """The call on arguments nsa-core validated already: the registry's ``fn``."""
         call = SlidingCall(
             scale=_scale(q, scale), q_start=q_start, cu_seqlens=cu_seqlens,
             toggles=_toggles(toggles), window=window,
@@ -136,6 +147,17 @@ class CompressedBackend(Generic[_Out]):
         check_compressed_attention(
             q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
         )
+        return self.unchecked(
+            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start,
+            cu_seqlens=cu_seqlens, toggles=toggles,
+        )  # fmt: skip
+
+    def unchecked(
+        self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cmp_block: int, cmp_stride: int,
+        scale: float | None = None, *, q_start: int = 0, cu_seqlens: Tensor | None = None,
+        toggles: Toggles | None = None,
+    ) -> _Out:  # fmt: skip
+        """The call on arguments nsa-core validated already: the registry's ``fn``."""
         call = CompressedCall(
             scale=_scale(q, scale), q_start=q_start, cu_seqlens=cu_seqlens,
             toggles=_toggles(toggles), cmp_block=cmp_block, cmp_stride=cmp_stride,
@@ -149,7 +171,7 @@ class SelectedCall:
 
     sel_block: l'; scale: the softmax scale, None for dk ** -0.5 (the kernels resolve it as they
     validate); q_start, cu_seqlens (B == 1, q_start == 0, Tk == Tq) and toggles as in
-    :class:`SlidingCall`.
+    :class:`SlidingCall`; ``validated``: nsa-core validated the call, ``attend`` checks nothing.
     """
 
     sel_block: int
@@ -157,6 +179,7 @@ class SelectedCall:
     q_start: int
     cu_seqlens: torch.Tensor | None
     toggles: Toggles
+    validated: bool = False
 
 
 SelectedAttend = Callable[
@@ -181,4 +204,16 @@ class SelectedBackend:
     ) -> Tensor:  # fmt: skip
         """nsa_core ``selected_attention``: each query over the tokens p <= t of its blocks."""
         call = SelectedCall(sel_block, scale, q_start, cu_seqlens, _toggles(toggles))
+        return self.attend(q, k, v, block_indices, call)
+
+    def unchecked(
+        self, q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
+        scale: float | None = None, *,
+        q_start: int = 0, cu_seqlens: Tensor | None = None, toggles: Toggles | None = None,
+    ) -> Tensor:  # fmt: skip
+        """The call on arguments nsa-core validated already (the registry's ``fn``): ``attend``
+        skips its own checks."""
+        call = SelectedCall(
+            sel_block, scale, q_start, cu_seqlens, _toggles(toggles), validated=True
+        )
         return self.attend(q, k, v, block_indices, call)

@@ -1,4 +1,4 @@
-"""A tensor or its :class:`~nsa_kernels.common.row_runs.RowRuns` as a kernel reads it: at most two runs.
+"""A tensor or its :class:`RowRuns` as a kernel reads it: at most two runs.
 
 The folded cuDNN compressed branch leaves its output as the full rows' run and a short tail
 (:mod:`nsa_kernels.compressed.cudnn`). The kernels that read o_cmp in place (the selected

@@ -47,13 +47,14 @@ def triton_cmp_supports(ctx: OpContext, toggles: Toggles) -> str | None:
 def backends() -> list[Backend]:
     """The compressed branch's backends, highest priority first: the docstring's table, one row
     each as ``Backend(op, name, fn, supports, priority, ...)``."""
-    fa2, flex, sdpa = compressed_attention_fa2, compressed_attention_flex, compressed_attention_sdpa
+    fa2, flex = compressed_attention_fa2.unchecked, compressed_attention_flex.unchecked
+    sdpa = compressed_attention_sdpa.unchecked
     # The Triton row's fn_with_lse: the same kernels, and the lse their forward writes.
     triton = triton_fn(_TRITON_MODULE, "compressed_attention_triton")
     triton_with_lse = triton_fn(_TRITON_MODULE, "compressed_attention_triton_with_lse")
     return [
-        Backend(OP, "cudnn", compressed_attention_cudnn, cudnn_compressed_supports, CUDNN_PRIORITY,
-                fn_with_lse=compressed_attention_cudnn_with_lse),
+        Backend(OP, "cudnn", compressed_attention_cudnn.unchecked, cudnn_compressed_supports,
+                CUDNN_PRIORITY, fn_with_lse=compressed_attention_cudnn_with_lse.unchecked),
         Backend(OP, "fa2", fa2, routing.fa2_compressed_supports, routing.FA2_PRIORITY,
                 requested_by=routing.fa2_compressed_requested),
         Backend(OP, "triton_cmp", triton, triton_cmp_supports, TRITON_PRIORITY,

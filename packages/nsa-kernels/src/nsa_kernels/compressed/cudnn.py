@@ -14,7 +14,7 @@ output 0, lse -inf, no gradient.
 A forward without a gradient on one sequence puts the slots into the batch dimension instead,
 every slot reading one stride-0 view of the keys (faster there); each run of queries is written
 once into the output, or left where cuDNN wrote it (:func:`folded_runs`, the backend's
-``fn_runs_with_lse``: a :class:`~nsa_kernels.common.row_runs.RowRuns`). With a gradient,
+``fn_runs_with_lse``: a :class:`RowRuns`). With a gradient,
 :class:`_FoldedFunction` keeps each run's graph, gives each run as a differentiable output (left
 where cuDNN wrote it as well) and writes dq once into place, where autograd on slices of q would
 zero-fill and add a q-sized gradient per run.
@@ -45,10 +45,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from nsa_core.registry import OpContext
-from nsa_kernels.common.row_runs import RowRuns
 from nsa_core.toggles import Toggles
 from nsa_kernels.common.finite_flag import HostFlag, all_finite_flag
 from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
+from nsa_kernels.common.row_runs import RowRuns
 from nsa_kernels.compressed.cmp_fold import RowSplit, row_split
 
 # attend(q [B, Hq, Tq, dk], k [B, Hk, Tk, dk], v [B, Hk, Tk, dv], bias [1, 1, Tq, Tk] or None,
@@ -306,7 +306,7 @@ def _contain_runs(
     forward overwrites each run of o and its rows of lse where ``finite`` (an
     :func:`all_finite_flag` of k_cmp and v_cmp) is 0, decided on the device: a host check
     would cost a sync, and the GPU idles while the host catches up after one."""
-    from nsa_kernels.compressed.triton_function import contain_non_finite_into
+    from nsa_kernels.compressed.function import contain_non_finite_into
 
     row = runs.start
     for run in runs.runs:
@@ -322,7 +322,7 @@ def _contain_runs(
 def _contained_backward(ctx: Any, grad_runs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk_cmp, dv_cmp of a contained forward (keys not all finite) on the Triton kernels,
     from the o and lse they wrote (:func:`_contain_runs`) and the runs' upstream gradients."""
-    from nsa_kernels.compressed.triton_function import compressed_attention_bwd
+    from nsa_kernels.compressed.function import compressed_attention_bwd
 
     q, k, v, lse, *o_runs = ctx.saved_tensors
     call: CompressedCall = ctx.call
@@ -368,7 +368,7 @@ def folded_runs(
     contain: bool = False,
 ) -> tuple[RowRuns, Tensor]:
     """:func:`folded_attention` with o as the attention calls left it: a
-    :class:`~nsa_kernels.common.row_runs.RowRuns` from the first query that sees a block, one run per call
+    :class:`RowRuns` from the first query that sees a block, one run per call
     (each [B, n, HQ, dv], a view of that call's output where its layout allows), and lse
     [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size (0.71 ms
     at T = 64k, H100; docs/results/2026-11-26-h100-layer-8.md), which a consumer that reads the
@@ -404,7 +404,7 @@ def _with_lse(
 def _runs_with_lse(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall
 ) -> tuple[RowRuns, Tensor]:
-    """:func:`_with_lse` with o as a :class:`~nsa_kernels.common.row_runs.RowRuns` (:func:`folded_runs`),
+    """:func:`_with_lse` with o as a :class:`RowRuns` (:func:`folded_runs`),
     with or without a gradient."""
     if call.cu_seqlens is not None:
         raise ValueError("the cuDNN compressed backend takes dense inputs (no cu_seqlens)")

@@ -40,9 +40,7 @@ class _FanOut(torch.autograd.Function):
         return total, None
 
 
-def fan_out(
-    q: torch.Tensor, sum3: Sum3 | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fan_out(q: torch.Tensor, sum3: Sum3 | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q_cmp, q_slc, q_win): three views of q whose gradients ``sum3`` adds in one pass, where
     q takes a gradient and a ``sum3`` is given; else (q, q, q), at no cost."""
     if sum3 is None or not (torch.is_grad_enabled() and q.requires_grad):

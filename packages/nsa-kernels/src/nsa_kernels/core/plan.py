@@ -6,11 +6,11 @@ core. A hand-off applies only between the kernels that share it:
 
 | hand-off | applies when |
 |---|---|
-| compressed lse -> block scoring | the compressed backend has ``fn_with_lse`` (cuDNN, Triton) |
-| gated combine inside the selected launch | selected ``triton_sel`` and combine ``triton_combine`` |
+| compressed lse -> block scoring | the compressed backend has ``fn_with_lse`` |
+| gated combine inside the selected launch | selected ``triton_sel``, combine ``triton_combine`` |
 | compressed output as runs of rows | that gated launch, and compressed ``cudnn`` |
-| forced-block softmax from the sliding kernel | that gated launch, sliding ``triton_win``; per call: |
-| | the branches share k and v and positions, and w >= 2 l' |
+| forced-block softmax from the sliding kernel | that gated launch, sliding ``triton_win``; and |
+| | per call: the branches share k, v and positions, w >= 2 l' |
 | q's three gradients summed in one pass | combine ``triton_combine``, NSA_COMBINE_GRAD_SUM on |
 """
 
@@ -83,7 +83,11 @@ class CorePlan:
         rows = (
             ("compressed_attention", self.compressed, "; ".join(cmp_notes)),
             ("select_blocks", self.scoring, "reuses the compressed lse" if lse else ""),
-            ("selected_attention", self.selected, "one launch with the combine" if self.gated else ""),
+            (
+                "selected_attention",
+                self.selected,
+                "one launch with the combine" if self.gated else "",
+            ),
             ("sliding_attention", self.sliding, win_note if self.local else ""),
             ("gated_combine", self.combine, "; ".join(n for n in (combine_note, grad_note) if n)),
         )

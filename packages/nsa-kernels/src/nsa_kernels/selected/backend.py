@@ -26,11 +26,11 @@ import torch
 from torch import Tensor
 
 from nsa_core.debug_log import debug_log
-from nsa_kernels.common.local_softmax import LocalSoftmax
 from nsa_core.registry import Backend, OpContext
-from nsa_kernels.common.row_runs import RowRuns
 from nsa_core.toggles import Toggles, get_toggles
+from nsa_kernels.common.local_softmax import LocalSoftmax
 from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
+from nsa_kernels.common.row_runs import RowRuns
 
 OP = "selected_attention"
 NAME = "triton_sel"
@@ -170,7 +170,7 @@ def _triton(q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, call: Select
     _log_device(q.device)
     return selected_attention_triton(
         q, k, v, block_indices, call.sel_block, call.scale, q_start=call.q_start,
-        cu_seqlens=call.cu_seqlens, toggles=call.toggles,
+        cu_seqlens=call.cu_seqlens, toggles=call.toggles, validated=call.validated,
     )  # fmt: skip
 
 
@@ -186,8 +186,9 @@ def selected_attention_gated(
     local: LocalSoftmax | None = None,
 ) -> Tensor:  # fmt: skip
     """The gated combine summed inside the selected launch, for the fused core
-    (:mod:`nsa_kernels.core`): :func:`selected_attention_gated_triton` with the routing's
-    toggles; q [B, Tq, HQ, dk], o_cmp (a tensor or a :class:`~nsa_kernels.common.row_runs.RowRuns`)
+    (:mod:`nsa_kernels.core`), on the arguments it built from a validated call (nothing is
+    checked again): :func:`selected_attention_gated_triton` with the routing's
+    toggles; q [B, Tq, HQ, dk], o_cmp (a tensor or a :class:`RowRuns`)
     and o_win [B, Tq, HQ, dv], gates [B, Tq, HQ, 3] -> o [B, Tq, HQ, dv], differentiable in all
     six; ``local``: the sliding branch's softmax over each row's forced blocks, the walk's start."""
     from nsa_kernels.selected.function import selected_attention_gated_triton
@@ -196,7 +197,7 @@ def selected_attention_gated(
     return selected_attention_gated_triton(
         q, k, v, block_indices, sel_block, scale, o_cmp=o_cmp, o_win=o_win, gates=gates,
         q_start=q_start, cu_seqlens=cu_seqlens,
-        toggles=get_toggles() if toggles is None else toggles, local=local,
+        toggles=get_toggles() if toggles is None else toggles, local=local, validated=True,
     )  # fmt: skip
 
 
@@ -210,7 +211,7 @@ def backends() -> list[Backend]:
         Backend(
             op=OP,
             name=NAME,
-            fn=selected_attention_backend,
+            fn=selected_attention_backend.unchecked,
             supports=supports,
             priority=PRIORITY,
             requested_by=_requested,

@@ -26,10 +26,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_same_place
-from nsa_kernels.common.local_softmax import LocalSoftmax
-from nsa_kernels.common.row_runs import RowRuns, check_gated_combine_runs
 from nsa_core.toggles import Toggles
 from nsa_kernels.combine.function import combine_bwd
+from nsa_kernels.common.local_softmax import LocalSoftmax
+from nsa_kernels.common.row_runs import RowRuns, check_gated_combine_runs
 from nsa_kernels.selected.backward import backward
 from nsa_kernels.selected.forward import GatedSum, forward
 from nsa_kernels.selected.indices import unique_block_rows
@@ -75,7 +75,7 @@ def selected_attention_gated_triton(
     scale: float | None = None, *, o_cmp: Tensor | RowRuns, o_win: Tensor, gates: Tensor,
     q_start: int = 0, cu_seqlens: Tensor | None = None,
     config: SelConfig | None = None, toggles: Toggles | None = None,
-    local: LocalSoftmax | None = None,
+    local: LocalSoftmax | None = None, validated: bool = False,
 ) -> Tensor:  # fmt: skip
     """The gated combine with the selected branch computed in the same launch.
 
@@ -94,7 +94,7 @@ def selected_attention_gated_triton(
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles: as
             :func:`selected_attention_triton`.
         o_cmp, o_win: [B, Tq, HQ, dv] the compressed and sliding branches' outputs, q's dtype;
-            o_cmp may be a :class:`~nsa_kernels.common.row_runs.RowRuns`, read where its runs lie with or
+            o_cmp may be a :class:`RowRuns`, read where its runs lie with or
             without a gradient (no copy into one tensor; each run gets its own gradient).
         gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
         local: the softmax of each row over its forced blocks, computed by the sliding branch over
@@ -104,20 +104,26 @@ def selected_attention_gated_triton(
             blocks of ``select_blocks`` with n >= 3: a row without them gives NaN). The kernel
             starts from it and walks the blocks between; the gradients are those of the plain
             call.
+        validated: the caller (the fused core) built these arguments from a validated call;
+            nothing is checked again.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
     cmp_runs = o_cmp if isinstance(o_cmp, RowRuns) else RowRuns.whole(o_cmp)
-    check_gated_combine_runs(o_cmp, o_win, gates)
+    if not validated:
+        check_gated_combine_runs(o_cmp, o_win, gates)
     info = prepare(
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles,
-        local=local is not None,
+        local=local is not None, validated=validated,
     )  # fmt: skip
-    expected = (info.batch, info.tq, info.hq, info.dv)
-    if tuple(cmp_runs.shape) != expected:
-        raise ValueError(f"o_cmp {list(cmp_runs.shape)} must be [B, Tq, HQ, dv] = {list(expected)}")
-    check_same_place("o_cmp", cmp_runs.runs[0], "q", q)
+    if not validated:
+        expected = (info.batch, info.tq, info.hq, info.dv)
+        if tuple(cmp_runs.shape) != expected:
+            raise ValueError(
+                f"o_cmp {list(cmp_runs.shape)} must be [B, Tq, HQ, dv] = {list(expected)}"
+            )
+        check_same_place("o_cmp", cmp_runs.runs[0], "q", q)
     grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, o_win, gates, *cmp_runs.runs)
     )
@@ -134,7 +140,7 @@ def selected_attention_gated_triton(
 class GatedSelectedFunction(torch.autograd.Function):
     """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
     branch and the sum in one launch; o_cmp comes as the runs of a
-    :class:`~nsa_kernels.common.row_runs.RowRuns` from row ``cmp_start`` (each a differentiable input, read
+    :class:`RowRuns` from row ``cmp_start`` (each a differentiable input, read
     in place). Backward: the combine's backward kernel (d o_cmp, d o_slc, d o_win, d gates from
     one read of do; each run's gradient a slice of d o_cmp), then the selected branch's, without
     atomics. Its kernels give no graph of their own (once_differentiable): a second derivative
@@ -212,7 +218,7 @@ class SelectedAttentionFunction(torch.autograd.Function):
 def selected_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, block_indices: Tensor, sel_block: int,
     scale: float | None = None, *, q_start: int = 0, cu_seqlens: Tensor | None = None,
-    config: SelConfig | None = None, toggles: Toggles | None = None,
+    config: SelConfig | None = None, toggles: Toggles | None = None, validated: bool = False,
 ) -> Tensor:  # fmt: skip
     """Selected attention (docs/spec.md), the Triton kernels; same contract as the reference.
 
@@ -230,11 +236,15 @@ def selected_attention_triton(
         config: tiles and launch parameters (default: :func:`resolve_config`).
         toggles: the toggles the routing decision was made with (NSA_SEL_TRITON_GROUP,
             NSA_SEL_CHECK_INDICES); default :func:`nsa_core.toggles.get_toggles`.
+        validated: nsa-core validated the call already; nothing is checked again.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype; differentiable in q, k and v.
     """
-    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    info = prepare(
+        q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles,
+        validated=validated,
+    )  # fmt: skip
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = SelectedAttentionFunction.apply(q, k, v, block_indices, info)  # type: ignore[no-untyped-call]
         assert isinstance(out, torch.Tensor)

@@ -258,33 +258,43 @@ def prepare(
     toggles: Toggles | None,
     *,
     local: bool = False,
+    validated: bool = False,
 ) -> Launch:
     """Validate like the reference op, resolve the tiles and collect the launch facts.
 
     q [B, Tq, HQ, dk], k [B, Tk, H, dk], v [B, Tk, H, dv], block_indices [B, Tq, H, n],
     cu_seqlens int32 [S+1] or None; ``config`` and ``local`` as :func:`resolve_config` takes
-    them.
+    them. ``validated``: nsa-core validated the call already (its ops, the attention core), so
+    nothing is checked again and nothing is read back from the device.
     """
-    batch, tq, hq, h, dk, dv = check_attention_args(q, k, v)
-    if sel_block < 1:
-        raise ValueError(f"sel_block must be >= 1, got {sel_block}")
-    check_dtype(q.dtype, "selected attention")
-    check_head_dims(dk, dv)
+    batch, tq, hq, dk = q.shape
+    h, dv = k.shape[2], v.shape[3]
+    if not validated:
+        check_attention_args(q, k, v)
+        if sel_block < 1:
+            raise ValueError(f"sel_block must be >= 1, got {sel_block}")
+        check_dtype(q.dtype, "selected attention")
+        check_head_dims(dk, dv)
     seq_ids = None
-    # The range check costs a device sync; without it, out-of-range entries become -1 on the
-    # device (unique_block_rows), so the kernels never address keys outside the sequence.
-    strict = (get_toggles() if toggles is None else toggles).sel_check_indices
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, tq, batch, q.device)
-        if q_start != 0 or k.shape[1] != tq:
-            raise ValueError("varlen selected_attention needs q_start == 0 and k with q's tokens")
+        if not validated:
+            check_cu_seqlens(cu_seqlens, tq, batch, q.device)
+            if q_start != 0 or k.shape[1] != tq:
+                raise ValueError(
+                    "varlen selected_attention needs q_start == 0 and k with q's tokens"
+                )
         num_blocks = -(-max(tq, 1) // sel_block)
         rows = torch.arange(tq, device=q.device, dtype=torch.int32)
         seq_ids = torch.searchsorted(cu_seqlens[1:], rows, right=True).to(torch.int32)
     else:
-        check_q_start(q_start, tq, k.shape[1])
+        if not validated:
+            check_q_start(q_start, tq, k.shape[1])
         num_blocks = -(-k.shape[1] // sel_block)
-    check_block_indices(block_indices, batch, tq, h, num_blocks, q.device, check_range=strict)
+    if not validated:
+        # The range check costs a device sync; without it, out-of-range entries become -1 on
+        # the device (unique_block_rows), so the kernels never address keys outside the sequence.
+        strict = (get_toggles() if toggles is None else toggles).sel_check_indices
+        check_block_indices(block_indices, batch, tq, h, num_blocks, q.device, check_range=strict)
     return Launch(
         sel_block=sel_block,
         cfg=resolve_config(

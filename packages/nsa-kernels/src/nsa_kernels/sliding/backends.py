@@ -43,10 +43,11 @@ def backends() -> list[Backend]:
     """The sliding branch's backends, highest priority first: the docstring's table, one row
     each as ``Backend(op, name, fn, supports, priority[, requested_by])``."""
     triton = triton_fn("nsa_kernels.sliding.triton_function", "sliding_attention_triton")
+    flex, sdpa = sliding_attention_flex.unchecked, sliding_attention_sdpa.unchecked
     fa2_row = (routing.fa2_sliding_supports, routing.FA2_PRIORITY, routing.fa2_sliding_requested)
     return [
-        Backend(OP, "fa2", sliding_attention_fa2, *fa2_row),
-        Backend(OP, "flex", sliding_attention_flex, routing.flex_supports, routing.FLEX_PRIORITY),
-        Backend(OP, "sdpa", sliding_attention_sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
+        Backend(OP, "fa2", sliding_attention_fa2.unchecked, *fa2_row),
+        Backend(OP, "flex", flex, routing.flex_supports, routing.FLEX_PRIORITY),
+        Backend(OP, "sdpa", sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
         Backend(OP, "triton_win", triton, triton_win_supports, TRITON_PRIORITY),
     ]
