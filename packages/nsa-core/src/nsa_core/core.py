@@ -1,8 +1,7 @@
 """The attention core: every step of one NSA layer after compression, as one op.
 
 ``attention_core`` takes the rotated queries, the compressed keys and values, each branch's raw
-keys and values and the gates, and returns the gated output (docs/spec.md, "The attention
-core"). It is one registry op (:mod:`nsa_core.registry`, ``attention_core``): a call is
+keys and values and the gates, and returns the gated output (docs/spec.md). It is one registry op (:mod:`nsa_core.registry`, ``attention_core``): a call is
 validated once and resolved once, and the backend runs the steps as it sees fit.
 
 The reference backend (:func:`attention_core_reference`) composes the step ops: the compressed
@@ -47,7 +46,9 @@ def core_context(
     """The routing context of one core call (no checks): q [B, Tq, HQ, dk], the selected
     branch's k [B, Tk, H, dk] and v [B, Tk, H, dv]; it needs a gradient where any of q, k_slc,
     v_slc or ``inputs`` needs one."""
-    ctx = op_context(q, k_slc, v_slc, k_slc.shape[1], varlen=cu_seqlens is not None, q_start=q_start)
+    ctx = op_context(
+        q, k_slc, v_slc, k_slc.shape[1], varlen=cu_seqlens is not None, q_start=q_start
+    )
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return dataclasses.replace(ctx, requires_grad=ctx.requires_grad or grad)
 
@@ -102,9 +103,7 @@ class StepContexts:
         """The steps' contexts of a core call described by ``ctx`` alone (for reports: the
         compressed keys and the window are taken to span the call's keys)."""
         hq, dv = ctx.num_q_heads, ctx.head_dim_v
-        combine = dataclasses.replace(
-            ctx, num_kv_heads=hq, head_dim_qk=dv, varlen=False, q_start=0
-        )
+        combine = dataclasses.replace(ctx, num_kv_heads=hq, head_dim_qk=dv, varlen=False, q_start=0)
         plain = dataclasses.replace(ctx, q_start=0)
         return cls(
             compressed=ctx,
@@ -157,7 +156,9 @@ def check_attention_core(
         for name, k in (("k_slc", k_slc), ("k_win", k_win)):
             if k.shape[1] != tq:
                 raise ValueError(f"varlen {name} {shape(k)} must hold q's {tq} tokens")
-        return core_context(q, k_slc, v_slc, k_cmp, v_cmp, k_win, v_win, gates, cu_seqlens=cu_seqlens)
+        return core_context(
+            q, k_slc, v_slc, k_cmp, v_cmp, k_win, v_win, gates, cu_seqlens=cu_seqlens
+        )
     check_q_start(q_start, tq, k_slc.shape[1], "k_slc")
     check_q_start(q_start if win_start is None else win_start, tq, k_win.shape[1], "k_win")
     needed = num_cmp_blocks(q_start + tq, config.cmp_block, config.cmp_stride)
@@ -215,7 +216,9 @@ def attention_core_reference(
         q, k_win, v_win, cfg.window, scale, toggles=toggles, cu_seqlens=cu_seqlens,
         q_start=q_start if win_start is None else win_start,
     )  # fmt: skip
-    combine = resolve_fn("gated_combine", per_head_context(o_cmp, o_cmp, o_slc, o_win, gates), toggles)
+    combine = resolve_fn(
+        "gated_combine", per_head_context(o_cmp, o_cmp, o_slc, o_win, gates), toggles
+    )
     out: torch.Tensor = combine(o_cmp, o_slc, o_win, gates, toggles=toggles)
     return out
 
