@@ -1,8 +1,9 @@
 """The attention core: every step of one NSA layer after compression, as one op.
 
 ``attention_core`` takes the rotated queries, the compressed keys and values, each branch's raw
-keys and values and the gates, and returns the gated output (docs/spec.md). It is one registry op (:mod:`nsa_core.registry`, ``attention_core``): a call is
-validated once and resolved once, and the backend runs the steps as it sees fit.
+keys and values and the gates, and returns the gated output (docs/spec.md). It is one registry
+op (:mod:`nsa_core.registry`, ``attention_core``): a call is validated once and resolved once,
+and the backend runs the steps as it sees fit.
 
 The reference backend (:func:`attention_core_reference`) composes the step ops: the compressed
 branch (handing its log-sum-exp to block scoring where its backend has one), block scoring and
