@@ -12,9 +12,17 @@ from typing import Any
 import pytest
 import torch
 
-from nsa_bench import layer_bench
+from nsa_bench.cases import failure_status
 from nsa_bench.cli import build_parser
-from nsa_bench.layer_bench import PEERS, STEPS, Peer, Row, Shape
+from nsa_bench.cli_args import parse_length, parse_names, parse_pairs
+from nsa_bench.layer import cli as layer_cli
+from nsa_bench.layer.inputs import make_inputs
+from nsa_bench.layer.measure import measure
+from nsa_bench.layer.peers import Peer, bench_fa2, bench_fla, bench_sdpa, load_fla, sdpa_has_gqa
+from nsa_bench.layer.plot import write_plot
+from nsa_bench.layer.rows import METHODS, MODES, PEERS, ROW_COLUMNS, LayerShape, Row, add_ratios
+from nsa_bench.layer.steps import STEPS, StepCall, bench_steps, parse_step_backends, step_timed_call
+from nsa_bench.timing import Timer, make_timer
 
 CPU = torch.device("cpu")
 TINY = ["--seqlens", "128", "--heads", "4/2", "--head-dims", "32/32", "--hidden-size", "32",
@@ -32,12 +40,12 @@ def fake_parallel_nsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwarg
     return v.repeat_interleave(group, dim=2) * g.unsqueeze(-1) + q[..., : v.shape[-1]]
 
 
-def _shape(hq: int = 4, h: int = 2, dk: int = 32, dv: int = 32, t: int = 128) -> Shape:
-    return Shape(1, t, hq, h, dk, dv, 32, 16, 64, 16, 512, "fp32")
+def _shape(hq: int = 4, h: int = 2, dk: int = 32, dv: int = 32, t: int = 128) -> LayerShape:
+    return LayerShape(1, t, hq, h, dk, dv, "fp32", 32, 16, 64, 16, 512)
 
 
-def _host_timer() -> layer_bench.Timer:
-    return layer_bench.make_timer(CPU, warmup_ms=1, rep_ms=1, iters=1, warmup=0)
+def _host_timer() -> Timer:
+    return make_timer(CPU, use_do_bench=False, warmup_ms=1, rep_ms=1, iters=1, warmup=0)
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -67,10 +75,10 @@ def cpu_run_module(
 ) -> tuple[Path, str, str]:
     out = tmp_path_factory.mktemp("layer")
     monkeypatch_module.setattr(
-        layer_bench, "load_fla", lambda: Peer(fake_parallel_nsa, "fla-core stand-in")
+        layer_cli, "load_fla", lambda: Peer(fake_parallel_nsa, "fla-core stand-in")
     )
     args = build_parser().parse_args(["layer", *TINY, "--out", str(out)])
-    stdout, stderr = _capture(lambda: layer_bench.run(args))
+    stdout, stderr = _capture(lambda: layer_cli.run(args))
     return out, stdout, stderr
 
 
@@ -80,8 +88,8 @@ def test_csv_has_every_column_and_the_env_in_every_row(
     out, _, _ = cpu_run_module
     rows = _read_csv(out / "layer.csv")
     header = list(rows[0])
-    assert header[: len(layer_bench.ROW_COLUMNS)] == layer_bench.ROW_COLUMNS
-    env_columns = header[len(layer_bench.ROW_COLUMNS) :]
+    assert header[: len(ROW_COLUMNS)] == ROW_COLUMNS
+    env_columns = header[len(ROW_COLUMNS) :]
     assert env_columns == sorted(env_columns)
     assert {"env_torch", "env_triton", "env_gpu_name", "env_commit"} <= set(env_columns)
     for row in rows:
@@ -93,10 +101,10 @@ def test_rows_cover_every_method_mode_and_step(cpu_run_module: tuple[Path, str, 
     out, _, _ = cpu_run_module
     rows = _read_csv(out / "layer.csv")
     methods = {(r["method"], r["mode"]) for r in rows if r["kind"] == "method"}
-    assert methods == {(m, mode) for m in layer_bench.METHODS for mode in layer_bench.MODES}
+    assert methods == {(m, mode) for m in METHODS for mode in MODES}
     steps = [r for r in rows if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [s for s, _ in STEPS]
-    assert len(rows) == 2 * len(layer_bench.METHODS) + len(STEPS)
+    assert len(rows) == 2 * len(METHODS) + len(STEPS)
     for r in rows:
         assert (r["T"], r["HQ"], r["H"], r["G"], r["dk"], r["dv"]) == (
             "128",
@@ -148,7 +156,7 @@ def test_ratios_and_shares_are_computed_from_the_rows(
     out, _, _ = cpu_run_module
     rows = _read_csv(out / "layer.csv")
     by = {(r["method"], r["mode"], r["step"]): r for r in rows}
-    for mode in layer_bench.MODES:
+    for mode in MODES:
         sdpa_ms = float(by["sdpa", mode, ""]["ms"])
         for method in ("nsa_core", "nsa_module", "sdpa"):
             row = by[method, mode, ""]
@@ -214,7 +222,7 @@ def test_without_matplotlib_the_png_is_reported_missing(
 ) -> None:
     monkeypatch.setitem(sys.modules, "nsa_bench.plot", None)  # import now raises ImportError
     row = _shape().row("method", "sdpa", "fwd", ms=1.0)
-    why = layer_bench.write_plot([row], tmp_path / "layer.png")
+    why = write_plot([row], tmp_path / "layer.png")
     assert why is not None
     assert why.startswith("PNG not written: ")
     assert "nsa-bench[plot]" in why
@@ -229,7 +237,7 @@ def test_merge_rebuilds_the_outputs_from_csv(
     args = build_parser().parse_args(
         ["layer", "--merge", str(out / "layer.csv"), "--out", str(merged)]
     )
-    stdout, _ = _capture(lambda: layer_bench.run(args))
+    stdout, _ = _capture(lambda: layer_cli.run(args))
     assert _read_csv(merged / "layer.csv") == _read_csv(out / "layer.csv")
     assert stdout == (out / "layer.md").read_text()
 
@@ -254,7 +262,7 @@ def test_add_ratios_compares_within_one_case_only() -> None:
         _shape(t=1024).row("step", "nsa_core", "fwd", step="sliding", ms=0.5),
         _shape(t=2048).row("step", "nsa_core", "fwd", step="sliding", ms=1.0),
     ]
-    layer_bench.add_ratios(rows)
+    add_ratios(rows)
     core, sdpa, fa2, fla, core_bwd, _, core_2k, step_1k, step_2k = rows
     assert (core.vs_sdpa, core.vs_fa2) == (4.0, 2.0)
     assert math.isnan(core.vs_fla)
@@ -267,33 +275,31 @@ def test_add_ratios_compares_within_one_case_only() -> None:
 
 def test_failure_status_names_the_kind_of_failure() -> None:
     oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8 GiB")
-    assert layer_bench.failure_status(oom).startswith("oom: OutOfMemoryError: CUDA out of memory")
-    assert (
-        layer_bench.failure_status(AssertionError("G >= 16")) == "refused: AssertionError: G >= 16"
-    )
-    assert layer_bench.failure_status(ValueError("a\nb")) == "refused: ValueError: a b"
-    assert layer_bench.failure_status(RuntimeError("x")) == "error: RuntimeError: x"
+    assert failure_status(oom).startswith("oom: OutOfMemoryError: CUDA out of memory")
+    assert failure_status(AssertionError("G >= 16")) == "refused: AssertionError: G >= 16"
+    assert failure_status(ValueError("a\nb")) == "refused: ValueError: a b"
+    assert failure_status(RuntimeError("x")) == "error: RuntimeError: x"
 
 
 def test_an_out_of_memory_case_is_a_row_not_a_crash() -> None:
     def allocate() -> None:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 80 GiB")
 
-    row = layer_bench.measure(_row("sdpa", math.nan), allocate, [], _host_timer(), CPU)
+    row = measure(_row("sdpa", math.nan), allocate, [], _host_timer(), CPU)
     assert row.status.startswith("oom: ")
     assert math.isnan(row.ms)
 
 
 def test_fla_peer_runs_when_it_accepts_and_reports_when_missing() -> None:
     shape = _shape(hq=32, h=2, t=128)  # G = 16: the stand-in accepts
-    inp = layer_bench.make_inputs(shape, CPU, seed=0)
+    inp = make_inputs(shape, CPU, seed=0)
     ok = Peer(fake_parallel_nsa, "fla-core stand-in")
-    for mode in layer_bench.MODES:
-        row = layer_bench.bench_fla(shape, inp, mode, ok, _host_timer(), CPU)
+    for mode in MODES:
+        row = bench_fla(shape, inp, mode, ok, _host_timer(), CPU)
         assert row.status == "ok", row
         assert row.ms > 0
     missing = Peer(None, "fla-core not importable (ModuleNotFoundError: No module named 'fla')")
-    row = layer_bench.bench_fla(shape, inp, "fwd", missing, _host_timer(), CPU)
+    row = bench_fla(shape, inp, "fwd", missing, _host_timer(), CPU)
     assert row.status == "skipped: " + missing.info
     assert row.backend == missing.info
 
@@ -302,32 +308,30 @@ def test_the_real_fla_refuses_small_groups_with_its_reason() -> None:
     """Where fla-core is installed: its own group-size check surfaces as a refused row (the
     check runs before any kernel, so this needs no GPU)."""
     pytest.importorskip("fla.ops.nsa.parallel", reason="fla-core is not installed here")
-    peer = layer_bench.load_fla()
+    peer = load_fla()
     assert peer.fn is not None, peer.info
     assert peer.info.startswith("fla-core ")
     shape = _shape(hq=4, h=2)
-    row = layer_bench.bench_fla(
-        shape, layer_bench.make_inputs(shape, CPU, 0), "fwd", peer, _host_timer(), CPU
-    )
+    row = bench_fla(shape, make_inputs(shape, CPU, 0), "fwd", peer, _host_timer(), CPU)
     assert row.status == f"refused: AssertionError: {FLA_REFUSAL}"
 
 
 def test_sdpa_without_enable_gqa_repeats_kv_heads_and_says_so() -> None:
     shape = _shape()
-    inp = layer_bench.make_inputs(shape, CPU, seed=0)
-    row = layer_bench.bench_sdpa(shape, inp, "fwdbwd", False, _host_timer(), CPU)
+    inp = make_inputs(shape, CPU, seed=0)
+    row = bench_sdpa(shape, inp, "fwdbwd", False, _host_timer(), CPU)
     assert row.status == "ok"
     assert "lacks enable_gqa" in row.note
     assert "repeat_interleave" in row.note
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    assert layer_bench.sdpa_has_gqa() == ((major, minor) >= (2, 5))
+    assert sdpa_has_gqa() == ((major, minor) >= (2, 5))
 
 
 def test_fa2_is_skipped_off_cuda_with_the_reason() -> None:
     shape = _shape(dk=48, dv=32)
-    inp = layer_bench.make_inputs(shape, CPU, seed=0)
+    inp = make_inputs(shape, CPU, seed=0)
     peer = Peer(lambda *a, **k: torch.zeros(()), "flash_attn stand-in")
-    row = layer_bench.bench_fa2(shape, inp, "fwd", peer, _host_timer(), CPU)
+    row = bench_fa2(shape, inp, "fwd", peer, _host_timer(), CPU)
     assert row.status == "skipped: FA-2 needs a CUDA device, this run is on cpu"
     assert "zero-padded from dv=32 to dk=48" in row.note
 
@@ -340,9 +344,7 @@ def test_a_failed_step_skips_the_steps_that_need_it(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(nsa_core, "select_blocks", broken)
     shape = _shape()
-    rows = layer_bench.bench_steps(
-        shape, layer_bench.make_inputs(shape, CPU, 0), _host_timer(), CPU
-    )
+    rows = bench_steps(shape, make_inputs(shape, CPU, 0), _host_timer(), CPU)
     status = {r.step: r.status for r in rows}
     assert status["select_blocks"] == "error: RuntimeError: select_blocks broke"
     assert status["selected"] == "skipped: needs the output of select_blocks, which failed"
@@ -352,8 +354,8 @@ def test_a_failed_step_skips_the_steps_that_need_it(monkeypatch: pytest.MonkeyPa
 
 def test_steps_time_forward_and_backward_and_pinned_backends() -> None:
     shape = _shape()
-    inp = layer_bench.make_inputs(shape, CPU, 0)
-    rows = layer_bench.bench_steps(
+    inp = make_inputs(shape, CPU, 0)
+    rows = bench_steps(
         shape, inp, _host_timer(), CPU, ("fwd", "fwdbwd"), [("sliding", "reference")]
     )
     names = [s for s, _ in STEPS] + ["sliding@reference"]
@@ -362,7 +364,7 @@ def test_steps_time_forward_and_backward_and_pinned_backends() -> None:
         assert r.status == "ok", r
         assert r.ms > 0, r
     assert {r.backend for r in rows if r.step.startswith("sliding")} == {"reference"}
-    bad = layer_bench.bench_steps(shape, inp, _host_timer(), CPU, pins=[("sliding", "nope")])
+    bad = bench_steps(shape, inp, _host_timer(), CPU, pins=[("sliding", "nope")])
     assert bad[-1].step == "sliding@nope"
     assert bad[-1].status.startswith("refused: ")
     assert "'nope'" in bad[-1].status
@@ -371,43 +373,43 @@ def test_steps_time_forward_and_backward_and_pinned_backends() -> None:
 def test_a_step_in_fwdbwd_fills_the_grads_of_its_inputs() -> None:
     q = torch.randn(1, 8, 2, 4)
     k = torch.randn(1, 8, 2, 4)
-    step = layer_bench.StepCall(lambda a, b: (a * b, a.sum()), (q, k), 1)
-    call, leaves = layer_bench.step_timed_call(step, "fwdbwd", seed=0)
+    step = StepCall(lambda a, b: (a * b, a.sum()), (q, k), 1)
+    call, leaves = step_timed_call(step, "fwdbwd", seed=0)
     assert call() is None
     assert len(leaves) == 2
     # d(a*b)/da = b times the upstream gradient, drawn once from the seed.
     upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(leaves[0].grad, k * upstream)
     torch.testing.assert_close(leaves[1].grad, q * upstream)
-    no_grad = layer_bench.StepCall(lambda a, b: a + b, (q, k), 0)
-    call, leaves = layer_bench.step_timed_call(no_grad, "fwdbwd", seed=0)
+    no_grad = StepCall(lambda a, b: a + b, (q, k), 0)
+    call, leaves = step_timed_call(no_grad, "fwdbwd", seed=0)
     assert leaves == []
     torch.testing.assert_close(call(), q + k)
 
 
 def test_step_backends_are_parsed_and_checked() -> None:
-    assert layer_bench.parse_step_backends("sliding=triton_win, selected=reference") == [
+    assert parse_step_backends("sliding=triton_win, selected=reference") == [
         ("sliding", "triton_win"),
         ("selected", "reference"),
     ]
-    assert layer_bench.parse_step_backends("") == []
+    assert parse_step_backends("") == []
     for bad in ("sliding", "attention=x", "compress=reference", "sliding="):
         with pytest.raises(Exception, match=r"STEP=BACKEND|nothing to pin"):
-            layer_bench.parse_step_backends(bad)
+            parse_step_backends(bad)
 
 
 def test_parsers() -> None:
-    assert [layer_bench.parse_length(x) for x in ("8k", "128K", "256", "1m")] == [
+    assert [parse_length(x) for x in ("8k", "128K", "256", "1m")] == [
         8192,
         131072,
         256,
         1 << 20,
     ]
-    assert layer_bench.parse_pairs("128/128, 192/128") == [(128, 128), (192, 128)]
+    assert parse_pairs("128/128, 192/128") == [(128, 128), (192, 128)]
     with pytest.raises(Exception, match="not A/B"):
-        layer_bench.parse_pairs("128")
+        parse_pairs("128")
     with pytest.raises(Exception, match="unknown"):
-        layer_bench.parse_names("nsa_core,xformers", layer_bench.METHODS)
+        parse_names("nsa_core,xformers", METHODS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,7 +423,7 @@ def test_gpu_layer_bench_short_sweep(tmp_path: Path) -> None:
     args = build_parser().parse_args(
         ["layer", "--seqlens", "4k,8k", "--out", str(tmp_path), "--rep-ms", "20"]
     )
-    stdout, stderr = _capture(lambda: layer_bench.run(args))
+    stdout, stderr = _capture(lambda: layer_cli.run(args))
     print(stderr)
     print(stdout)
     rows = _read_csv(tmp_path / "layer.csv")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from nsa_bench import sel_bench
+from nsa_bench.cases import Shape
 from nsa_bench.cli import build_parser
 from nsa_bench.sel_bench import (
     Row,
@@ -145,18 +146,16 @@ def test_prefill_needs_cuda() -> None:
 
 
 def test_forward_only_methods_report_their_backward_as_not_applicable() -> None:
-    p = sel_bench.make_problem(
-        1, 8, 64, 2, 1, 16, 16, 2, 16, torch.float32, torch.device("cpu"), "many", 0
-    )
+    shape = Shape(1, 64, 2, 1, 16, 16, "fp32")
+    p = sel_bench.make_problem(shape, 8, 2, 16, torch.device("cpu"), "many", 0)
     ms, status = sel_bench.time_method("cuda", p, "fwd_bwd", lambda fn: 1.0)
     assert math.isnan(ms)
     assert status == "n/a: cuda is forward only"
 
 
 def test_cuda_method_on_cpu_is_reported_not_raised() -> None:
-    p = sel_bench.make_problem(
-        1, 8, 64, 2, 1, 16, 16, 2, 16, torch.float32, torch.device("cpu"), "many", 0
-    )
+    shape = Shape(1, 64, 2, 1, 16, 16, "fp32")
+    p = sel_bench.make_problem(shape, 8, 2, 16, torch.device("cpu"), "many", 0)
     ms, status = sel_bench.time_method("cuda", p, "fwd", lambda fn: 1.0)
     assert math.isnan(ms)
     assert status.startswith("error: ")

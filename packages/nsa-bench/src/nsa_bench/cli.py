@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "nsa_bench.needle",
         "train a small NSA LM and two ablations on passkey retrieval; accuracy, selection stats",
     ),
-    "layer": ("nsa_bench.layer_bench", "whole NSA layer vs fla-core, SDPA, FA-2 over T; by step"),
+    "layer": ("nsa_bench.layer.cli", "whole NSA layer vs fla-core, SDPA, FA-2 over T; by step"),
     "fa2": ("nsa_bench.fa2_bench", "FA-2 vs its torch fallbacks per branch over T and D, cutoffs"),
     "routing": ("nsa_bench.routing", "backend chosen per op, with reasons, and the pairing"),
     "score": ("nsa_bench.score_bench", "Triton block scoring + top-n over T, lse given or not"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -83,20 +84,25 @@ def add_layer_blocks_args(parser: argparse.ArgumentParser) -> None:
 
 
 # NSAConfig's block geometry, named as the flags of add_layer_blocks_args (and as the fields of
-# the layer bench's Shape and the needle task's settings) name it.
+# the layer bench's LayerShape and the needle task's settings) name it.
 BLOCK_GEOMETRY = ("cmp_block", "cmp_stride", "sel_block", "num_selected", "window")
+
+
+def block_geometry(source: object) -> dict[str, Any]:
+    """The l, d, l', n, w that ``source`` carries, by their :data:`BLOCK_GEOMETRY` names.
+
+    ``source`` is anything with those attributes: parsed flags of :func:`add_layer_blocks_args`,
+    the layer bench's ``LayerShape``, the needle task's settings.
+    """
+    return {name: getattr(source, name) for name in BLOCK_GEOMETRY}
 
 
 def blocks_config(
     geometry: object, heads: tuple[int, int], head_dims: tuple[int, int]
 ) -> NSAConfig:
-    """The NSAConfig of (HQ, H), (dk, dv) and the l, d, l', n, w that ``geometry`` carries.
-
-    ``geometry`` is anything with the :data:`BLOCK_GEOMETRY` attributes: parsed flags of
-    :func:`add_layer_blocks_args`, the layer bench's ``Shape``, the needle task's settings.
-    """
+    """The NSAConfig of (HQ, H), (dk, dv) and the :func:`block_geometry` of ``geometry``."""
     (hq, h), (dk, dv) = heads, head_dims
-    blocks = {name: getattr(geometry, name) for name in BLOCK_GEOMETRY}
+    blocks = block_geometry(geometry)
     return NSAConfig(num_q_heads=hq, num_kv_heads=h, head_dim_qk=dk, head_dim_v=dv, **blocks)
 
 
@@ -113,6 +119,12 @@ def add_compression_args(parser: argparse.ArgumentParser) -> None:
     """``--l`` and ``--d``: the compression block length and stride."""
     parser.add_argument("--l", type=int, default=32, help="compression block length")
     parser.add_argument("--d", type=int, default=16, help="compression stride")
+
+
+def add_do_bench_args(parser: argparse.ArgumentParser) -> None:
+    """``--warmup-ms`` and ``--rep-ms``: how long do_bench warms a call up and times it."""
+    parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
+    parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition (ms)")
 
 
 def add_kernel_timing_args(parser: argparse.ArgumentParser) -> None:

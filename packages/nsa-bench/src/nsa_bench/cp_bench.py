@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import os
@@ -40,13 +39,15 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.spawn import spawn
 
+from nsa_bench.cases import DTYPES, MIB, Shape, failure_status, free_memory, row_columns
 from nsa_bench.cli_args import (
     add_layer_blocks_args,
     add_layer_heads_args,
@@ -55,8 +56,8 @@ from nsa_bench.cli_args import (
     parse_pairs,
 )
 from nsa_bench.env import collect_columns
-from nsa_bench.layer_bench import failure_status
 from nsa_bench.tables import finite_or_dash, write_env_tables
+from nsa_bench.timing import synchronize
 from nsa_core import NSAConfig, nsa_attention
 from nsa_core.context_parallel import (
     LAYOUTS,
@@ -67,9 +68,6 @@ from nsa_core.context_parallel import (
     SlcExchange,
     context_parallel_nsa_attention,
 )
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-MIB = 1 << 20
 
 
 @dataclass
@@ -102,19 +100,16 @@ class Row:
         return self.status == "ok"
 
 
-ROW_COLUMNS = [f.name for f in fields(Row) if f.name != "env"]
+ROW_COLUMNS = row_columns(Row)
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What every rank of one world size runs (picklable for the spawned processes)."""
+    """What every rank of one world size runs (picklable for the spawned processes): one shape
+    per length, ascending, all of one NSA config."""
 
-    seqlens: tuple[int, ...]
-    batch: int
-    heads: tuple[int, int]
-    head_dims: tuple[int, int]
+    shapes: tuple[Shape, ...]
     config: NSAConfig
-    dtype: str
     device: str
     layout: Layout
     slc_exchanges: tuple[SlcExchange, ...]
@@ -125,12 +120,10 @@ class Settings:
     timeout_s: float
 
 
+SETTINGS_AS_GIVEN = ("device", "iters", "warmup", "comm_iters", "seed", "timeout_s")
+
+
 # ------------------------------------------------------------------------------------- one rank
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _peak_mib(device: torch.device) -> tuple[float, str]:
@@ -147,25 +140,20 @@ def _reset_peak(device: torch.device) -> None:
 
 
 def _local_inputs(
-    s: Settings, plan: ShardPlan, rank: int, device: torch.device
+    shape: Shape, seed: int, plan: ShardPlan, rank: int, device: torch.device
 ) -> list[torch.Tensor]:
     """This rank's q, k, v, gates and output gradient, [B, T_local, ...], drawn on the device."""
-    gen = torch.Generator(device=device).manual_seed(s.seed * 1009 + rank)
-    dtype = DTYPES[s.dtype]
-    t_local = plan.local_tokens(rank)
-    (hq, h), (dk, dv) = s.heads, s.head_dims
+    gen = torch.Generator(device=device).manual_seed(seed * 1009 + rank)
+    dtype = shape.torch_dtype
+    b, t_local = shape.batch, plan.local_tokens(rank)
+    hq, h, dk, dv = shape.num_q_heads, shape.num_kv_heads, shape.head_dim_qk, shape.head_dim_v
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen, device=device, dtype=dtype)
 
-    gates = torch.rand(s.batch, t_local, hq, 3, generator=gen, device=device, dtype=dtype)
-    tensors = [
-        rand(s.batch, t_local, hq, dk),
-        rand(s.batch, t_local, h, dk),
-        rand(s.batch, t_local, h, dv),
-        gates,
-    ]
-    return [*(t.requires_grad_() for t in tensors), rand(s.batch, t_local, hq, dv)]
+    gates = torch.rand(b, t_local, hq, 3, generator=gen, device=device, dtype=dtype)
+    tensors = [rand(b, t_local, hq, dk), rand(b, t_local, h, dk), rand(b, t_local, h, dv), gates]
+    return [*(t.requires_grad_() for t in tensors), rand(b, t_local, hq, dv)]
 
 
 def _max_over_ranks(values: list[float], device: torch.device) -> list[float]:
@@ -183,7 +171,7 @@ def _gather_floats(value: float, world: int, device: torch.device) -> list[float
 
 def time_case(
     s: Settings,
-    T: int,
+    shape: Shape,
     exchange: SlcExchange | None,
     rank: int,
     world: int,
@@ -191,11 +179,10 @@ def time_case(
 ) -> Row:
     """One row (``exchange`` None: the single-process baseline); every rank runs it and gets
     the complete row."""
-    plan = ShardPlan(T, world, s.layout)
-    method = "cp" if exchange is not None else "single"
-    row = Row(world, T, method, exchange or "-", s.layout, s.dtype, device.type, iters=s.iters)
+    plan = ShardPlan(shape.seq_len, world, s.layout)
+    row = case_row(s, world, shape, exchange, iters=s.iters)
     _reset_peak(device)
-    q, k, v, gates, grad_out = _local_inputs(s, plan, rank, device)
+    q, k, v, gates, grad_out = _local_inputs(shape, s.seed, plan, rank, device)
     leaves = (q, k, v, gates)
 
     def step(timer: CommTimer | None) -> None:
@@ -217,11 +204,11 @@ def time_case(
         torch.autograd.backward(out, grad_out)
 
     def timed(timer: CommTimer | None) -> float:
-        _sync(device)
+        synchronize(device)
         dist.barrier()
         start = time.perf_counter()
         step(timer)
-        _sync(device)
+        synchronize(device)
         return (time.perf_counter() - start) * 1e3
 
     for _ in range(s.warmup):
@@ -229,7 +216,7 @@ def time_case(
     steps = [timed(None) for _ in range(s.iters)]
     steps = _max_over_ranks(steps, device)  # a step lasts as long as its slowest rank
     row.step_ms = statistics.median(steps)
-    row.tokens_per_s = s.batch * T / (row.step_ms / 1e3)
+    row.tokens_per_s = shape.batch * shape.seq_len / (row.step_ms / 1e3)
     if exchange is not None and s.comm_iters > 0:
         timer = CommTimer()
         timed_steps = [timed(timer) for _ in range(s.comm_iters)]
@@ -250,19 +237,27 @@ def time_case(
     return row
 
 
-def _cases(s: Settings, world: int) -> list[tuple[int, SlcExchange | None]]:
-    """(T, exchange) in run order: lengths ascending, the baseline (None) first at W=1."""
-    cases: list[tuple[int, SlcExchange | None]] = []
-    for T in sorted(s.seqlens):
+def _cases(s: Settings, world: int) -> list[tuple[Shape, SlcExchange | None]]:
+    """(shape, exchange) in run order: lengths ascending, the baseline (None) first at W=1."""
+    cases: list[tuple[Shape, SlcExchange | None]] = []
+    for shape in s.shapes:
         if world == 1:
-            cases.append((T, None))
-        cases += [(T, exchange) for exchange in s.slc_exchanges]
+            cases.append((shape, None))
+        cases += [(shape, exchange) for exchange in s.slc_exchanges]
     return cases
 
 
 def _case_key(exchange: SlcExchange | None) -> tuple[str, str]:
     """(method, slc_exchange) as the rows write them."""
     return ("single", "-") if exchange is None else ("cp", exchange)
+
+
+def case_row(
+    s: Settings, world: int, shape: Shape, exchange: SlcExchange | None, **extra: Any
+) -> Row:
+    """The row of one case, its numbers still to come (``extra`` sets any column)."""
+    method, name = _case_key(exchange)
+    return Row(world, shape.seq_len, method, name, s.layout, shape.dtype, s.device, **extra)
 
 
 def run_ranks(rank: int, world: int, s: Settings, rows_path: str, device: torch.device) -> None:
@@ -273,12 +268,13 @@ def run_ranks(rank: int, world: int, s: Settings, rows_path: str, device: torch.
     """
     if not dist.is_initialized():
         raise RuntimeError("run_ranks needs an initialized process group")
-    for T, exchange in _cases(s, world):
+    for shape, exchange in _cases(s, world):
         try:
-            row = time_case(s, T, exchange, rank, world, device)
+            row = time_case(s, shape, exchange, rank, world, device)
         except BaseException as exc:
             with open(f"{rows_path}.failed.{rank}", "w") as f:
-                json.dump({"T": T, "exchange": exchange, "status": failure_status(exc)}, f)
+                failure = {"T": shape.seq_len, "exchange": exchange, "status": failure_status(exc)}
+                json.dump(failure, f)
             raise
         if rank == 0:
             with open(rows_path, "a") as f:
@@ -333,12 +329,10 @@ def _failure_rows(s: Settings, world: int, done: list[Row], rows_path: Path, why
         status = json.loads(failures[0].read_text())["status"]
     finished = {(r.T, r.method, r.slc_exchange) for r in done}
     rows = []
-    for T, exchange in _cases(s, world):
-        method, name = _case_key(exchange)
-        if (T, method, name) in finished:
+    for shape, exchange in _cases(s, world):
+        if (shape.seq_len, *_case_key(exchange)) in finished:
             continue
-        row = Row(world, T, method, name, s.layout, s.dtype, s.device, status=status)
-        rows.append(row)
+        rows.append(case_row(s, world, shape, exchange, status=status))
         status = "skipped: an earlier case of this world size failed"
     return rows
 
@@ -350,10 +344,7 @@ def run_world(s: Settings, world: int) -> list[Row]:
     """
     if s.device == "cuda" and world > torch.cuda.device_count():
         why = f"skipped: needs {world} GPUs, {torch.cuda.device_count()} visible"
-        return [
-            Row(world, T, *_case_key(e), s.layout, s.dtype, s.device, status=why)
-            for T, e in _cases(s, world)
-        ]
+        return [case_row(s, world, shape, e, status=why) for shape, e in _cases(s, world)]
     with tempfile.TemporaryDirectory(prefix="nsa-cp-") as tmp:
         rows_path = Path(tmp) / "rows.jsonl"
         args = (world, s, str(Path(tmp) / "store"), str(rows_path))
@@ -364,9 +355,7 @@ def run_world(s: Settings, world: int) -> list[Row]:
                 finally:
                     # The later world sizes' rank 0 shares GPU 0 with this process: give back
                     # what its caching allocator holds.
-                    gc.collect()
-                    if s.device == "cuda":
-                        torch.cuda.empty_cache()
+                    free_memory(torch.device(s.device))
             else:
                 spawn(spawned_rank, args=args, nprocs=world, join=True)  # type: ignore[no-untyped-call]
         except Exception as exc:  # a rank failed: keep what finished, say why for the rest
@@ -469,23 +458,13 @@ def settings(args: argparse.Namespace) -> Settings:
     if not exchanges or len(exchanges) != len(set(names)):
         raise argparse.ArgumentTypeError(f"--slc-exchanges: choose from {SLC_EXCHANGES}")
     layout = next(x for x in LAYOUTS if x == args.layout)
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    lengths = sorted(parse_length(x) for x in args.seqlens.split(",") if x.strip())
+    shapes = tuple(Shape(args.batch, t, hq, h, dk, dv, dtype) for t in lengths)
     config = blocks_config(args, (hq, h), (dk, dv))
-    return Settings(
-        seqlens=tuple(parse_length(x) for x in args.seqlens.split(",") if x.strip()),
-        batch=args.batch,
-        heads=(hq, h),
-        head_dims=(dk, dv),
-        config=config,
-        dtype=args.dtype or ("bf16" if args.device == "cuda" else "fp32"),
-        device=args.device,
-        layout=layout,
-        slc_exchanges=exchanges,
-        iters=args.iters,
-        warmup=args.warmup,
-        comm_iters=args.comm_iters,
-        seed=args.seed,
-        timeout_s=args.timeout_s,
-    )
+    # Flags a rank reads as they were given, under their own names.
+    given = {name: getattr(args, name) for name in SETTINGS_AS_GIVEN}
+    return Settings(shapes, config, layout=layout, slc_exchanges=exchanges, **given)
 
 
 def _finish(rows: list[Row], out: Path) -> None:
@@ -506,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
     worlds = [int(x) for x in args.world_sizes.split(",") if x.strip()]
     rows: list[Row] = []
     for world in worlds:
-        _log(f"[cp] world size {world}: {', '.join(str(t) for t in sorted(s.seqlens))}")
+        _log(f"[cp] world size {world}: {', '.join(str(shape.seq_len) for shape in s.shapes)}")
         rows += run_world(s, world)
         _finish(rows, out)
     return 0 if all(r.ok or r.status.startswith(("skipped", "oom")) for r in rows) else 1

@@ -39,17 +39,17 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from nsa_bench.cli_args import parse_ints
+from nsa_bench.cases import DTYPES, Shape, row_columns
+from nsa_bench.cli_args import add_do_bench_args, parse_ints
 from nsa_bench.sel_stats import indices_for_bench
-from nsa_bench.timing import do_bench_median_ms, median_ms
+from nsa_bench.timing import make_timer
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ROWS_METHODS = ("triton", "sdpa", "reference")
 MODES = ("rows", "prefill")
 # Earlier name of the rows mode, still accepted (with a DeprecationWarning) for one release.
@@ -84,10 +84,9 @@ class Row:
     kv_gbps: float = math.nan
     speedup: float = math.nan
     status: str = "ok"
-    extra: dict[str, str] = field(default_factory=dict)
 
 
-CSV_COLUMNS = [f for f in Row.__dataclass_fields__ if f != "extra"]
+CSV_COLUMNS = row_columns(Row)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,21 +215,24 @@ def load_fla() -> tuple[Callable[..., torch.Tensor] | None, str]:
 def _timer(
     args: argparse.Namespace, device: torch.device
 ) -> Callable[[Callable[[], object]], float]:
-    if args.prefill and device.type == "cuda":
-
-        def bench(fn: Callable[[], object]) -> float:
-            return do_bench_median_ms(fn, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
-
-        return bench
-
-    def bench_counts(fn: Callable[[], object]) -> float:
-        return median_ms(fn, iters=args.iters, warmup=args.warmup, device=device)
-
-    return bench_counts
+    """do_bench in prefill mode on CUDA, else ``--iters`` runs after ``--warmup``."""
+    timer = make_timer(
+        device,
+        use_do_bench=args.prefill and device.type == "cuda",
+        warmup_ms=args.warmup_ms,
+        rep_ms=args.rep_ms,
+        iters=args.iters,
+        warmup=args.warmup,
+    )
+    return lambda fn: timer(fn, ())
 
 
 @dataclass
 class Problem:
+    """``shape`` holds the T keys; q, do [B, N, HQ, *] are the N query rows at their end
+    (``q_start = T - N``); idx [B, N, H, n] their selected blocks of ``sel_block`` keys."""
+
+    shape: Shape
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -241,7 +243,13 @@ class Problem:
 
     @property
     def group(self) -> int:
-        return self.q.shape[2] // self.k.shape[2]
+        return self.shape.group
+
+    def row(self, mode: str, pass_: str, method: str, dist: str, **extra: Any) -> Row:
+        """A row of this problem, its measurements still to come (``extra`` sets any column)."""
+        rows, n = self.q.shape[1], self.idx.shape[-1]
+        problem = {**self.shape.columns(), "N": rows, "n": n, "sel_block": self.sel_block}
+        return Row(mode=mode, pass_=pass_, method=method, **problem, dist=dist, **extra)
 
 
 def _call(
@@ -324,21 +332,13 @@ def _fill_rates(row: Row, p: Problem, visible: int, blocks: int) -> None:
 
 
 def make_problem(
-    batch: int,
-    tq: int,
-    tk: int,
-    hq: int,
-    h: int,
-    dk: int,
-    dv: int,
-    n: int,
-    sel_block: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    dist: str,
-    seed: int,
+    shape: Shape, tq: int, n: int, sel_block: int, device: torch.device, dist: str, seed: int
 ) -> Problem:
+    """``tq`` query rows at the end of ``shape``'s keys, each selecting ``n`` blocks as ``dist``
+    draws them (``nsa``: :func:`nsa_block_indices`, else :func:`dist_block_indices`)."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    batch, tk, hq, h = shape.batch, shape.seq_len, shape.num_q_heads, shape.num_kv_heads
+    dk, dv, dtype = shape.head_dim_qk, shape.head_dim_v, shape.torch_dtype
     q_start = tk - tq
     q = torch.randn(batch, tq, hq, dk, device=device, generator=gen).to(dtype)
     k = torch.randn(batch, tk, h, dk, device=device, generator=gen).to(dtype)
@@ -352,7 +352,7 @@ def make_problem(
         idx = dist_block_indices(
             batch, tq, h, n, sel_block, dist, q_start=q_start, generator=gen, device=device
         )
-    return Problem(q=q, k=k, v=v, idx=idx, do=do, sel_block=sel_block, q_start=q_start)
+    return Problem(shape, q, k, v, idx, do, sel_block, q_start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,8 +445,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefill: block indices from FILE (nsa_bench.sel_stats, e.g. `nsa-bench needle`'s "
         "sel_indices_T<T>_layer<i>.pt) instead of random ones; kv heads cycled, T up to the file's",
     )
-    parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (ms)")
-    parser.add_argument("--rep-ms", type=float, default=100.0, help="do_bench repetition (ms)")
+    add_do_bench_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--csv",
@@ -467,7 +466,7 @@ def _env() -> dict[str, str]:
 
 
 def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
-    dtype = DTYPES[args.dtype or "fp16"]
+    dtype = args.dtype or "fp16"
     methods = (args.methods or ",".join(ROWS_METHODS)).split(",")
     passes = (args.passes or "fwd").split(",")
     bench = _timer(args, device)
@@ -475,46 +474,15 @@ def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
     for length in parse_ints(args.L_list):
         tq = min(args.N, length)
         n = min(args.n, -(-length // args.sel_block))
-        p = make_problem(
-            1,
-            tq,
-            length,
-            args.H,
-            args.kv_heads,
-            args.D,
-            args.Dv,
-            n,
-            args.sel_block,
-            dtype,
-            device,
-            args.dist,
-            args.seed,
-        )
+        shape = Shape(1, length, args.H, args.kv_heads, args.D, args.Dv, dtype)
+        p = make_problem(shape, tq, n, args.sel_block, device, args.dist, args.seed)
         visible = visible_keys(p.idx, p.sel_block, p.q_start, length)
         blocks = int((p.idx >= 0).sum())
         for pass_ in passes:
             here = []
             for method in methods:
                 ms, status = time_method(method, p, pass_, bench)
-                row = Row(
-                    "rows",
-                    pass_,
-                    method,
-                    args.dtype or "fp16",
-                    1,
-                    length,
-                    tq,
-                    args.H,
-                    args.kv_heads,
-                    p.group,
-                    args.D,
-                    args.Dv,
-                    n,
-                    args.sel_block,
-                    args.dist,
-                    ms=ms,
-                    status=status,
-                )
+                row = p.row("rows", pass_, method, args.dist, ms=ms, status=status)
                 _fill_rates(row, p, visible, blocks)
                 here.append(row)
             fallback = min(
@@ -530,7 +498,7 @@ def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
 def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
     from nsa_kernels.selected.function import parse_config
 
-    dtype = DTYPES[args.dtype or "bf16"]
+    dtype = args.dtype or "bf16"
     methods = (args.methods or "triton,fla").split(",")
     passes = (args.passes or "fwd,fwd_bwd").split(",")
     bench = _timer(args, device)
@@ -545,9 +513,8 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
 
     def prefill_problem(t: int, hq: int) -> Problem:
         """B = 1, Tq = Tk = t, hq query heads over the h kv heads, NSA's index rows."""
-        return make_problem(
-            1, t, t, hq, h, args.D, args.Dv, args.n, args.sel_block, dtype, device, "nsa", args.seed
-        )
+        shape = Shape(1, t, hq, h, args.D, args.Dv, dtype)
+        return make_problem(shape, t, args.n, args.sel_block, device, "nsa", args.seed)
 
     cache: dict[tuple[int, int], Problem] = {}
     for mode, t, hq, cfg_text in runs:
@@ -571,26 +538,8 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
                     ms, status = math.nan, fla_info
                 else:
                     ms, status = time_method(method, p, pass_, bench, config=config, fla_fn=fla_fn)
-                row = Row(
-                    mode,
-                    pass_,
-                    method,
-                    args.dtype or "bf16",
-                    1,
-                    t,
-                    t,
-                    hq,
-                    h,
-                    p.group,
-                    args.D,
-                    args.Dv,
-                    args.n,
-                    args.sel_block,
-                    "file" if args.indices else "nsa",
-                    config=cfg_text,
-                    ms=ms,
-                    status=status,
-                )
+                dist = "file" if args.indices else "nsa"
+                row = p.row(mode, pass_, method, dist, config=cfg_text, ms=ms, status=status)
                 _fill_rates(row, p, visible, blocks)
                 here.append(row)
                 print(
@@ -609,26 +558,7 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
         from nsa_bench.gather_probe import run_probe
 
         for name, ms, gbps in run_probe(p.k, p.v, p.idx, p.sel_block, bench):
-            row = Row(
-                "probe",
-                "fwd",
-                "gather",
-                args.dtype or "bf16",
-                1,
-                t,
-                t,
-                args.heads,
-                h,
-                p.group,
-                args.D,
-                args.Dv,
-                args.n,
-                args.sel_block,
-                "nsa",
-                config=name,
-                ms=ms,
-                kv_gbps=gbps,
-            )
+            row = p.row("probe", "fwd", "gather", "nsa", config=name, ms=ms, kv_gbps=gbps)
             print(f"# probe {name} {ms:.3f} ms {gbps:.0f} GB/s", file=sys.stderr, flush=True)
             rows.append(row)
     return rows
@@ -638,7 +568,7 @@ def _write(rows: Sequence[Row], env: dict[str, str], args: argparse.Namespace) -
     columns = CSV_COLUMNS + sorted(env)
     records = []
     for row in rows:
-        record: dict[str, Any] = {k: v for k, v in asdict(row).items() if k != "extra"}
+        record: dict[str, Any] = asdict(row)
         record.update(env)
         records.append(record)
     if args.csv:

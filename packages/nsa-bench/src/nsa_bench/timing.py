@@ -1,5 +1,5 @@
 """Median timings of a callable: CUDA events (optionally over a CUDA graph), triton's do_bench
-or the host clock."""
+or the host clock, and the timer a bench picks among them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA); on the CPU it is already done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def median_ms(
@@ -103,6 +109,36 @@ def do_bench_median_ms(
             return_mode="median",
         )
     )
+
+
+# A timer: the median ms of a zero-argument call, with the tensors whose grads it fills.
+Timer = Callable[[Callable[[], object], Sequence[torch.Tensor]], float]
+
+
+def make_timer(
+    device: torch.device,
+    *,
+    use_do_bench: bool,
+    warmup_ms: float,
+    rep_ms: float,
+    iters: int,
+    warmup: int,
+) -> Timer:
+    """``use_do_bench`` (CUDA only): :func:`do_bench_median_ms` for about ``rep_ms`` after
+    ``warmup_ms``; else :func:`median_ms` over ``iters`` runs after ``warmup``. Either way the
+    grads of the leaves given with the call are reset before every run."""
+    if use_do_bench:
+
+        def bench_do_bench(fn: Callable[[], object], leaves: Sequence[torch.Tensor]) -> float:
+            return do_bench_median_ms(fn, warmup_ms=warmup_ms, rep_ms=rep_ms, grads=leaves)
+
+        return bench_do_bench
+
+    def bench_runs(fn: Callable[[], object], leaves: Sequence[torch.Tensor]) -> float:
+        setup = clear_grads(leaves)
+        return median_ms(fn, iters=iters, warmup=warmup, device=device, setup=setup)
+
+    return bench_runs
 
 
 def warm_then_capture(
