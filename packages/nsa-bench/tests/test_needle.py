@@ -9,9 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from nsa_bench import needle
 from nsa_bench.cli import build_parser, main
-from nsa_bench.needle import IGNORE, NeedleSettings, NeedleTask, answer_hits, needle_batch
+from nsa_bench.needle import cli as needle_cli
+from nsa_bench.needle.model import VARIANTS, NeedleAttention, NeedleModel
+from nsa_bench.needle.settings import NeedleSettings
+from nsa_bench.needle.task import (
+    IGNORE,
+    NeedleBatch,
+    NeedleTask,
+    answer_hits,
+    needle_batch,
+    needle_span,
+)
 from nsa_bench.sel_stats import fit_indices, indices_for_bench, load_indices, selection_stats
 
 # Tiny geometry: l=8, d=4, l'=8, n=4, w=16, 2 layers (reach 31 tokens), T=96.
@@ -54,7 +63,7 @@ TINY_ARGS = [
 ]
 
 
-def _check_layout(nb: needle.NeedleBatch, task: NeedleTask, t: int, reach: int, l_sel: int) -> None:
+def _check_layout(nb: NeedleBatch, task: NeedleTask, t: int, reach: int, l_sel: int) -> None:
     ln, needle_len = task.value_len, task.needle_len
     assert needle_len == task.needle_repeats * (ln + 1)
     q0 = t - ln - 1
@@ -82,7 +91,7 @@ def _check_layout(nb: needle.NeedleBatch, task: NeedleTask, t: int, reach: int, 
 def test_needle_sits_where_the_depth_says_beyond_the_windows() -> None:
     task = TINY.task()
     t, reach, l_sel = 120, TINY.reach, TINY.sel_block
-    lo, hi = needle.needle_span(task, t, reach, l_sel)
+    lo, hi = needle_span(task, t, reach, l_sel)
     assert (lo, hi) == (l_sel, t - task.value_len - 1 - reach - task.needle_len + 1)
     gen = torch.Generator().manual_seed(0)
     for depth, expected in ((0.0, lo), (1.0, hi), (0.5, lo + round(0.5 * (hi - lo)))):
@@ -95,7 +104,7 @@ def test_needle_sits_where_the_depth_says_beyond_the_windows() -> None:
     assert int(drawn.starts.max()) <= hi
     assert len(set(drawn.starts.tolist())) > 10  # drawn, not fixed
     with pytest.raises(ValueError, match="too short"):
-        needle.needle_span(task, 40, reach, l_sel)
+        needle_span(task, 40, reach, l_sel)
 
 
 def test_answer_mask_scores_the_answer_tokens_only() -> None:
@@ -122,7 +131,7 @@ def test_answer_hits_on_a_hand_made_case() -> None:
 
 
 def test_random_selection_keeps_the_index_rules() -> None:
-    attn = needle.NeedleAttention(TINY.nsa_config(), TINY.hidden, "random")
+    attn = NeedleAttention(TINY.nsa_config(), TINY.hidden, "random")
     attn.generator = torch.Generator().manual_seed(2)
     n, l_sel, t = TINY.num_selected, TINY.sel_block, 80
     idx = attn.random_block_indices(2, t, torch.device("cpu"))
@@ -224,14 +233,12 @@ def test_tiny_run_trains_evaluates_and_reloads(
     assert "## Passkey exact match" in printed.out
     assert "# train random step 3" in printed.err
     record = json.loads((out / "needle.json").read_text())
-    assert {v: record["train"][v]["steps"] for v in needle.VARIANTS} == {
-        v: 3 for v in needle.VARIANTS
-    }
+    assert {v: record["train"][v]["steps"] for v in VARIANTS} == {v: 3 for v in VARIANTS}
     cells = record["cells"]
     assert len(cells) == 3 * 2 * 2
     assert all(c["samples"] == 3 and c["status"] == "ok" for c in cells)
     assert len((out / "needle.csv").read_text().splitlines()) == 1 + len(cells)
-    for variant in needle.VARIANTS:
+    for variant in VARIANTS:
         ckpt = out / f"{variant}.pt"
         assert 0 < ckpt.stat().st_size < 16 << 20
         state = torch.load(ckpt, weights_only=True)["state"]
@@ -264,16 +271,14 @@ def test_tiny_run_trains_evaluates_and_reloads(
 def test_a_failing_model_leaves_the_others_standing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_train = needle.train
+    real_train = needle_cli.train
 
-    def train_or_fail(
-        model: needle.NeedleModel, variant: str, *args: object, **kw: object
-    ) -> object:
+    def train_or_fail(model: NeedleModel, variant: str, *args: object, **kw: object) -> object:
         if variant == "window":
             raise RuntimeError("kernel refused")
         return real_train(model, variant, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(needle, "train", train_or_fail)
+    monkeypatch.setattr(needle_cli, "train", train_or_fail)
     out = tmp_path / "run"
     argv = ["needle", f"--out={out}", "--steps=1", "--variants=window,nsa", "--lengths=96"]
     argv += ["--depths=0.5", "--samples=1", "--stats-lens=", *TINY_ARGS]

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "NSAAttention.decode (any device, CPU too) per context length, whole and per branch",
     ),
     "needle": (
-        "nsa_bench.needle",
+        "nsa_bench.needle.cli",
         "train a small NSA LM and two ablations on passkey retrieval; accuracy, selection stats",
     ),
     "layer": ("nsa_bench.layer.cli", "whole NSA layer vs fla-core, SDPA, FA-2 over T; by step"),
