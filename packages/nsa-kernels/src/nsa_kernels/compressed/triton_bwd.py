@@ -19,7 +19,7 @@ dk = scale * ds^T q.
   partials and ``cmp_dkv_reduce_kernel`` sums them in segment order.
 
 WINDOWED (the sliding branch, l = d = 1): a query also sees no key before its window, and a key
-tile's queries end where their windows stop reaching it (:func:`dkv_segments`).
+tile's queries end where their windows stop reaching it (:func:`dkv_tile`).
 
 Rows that see nothing and padding rows get lse = +inf here, so their p is exactly 0.
 """
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from nsa_kernels.common.key_rows import load_key_rows, store_key_grads
-from nsa_kernels.compressed.triton_fwd import group_rows, load_group_rows, query_tile_rows
+from nsa_kernels.compressed.triton_fwd import LOG2E, group_rows, load_group_rows, query_tile_rows
 from nsa_kernels.compressed.triton_tiles import (
     key_stretch,
     key_tile,
@@ -38,7 +38,7 @@ from nsa_kernels.compressed.triton_tiles import (
     window_start,
 )
 
-LOG2E = 1.4426950408889634
+# Plain module floats are not visible inside @jit; constexpr globals are.
 _LOG2E = tl.constexpr(LOG2E)
 
 
@@ -52,30 +52,11 @@ def _load_lse2(lse_rows, row_ok):
 
 @triton.jit
 def _dq_key_tile(
-    q,
-    do,
-    lse2,
-    delta,
-    dq,
-    k_head,
-    v_head,
-    key_row,
-    n0,
-    n_hi,
-    nvis,
-    nlo,
-    stride_kt,
-    stride_vt,
-    qk_scale,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    BN: tl.constexpr,
-    MASK: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+    q, do, lse2, delta, dq, k_head, v_head, key_row, n0, n_hi, nvis, nlo,
+    stride_kt, stride_vt, qk_scale,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    MASK: tl.constexpr, WINDOWED: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
     """dq [BM, BK] (unscaled) plus the contribution of blocks [n0, n0 + BN) (MASK, nvis, nlo as
     in the forward's ``_fwd_key_tile``)."""
     offs_n = tl.arange(0, BN)
@@ -98,55 +79,16 @@ def _dq_key_tile(
 
 @triton.jit
 def cmp_bwd_dq_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    do_ptr,
-    lse_ptr,
-    delta_ptr,
-    lse2_ptr,
-    dq_ptr,
-    tiles_ptr,
-    cu_ptr,
-    cmp_cu_ptr,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lt,
-    batch,
-    tq,
-    q_start,
-    num_kv_heads,
-    window,
-    qk_scale,
-    scale,
-    G: tl.constexpr,
-    HPP: tl.constexpr,
-    TPP: tl.constexpr,
-    NCH: tl.constexpr,
-    BM: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    LBLK: tl.constexpr,
-    DSTR: tl.constexpr,
-    BN: tl.constexpr,
-    VARLEN: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, dq_ptr,
+    tiles_ptr, cu_ptr, cmp_cu_ptr,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    batch, tq, q_start, num_kv_heads, window, qk_scale, scale,
+    G: tl.constexpr, HPP: tl.constexpr, TPP: tl.constexpr, NCH: tl.constexpr, BM: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    LBLK: tl.constexpr, DSTR: tl.constexpr, BN: tl.constexpr,
+    VARLEN: tl.constexpr, WINDOWED: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
     """dq [BM, DK], delta and lse2 [BM] of one query tile (the forward's tiling and grid).
 
     ``q``/``dq`` share strides, as do ``o``/``do`` and ``lse``/``delta``/``lse2`` [B, Tq, HQ].
@@ -193,45 +135,15 @@ def cmp_bwd_dq_kernel(
 
 @triton.jit
 def _dkv_query_tile(
-    kt,
-    vt,
-    dk,
-    dv,
-    blocks,
-    q_ptr,
-    do_ptr,
-    lse2_ptr,
-    delta_ptr,
-    b,
-    kvh,
-    start,
-    seg_hi,
-    chunk,
-    shift,
-    window,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lt,
+    kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse2_ptr, delta_ptr,
+    b, kvh, start, seg_hi, chunk, shift, window,
+    stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     qk_scale,
-    G: tl.constexpr,
-    HPP: tl.constexpr,
-    TPQ: tl.constexpr,
-    BMQ: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    LBLK: tl.constexpr,
-    DSTR: tl.constexpr,
-    MASK: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    G: tl.constexpr, HPP: tl.constexpr, TPQ: tl.constexpr, BMQ: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    LBLK: tl.constexpr, DSTR: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
     DOT_PREC: tl.constexpr,
-):
+):  # fmt: skip
     """dk, dv [BN, *] plus the contribution of query rows [start, start + TPQ) x head chunk.
 
     Computed transposed (blocks on the rows): st = k q^T [BN, BMQ]. MASK: some query row does
@@ -261,88 +173,42 @@ def _dkv_query_tile(
 
 
 @triton.jit
-def dkv_segments(
-    n0,
-    r_lo,
-    r_end,
-    shift,
-    seg_rows,
-    window,
-    LBLK: tl.constexpr,
-    DSTR: tl.constexpr,
-    BN: tl.constexpr,
+def dkv_tile(
+    tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, seg_rows, window,
+    LBLK: tl.constexpr, DSTR: tl.constexpr, BN: tl.constexpr, VARLEN: tl.constexpr,
     WINDOWED: tl.constexpr,
-):
-    """(row_first, r_end, j_lo, j_hi) of a key tile starting at block n0.
+):  # fmt: skip
+    """(b, n0, n_end, kbase, shift, row_first, r_end, j_lo, j_hi) of key tile ``tile``: the
+    facts of :func:`key_tile` and the query segments that see it.
 
     row_first: first row that sees block n0 (clamped to [r_lo, r_end]); its queries are the rows
     [row_first, r_end), covered by segments j_lo .. j_hi (j_hi < j_lo when there are none).
     WINDOWED: r_end comes back lowered to one past the last row whose window reaches the tile.
     """
+    b, n0, n_end, kbase, r_lo, r_end, shift = key_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, BN, VARLEN
+    )
     if WINDOWED:
         r_end = tl.maximum(tl.minimum(r_end, n0 + BN + window - 1 + shift), r_lo)
     row_first = tl.minimum(tl.maximum(n0 * DSTR + LBLK - 1 + shift, r_lo), r_end)
     j_lo = row_first // seg_rows
     j_hi = tl.where(row_first < r_end, (r_end - 1) // seg_rows, j_lo - 1)
-    return row_first, r_end, j_lo, j_hi
+    return b, n0, n_end, kbase, shift, row_first, r_end, j_lo, j_hi
 
 
 @triton.jit
 def cmp_bwd_dkv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    do_ptr,
-    lse2_ptr,
-    delta_ptr,
-    dk_ptr,
-    dv_ptr,
-    dk_part_ptr,
-    dv_part_ptr,
-    tiles_ptr,
-    cu_ptr,
-    cmp_cu_ptr,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lt,
-    batch,
-    tq,
-    q_start,
-    num_blocks,
-    num_kv_heads,
-    num_tiles,
-    num_segs,
-    seg_rows,
-    window,
-    qk_scale,
-    scale,
-    G: tl.constexpr,
-    HPP: tl.constexpr,
-    TPQ: tl.constexpr,
-    NCH: tl.constexpr,
-    BMQ: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    LBLK: tl.constexpr,
-    DSTR: tl.constexpr,
-    BN: tl.constexpr,
-    VARLEN: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, do_ptr, lse2_ptr, delta_ptr, dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr,
+    tiles_ptr, cu_ptr, cmp_cu_ptr,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    batch, tq, q_start, num_blocks, num_kv_heads, num_tiles, num_segs, seg_rows, window,
+    qk_scale, scale,
+    G: tl.constexpr, HPP: tl.constexpr, TPQ: tl.constexpr, NCH: tl.constexpr, BMQ: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    LBLK: tl.constexpr, DSTR: tl.constexpr, BN: tl.constexpr,
+    VARLEN: tl.constexpr, WINDOWED: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
     """dk [BN, DK], dv [BN, DV] of one key tile of one kv head, over one query segment.
 
     k/dk share strides, as do v/dv, q (its strides also index the query rows of dq's layout),
@@ -357,12 +223,10 @@ def cmp_bwd_dkv_kernel(
     rest = pid // num_kv_heads
     tile = rest % num_tiles
     j = num_segs - 1 - rest // num_tiles
-    b, n0, n_end, kbase, r_lo, r_end, shift = key_tile(
-        tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, BN, VARLEN
-    )
-    row_first, r_end, j_lo, j_hi = dkv_segments(
-        n0, r_lo, r_end, shift, seg_rows, window, LBLK, DSTR, BN, WINDOWED
-    )
+    b, n0, n_end, kbase, shift, row_first, r_end, j_lo, j_hi = dkv_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, seg_rows, window,
+        LBLK, DSTR, BN, VARLEN, WINDOWED,
+    )  # fmt: skip
     split = j_hi > j_lo
     # A tile no query sees still owns its (zero) gradient rows: segment 0 writes them.
     direct = ((j_hi == j_lo) & (j == j_lo)) | ((j_hi < j_lo) & (j == 0))
@@ -391,22 +255,22 @@ def cmp_bwd_dkv_kernel(
 
     dk = tl.zeros([BN, BK], dtype=tl.float32)
     dv = tl.zeros([BN, BV], dtype=tl.float32)
-    for it in range(0, n_masked * NCH):
-        dk, dv = _dkv_query_tile(
-            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse2_ptr, delta_ptr,
-            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift, window,
-            stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-            stride_lb, stride_lt, qk_scale,
-            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, True, WINDOWED, DOT_PREC,
-        )  # fmt: skip
-    for it in range(n_masked * NCH, n_iter * NCH):
-        dk, dv = _dkv_query_tile(
-            kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse2_ptr, delta_ptr,
-            b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift, window,
-            stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-            stride_lb, stride_lt, qk_scale,
-            G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, False, WINDOWED, DOT_PREC,
-        )  # fmt: skip
+    # Two walks over the segment's (token step, head chunk) pairs: first the steps some of
+    # whose rows do not see the whole tile (masked), then the rest (unmasked).
+    for walk in tl.static_range(2):
+        it_lo = 0
+        it_hi = n_masked * NCH
+        if walk == 1:
+            it_lo = n_masked * NCH
+            it_hi = n_iter * NCH
+        for it in range(it_lo, it_hi):
+            dk, dv = _dkv_query_tile(
+                kt, vt, dk, dv, blocks, q_ptr, do_ptr, lse2_ptr, delta_ptr,
+                b, kvh, seg_lo + (it // NCH) * TPQ, seg_hi, it % NCH, shift, window,
+                stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+                stride_lb, stride_lt, qk_scale,
+                G, HPP, TPQ, BMQ, DK, BK, DV, BV, LBLK, DSTR, walk == 0, WINDOWED, DOT_PREC,
+            )  # fmt: skip
     dk = dk * scale
 
     # A block mask, not scalar & block: triton 3.9's interpreter makes the latter int32.
@@ -431,37 +295,13 @@ def cmp_bwd_dkv_kernel(
 
 @triton.jit
 def cmp_dkv_reduce_kernel(
-    dk_ptr,
-    dv_ptr,
-    dk_part_ptr,
-    dv_part_ptr,
-    tiles_ptr,
-    cu_ptr,
-    cmp_cu_ptr,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    batch,
-    tq,
-    q_start,
-    num_blocks,
-    num_kv_heads,
-    num_segs,
-    seg_rows,
-    window,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    LBLK: tl.constexpr,
-    DSTR: tl.constexpr,
-    BN: tl.constexpr,
-    VARLEN: tl.constexpr,
-    WINDOWED: tl.constexpr,
-):
+    dk_ptr, dv_ptr, dk_part_ptr, dv_part_ptr, tiles_ptr, cu_ptr, cmp_cu_ptr,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    batch, tq, q_start, num_blocks, num_kv_heads, num_segs, seg_rows, window,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    LBLK: tl.constexpr, DSTR: tl.constexpr, BN: tl.constexpr,
+    VARLEN: tl.constexpr, WINDOWED: tl.constexpr,
+):  # fmt: skip
     """Sum, in segment order, the partials of one key tile split over several segments.
 
     Grid: (num_tiles * H,), program p -> tile ``p // H``, kv head ``p % H``. Tiles that were not
@@ -470,12 +310,10 @@ def cmp_dkv_reduce_kernel(
     pid = tl.program_id(0)
     kvh = pid % num_kv_heads
     tile = pid // num_kv_heads
-    b, n0, n_end, kbase, r_lo, r_end, shift = key_tile(
-        tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, BN, VARLEN
-    )
-    _, _, j_lo, j_hi = dkv_segments(
-        n0, r_lo, r_end, shift, seg_rows, window, LBLK, DSTR, BN, WINDOWED
-    )
+    b, n0, n_end, kbase, _, _, _, j_lo, j_hi = dkv_tile(
+        tiles_ptr, cu_ptr, cmp_cu_ptr, tile, batch, tq, q_start, num_blocks, seg_rows, window,
+        LBLK, DSTR, BN, VARLEN, WINDOWED,
+    )  # fmt: skip
     split = j_hi > j_lo
     j_stop = tl.where(split, j_hi + 1, j_lo)
     offs_n = tl.arange(0, BN)

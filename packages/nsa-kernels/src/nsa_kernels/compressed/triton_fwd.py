@@ -186,56 +186,17 @@ def _fwd_key_tile(
 
 @triton.jit
 def cmp_fwd_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    lse_ptr,
-    loc_o_ptr,
-    loc_lse_ptr,
-    finite_ptr,
-    tiles_ptr,
-    cu_ptr,
-    cmp_cu_ptr,
-    stride_qb,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ob,
-    stride_ot,
-    stride_oh,
-    stride_lb,
-    stride_lt,
-    batch,
-    tq,
-    q_start,
-    num_kv_heads,
-    window,
-    qk_scale,
-    G: tl.constexpr,
-    HPP: tl.constexpr,
-    TPP: tl.constexpr,
-    NCH: tl.constexpr,
-    BM: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    LBLK: tl.constexpr,
-    DSTR: tl.constexpr,
-    BN: tl.constexpr,
-    VARLEN: tl.constexpr,
-    WINDOWED: tl.constexpr,
-    CONTAIN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    LOCAL: tl.constexpr = False,
-    SEL: tl.constexpr = 1,
-):
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, loc_o_ptr, loc_lse_ptr, finite_ptr,
+    tiles_ptr, cu_ptr, cmp_cu_ptr,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    batch, tq, q_start, num_kv_heads, window, qk_scale,
+    G: tl.constexpr, HPP: tl.constexpr, TPP: tl.constexpr, NCH: tl.constexpr, BM: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    LBLK: tl.constexpr, DSTR: tl.constexpr, BN: tl.constexpr,
+    VARLEN: tl.constexpr, WINDOWED: tl.constexpr, CONTAIN: tl.constexpr, DOT_PREC: tl.constexpr,
+    LOCAL: tl.constexpr = False, SEL: tl.constexpr = 1,
+):  # fmt: skip
     """o [BM, DV] and lse [BM] of one query tile of one kv head (head chunk).
 
     q [B, Tq, HQ, DK], k [B, N, H, DK], v [B, N, H, DV], o [B, Tq, HQ, DV], lse [B, Tq, HQ].
@@ -245,9 +206,8 @@ def cmp_fwd_kernel(
     (nonzero: every value of v is finite) says: CONTAIN=False for finite values, CONTAIN=True
     (the masked tiles contain non-finite values) otherwise; the other one's programs return at
     once. Containment in the same kernel behind a branch would cost every call: its registers
-    (a second accumulator and V in registers) took the kernel to 255 registers and spills on
-    sm_90, against 242 and none without it (128 x 64 tiles, dk = 128; ci/compile_triton.py
-    --resources).
+    (a second accumulator and V in registers) make the kernel spill on sm_90 at the default
+    tiles (ci/compile_triton.py --resources).
 
     LOCAL (the sliding branch, l = d = 1, with w >= 2 SEL or no window): each row walks its
     local keys ``[max(jt - 1, 0) * SEL, t]`` (jt = t // SEL, SEL = l') first and stores that
@@ -284,8 +244,7 @@ def cmp_fwd_kernel(
         lb_first = local_start(t_first, SEL)
         lb_last = local_start(t_last, SEL)
         # A few tiles (two at l' = BN), all masked: one loop costs fewer registers than the
-        # three stretches (the sliding forward at 64k, G = 16 on an H100: 4.06 against
-        # 4.27 ms, against 3.67 without the local softmax).
+        # three stretches, and ran faster.
         for n0 in range((lb_first // BN) * BN, n_hi, BN):
             m_i, l_i, acc = _fwd_key_tile(
                 q, k_head, v_head, kbase + n0, n0, n_hi, nvis, lb, m_i, l_i, acc,
@@ -294,8 +253,7 @@ def cmp_fwd_kernel(
         # Block 0 joins a copy of that state for the rows whose local keys start past it (it
         # lies outside their window): stored, it is the softmax over the forced blocks. The
         # copy costs a second accumulator for one tile; taking block 0 after the window walk
-        # instead, from the stored softmax, cost more (the sliding forward at 64k, G = 16 on
-        # an H100: +0.50 ms here, +0.88 there, against 3.94 ms without block 0).
+        # instead, from the stored softmax, cost more time.
         m_z, l_z, acc_z = m_i, l_i, acc
         if lb_last > 0:
             apart = tl.where(row_ok & (lb > 0), SEL, 0)
@@ -363,7 +321,7 @@ def _store_rows(
     seen = l_i > 0.0
     denom = tl.where(seen, l_i, 1.0)
     # One reciprocal a row, then products: an IEEE division per element costs several times
-    # more, in an epilogue that a short walk (the sliding branch's nine key tiles) feels.
+    # more, in an epilogue that a short walk (the sliding branch's few key tiles) feels.
     o = acc * (1.0 / denom)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(denom)) * _LN2, float("-inf"))
     if KEEP_NAN:
