@@ -23,13 +23,13 @@ from nsa_core.checks import (
     shape,
 )
 from nsa_core.config import NSAConfig
-from nsa_core.registry import resolve_fn
-from nsa_core.toggles import get_toggles
-from nsa_core.reads import expected_reads
 from nsa_core.core import run_attention_core
+from nsa_core.reads import expected_reads
 from nsa_core.reference.compress import CompressMLP, compress, compress_impl
 from nsa_core.reference.compressed_attention import cmp_visible
 from nsa_core.reference.selected_attention import selected_visibility
+from nsa_core.registry import resolve_fn
+from nsa_core.toggles import get_toggles
 
 BRANCHES = ("cmp", "slc", "win")
 

@@ -6,7 +6,7 @@ the toggle. Other modules call :func:`get_toggles` and never read ``os.environ``
 
 | toggle | type | default | meaning |
 |---|---|---|---|
-| NSA_CORE_BACKEND | str | auto | the attention core (all steps at once): ``auto`` or a backend name |
+| NSA_CORE_BACKEND | str | auto | the attention core (steps after compression): ``auto`` or a name |
 | NSA_ROPE_BACKEND | str | auto | rotary embedding of q and k: ``auto`` or a backend name |
 | NSA_SCORE_BACKEND | str | auto | block scoring and top-n: ``auto`` or a backend name |
 | NSA_CMP_BACKEND | str | auto | compressed branch: ``auto`` or a backend name |
@@ -48,6 +48,7 @@ from typing import Any
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
+
 
 def _parse_bool(name: str, raw: str) -> bool:
     value = raw.strip().lower()

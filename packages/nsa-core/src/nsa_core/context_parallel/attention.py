@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from nsa_core.attention import BRANCHES, check_nsa_attention
-from nsa_core.core import run_attention_core
 from nsa_core.checks import check_cu_seqlens, shape
 from nsa_core.config import NSAConfig
 from nsa_core.context_parallel.exchange import (
@@ -43,6 +42,7 @@ from nsa_core.context_parallel.exchange import (
 )
 from nsa_core.context_parallel.plan import ShardPlan
 from nsa_core.context_parallel.work import ChunkWork, Sequences, plan_work
+from nsa_core.core import run_attention_core
 from nsa_core.reference.compress import compress
 
 SlcExchange = Literal["all_gather", "prefix"]
