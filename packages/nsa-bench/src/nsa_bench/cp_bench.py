@@ -120,6 +120,7 @@ class Settings:
     timeout_s: float
 
 
+# The settings that are flags of the same name, taken as the command line gives them.
 SETTINGS_AS_GIVEN = ("device", "iters", "warmup", "comm_iters", "seed", "timeout_s")
 
 
@@ -462,7 +463,6 @@ def settings(args: argparse.Namespace) -> Settings:
     lengths = sorted(parse_length(x) for x in args.seqlens.split(",") if x.strip())
     shapes = tuple(Shape(args.batch, t, hq, h, dk, dv, dtype) for t in lengths)
     config = blocks_config(args, (hq, h), (dk, dv))
-    # Flags a rank reads as they were given, under their own names.
     given = {name: getattr(args, name) for name in SETTINGS_AS_GIVEN}
     return Settings(shapes, config, layout=layout, slc_exchanges=exchanges, **given)
 
