@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from nsa_bench.cases import DTYPES
 from nsa_core import NSAConfig
 
 # ---------------------------------------------------------------------------------------------
@@ -68,6 +69,21 @@ def add_device_arg(parser: argparse.ArgumentParser, help_text: str | None = None
     )
 
 
+def add_seed_arg(parser: argparse.ArgumentParser) -> None:
+    """``--seed``: where the command's random inputs (and weights, where it builds any) start."""
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_dtype_arg(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``: one of the :data:`~nsa_bench.cases.DTYPES` names, bf16 by default."""
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+
+
+def add_batch_arg(parser: argparse.ArgumentParser) -> None:
+    """``--B``: the batch of the kernel and module benches."""
+    parser.add_argument("--B", type=int, default=1, help="batch")
+
+
 def add_layer_heads_args(parser: argparse.ArgumentParser) -> None:
     """``--batch`` and ``--heads`` (HQ/H) of the layer and cp benches."""
     parser.add_argument("--batch", type=int, default=1, help="B")
@@ -109,7 +125,7 @@ def blocks_config(
 def add_kernel_shape_args(parser: argparse.ArgumentParser) -> None:
     """Lengths, batch, heads and dk of the compressed-branch kernel benches (cmp, score)."""
     parser.add_argument("--T", default="8192,16384,32768,65536", help="comma-separated tokens")
-    parser.add_argument("--B", type=int, default=1, help="batch")
+    add_batch_arg(parser)
     parser.add_argument("--hq", type=int, default=64, help="query heads HQ")
     parser.add_argument("--h", type=int, default=4, help="kv heads H")
     parser.add_argument("--dk", type=int, default=128, help="query/key head dim")

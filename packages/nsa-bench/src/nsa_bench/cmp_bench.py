@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from nsa_bench import cli_args
+from nsa_bench.cases import DTYPES
 from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
@@ -35,7 +36,6 @@ from nsa_core.blocks import num_cmp_blocks
 if TYPE_CHECKING:
     from nsa_kernels.compressed.triton_function import CmpConfig
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 METHODS = ("triton", "reference", "sdpa")
 WINDOW_METHODS = ("triton", "reference", "flex")
 # Forward + backward matmuls: 2 forward (q.k, p.v), 5 backward (q.k again, do.v, p^T.do,
@@ -238,7 +238,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_kernel_shape_args(parser)
     parser.add_argument("--dv", type=int, default=128, help="value head dim")
     cli_args.add_compression_args(parser)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    cli_args.add_dtype_arg(parser)
     parser.add_argument(
         "--methods", default="triton", help=f"comma-separated, of {', '.join(METHODS)}"
     )
@@ -256,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_device_arg(
         parser, "cpu runs the Triton method under the Triton interpreter (TRITON_INTERPRET=1) only"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    cli_args.add_seed_arg(parser)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -51,6 +51,7 @@ from nsa_bench.cases import DTYPES, MIB, Shape, failure_status, free_memory, row
 from nsa_bench.cli_args import (
     add_layer_blocks_args,
     add_layer_heads_args,
+    add_seed_arg,
     blocks_config,
     parse_length,
     parse_pairs,
@@ -446,7 +447,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--comm-iters", type=int, default=2, help="more steps with the exchanges timed apart"
     )
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser)
     parser.add_argument("--out", default="artifacts/bench/cp/", help="output folder")
 
 

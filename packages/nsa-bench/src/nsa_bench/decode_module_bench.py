@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from nsa_bench.cli_args import add_compression_args, add_device_arg
+from nsa_bench.cli_args import add_batch_arg, add_compression_args, add_device_arg, add_seed_arg
 from nsa_bench.timing import graph_median_ms, median_ms
 from nsa_core import NSAAttention, NSACache, NSAConfig, select_blocks
 from nsa_core.registry import OpContext, resolve
@@ -32,7 +32,7 @@ CSV_COLUMNS = ("S", "ms_total", "ms_cmp", "ms_sel", "ms_win", "reads_actual", "r
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--B", type=int, default=1, help="batch")
+    add_batch_arg(parser)
     parser.add_argument("--dim", type=int, default=256, help="hidden size")
     parser.add_argument("--heads", type=int, default=8, help="query heads HQ")
     parser.add_argument("--groups", type=int, default=2, help="kv heads H")
@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     add_device_arg(parser)
     parser.add_argument("--no-graph", action="store_true", help="time eagerly even on CUDA")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser)
 
 
 def _returning(fn: Callable[[], object]) -> Callable[[], Callable[[], object]]:

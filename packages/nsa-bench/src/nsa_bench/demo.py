@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from nsa_bench.cli_args import add_device_arg
+from nsa_bench.cli_args import add_device_arg, add_seed_arg
 from nsa_core import NSAAttention, NSAConfig
 from nsa_core.registry import OpContext, routing_report
 
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dv", type=int, default=32)
     add_device_arg(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser)
 
 
 def run(args: argparse.Namespace) -> int:

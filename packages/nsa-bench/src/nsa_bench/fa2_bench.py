@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from nsa_bench.cli_args import add_device_arg, parse_ints
+from nsa_bench.cli_args import add_batch_arg, add_device_arg, add_seed_arg, parse_ints
 from nsa_bench.cli_args import parse_names as _names
 from nsa_bench.env import collect
 from nsa_bench.timing import clear_grads, do_bench_median_ms, median_ms
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--branches", default="sliding,compressed", help="sliding,compressed")
     parser.add_argument("--T", default="256,512,1024,2048,4096,8192,16384", help="lengths")
     parser.add_argument("--D", default="64,128", help="head dims (dk = dv) to sweep")
-    parser.add_argument("--B", type=int, default=1, help="batch")
+    add_batch_arg(parser)
     parser.add_argument("--heads", type=int, default=64, help="query heads HQ")
     parser.add_argument("--kv-heads", type=int, default=4, help="kv heads H")
     parser.add_argument("--window", type=int, default=512, help="sliding window w")
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
     parser.add_argument("--min-speedup", type=float, default=1.2, help="cutoff rule")
     parser.add_argument("--csv", default="fa2_bench.csv", help="output CSV path")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser)
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,10 @@ from pathlib import Path
 import torch
 
 from nsa_bench import cli_args
+from nsa_bench.cases import DTYPES
 from nsa_bench.tables import write_dataclass_csv
 from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_compression_args(parser)
     parser.add_argument("--l_sel", type=int, default=64, help="selection block length l'")
     parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    cli_args.add_dtype_arg(parser)
     parser.add_argument(
         "--lse",
         choices=("both", "given", "computed"),
@@ -112,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_device_arg(
         parser, "cpu runs the kernel under the Triton interpreter (TRITON_INTERPRET=1) only"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    cli_args.add_seed_arg(parser)
 
 
 def run(args: argparse.Namespace) -> int:

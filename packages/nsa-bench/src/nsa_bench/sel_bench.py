@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from nsa_bench.cases import DTYPES, Shape, row_columns
-from nsa_bench.cli_args import add_do_bench_args, parse_ints
+from nsa_bench.cli_args import add_do_bench_args, add_seed_arg, parse_ints
 from nsa_bench.sel_stats import indices_for_bench
 from nsa_bench.timing import make_timer
 
@@ -446,7 +446,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sel_indices_T<T>_layer<i>.pt) instead of random ones; kv heads cycled, T up to the file's",
     )
     add_do_bench_args(parser)
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser)
     parser.add_argument(
         "--csv",
         nargs="?",

@@ -10,12 +10,14 @@ from pathlib import Path
 
 import torch
 
-from nsa_bench.cases import DTYPES, free_memory
+from nsa_bench.cases import free_memory
 from nsa_bench.cli_args import (
     add_device_arg,
     add_do_bench_args,
+    add_dtype_arg,
     add_layer_blocks_args,
     add_layer_heads_args,
+    add_seed_arg,
     block_geometry,
     parse_length,
     parse_names,
@@ -58,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_layer_blocks_args(parser)
     parser.add_argument("--hidden-size", type=int, default=2048, help="nsa_module's hidden size")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    add_dtype_arg(parser)
     parser.add_argument("--modes", default="fwd,fwdbwd", help="fwd,fwdbwd")
     parser.add_argument("--methods", default=",".join(METHODS), help=",".join(METHODS))
     parser.add_argument(
@@ -86,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_do_bench_args(parser)
     parser.add_argument("--iters", type=int, default=3, help="timed runs on CPU")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up runs on CPU")
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser)
 
 
 def _log(text: str) -> None:
