@@ -180,7 +180,7 @@ def test_non_finite_keys_with_a_gradient_are_contained_without_a_host_sync(
     come from the Triton backward. So a NaN gives the Triton Function's o, lse and gradients;
     finite keys give the fold's, bit for bit."""
     from nsa_kernels.compressed import cudnn
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+    from nsa_kernels.compressed.function import compressed_attention_triton_with_lse
 
     monkeypatch.setattr(cudnn, "cudnn_attend", model_attend)
     gen = torch.Generator().manual_seed(29)

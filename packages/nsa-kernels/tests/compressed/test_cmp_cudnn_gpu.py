@@ -25,7 +25,7 @@ from nsa_kernels.compressed.cudnn import (
     cudnn_missing_reason,
     folded_attention,
 )
-from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+from nsa_kernels.compressed.function import compressed_attention_triton_with_lse
 
 L_CMP, D_CMP = 32, 16
 

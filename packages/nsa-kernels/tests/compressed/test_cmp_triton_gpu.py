@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks  # noqa: E402
 from nsa_core.reference.compressed_attention import compressed_attention  # noqa: E402
-from nsa_kernels.compressed.triton_function import (  # noqa: E402
+from nsa_kernels.compressed.function import (  # noqa: E402
     CmpConfig,
     compressed_attention_triton,
     compressed_attention_triton_with_lse,
@@ -142,7 +142,7 @@ def test_fp16_group_sweep(group: int, q_start: int, request: pytest.FixtureReque
 @pytest.mark.parametrize(("dk", "dv"), [(40, 24), (104, 8), (24, 8), (72, 56)])
 def test_bf16_odd_head_dims(dk: int, dv: int, request: pytest.FixtureRequest) -> None:
     """Head dims that are not multiples of 16 on both sides: value tiles with a masked tail of 8
-    or 24 columns once gave wrong outputs on 32 columns (see ``_Launch.bv``)."""
+    or 24 columns once gave wrong outputs on 32 columns (see ``IntervalLaunch.bv``)."""
     gen = _gen(request)
     tq, q_start = 300, 5
     blocks = num_cmp_blocks(q_start + tq, L_CMP, D_CMP) + 3

@@ -37,7 +37,7 @@ from kernel_testlib import (
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
 
-from nsa_kernels.compressed.triton_function import (  # noqa: E402
+from nsa_kernels.compressed.function import (  # noqa: E402
     CmpConfig,
     compressed_attention_fwd,
     compressed_attention_triton,
@@ -279,7 +279,7 @@ def test_unsupported_inputs_are_refused() -> None:
 
 
 def test_tile_table_lists_every_tile_once_longest_first() -> None:
-    from nsa_kernels.compressed.triton_function import tile_table
+    from nsa_kernels.common.tile_table import tile_table
 
     lengths = torch.tensor([5, 0, 1, 12, 4])
     per_tile, bound = 4, -(-22 // 4) + 5
@@ -296,10 +296,12 @@ def test_tile_table_lists_every_tile_once_longest_first() -> None:
 
 
 def test_segment_rows_splits_long_problems_only() -> None:
-    from nsa_kernels.compressed.triton_function import _Launch, resolve_config, segment_rows
+    from nsa_kernels.common.interval_launch import IntervalLaunch
+    from nsa_kernels.compressed.config import resolve_config
+    from nsa_kernels.compressed.tiles import segment_rows
 
-    def launch(tq: int) -> _Launch:
-        return _Launch(
+    def launch(tq: int) -> IntervalLaunch:
+        return IntervalLaunch(
             batch=1, tq=tq, hq=64, h=4, dk=128, dv=128, num_blocks=(tq - 32) // 16 + 1,
             cmp_block=32, cmp_stride=16, q_start=0, scale=1.0, cu_seqlens=None, cmp_cu=None,
         )  # fmt: skip
@@ -315,7 +317,7 @@ def test_segment_rows_splits_long_problems_only() -> None:
     assert segment_rows(launch(65536), replace_segment(cfg, 100), 2, 132) == 100
     # The sliding branch (l = d = 1, a window) never splits by default: a key tile meets at most
     # dkv_block_n + w - 1 rows, and a split would allocate partials for every (tile, segment).
-    windowed = _Launch(
+    windowed = IntervalLaunch(
         batch=1, tq=131072, hq=64, h=4, dk=128, dv=128, num_blocks=131072, cmp_block=1,
         cmp_stride=1, q_start=0, scale=1.0, cu_seqlens=None, cmp_cu=None, window=512,
     )  # fmt: skip
@@ -332,7 +334,7 @@ def replace_segment(cfg: CmpConfig, rows: int) -> CmpConfig:
 
 
 def test_default_tiles_follow_the_branch_and_the_device() -> None:
-    from nsa_kernels.compressed.triton_function import resolve_config
+    from nsa_kernels.compressed.config import resolve_config
 
     def tiles(cfg: CmpConfig) -> tuple[int, ...]:
         return (cfg.fwd_stages, cfg.dkv_block_n, cfg.dkv_block_m, cfg.dkv_stages)
@@ -378,7 +380,7 @@ def test_values_256_wide_take_tiles_that_fit() -> None:
     """dv = 256: the dk/dv kernel's 128 x 64 tile asks more shared memory than an H100 has, so
     such values walk 128 x 32 there, 64 x 64 on an A100 (166,912 B), 32 x 32 on 99 KiB, where the
     forward also takes 32-key tiles on one stage and dq one stage."""
-    from nsa_kernels.compressed.triton_function import resolve_config
+    from nsa_kernels.compressed.config import resolve_config
 
     def tiles(shared: int | None) -> tuple[int, ...]:
         cfg = resolve_config(None, 256, 256, torch.bfloat16, shared_bytes=shared)

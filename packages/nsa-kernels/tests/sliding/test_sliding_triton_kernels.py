@@ -32,7 +32,7 @@ from nsa_core.reference import sliding_attention
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
 
-from nsa_kernels.compressed.triton_function import CmpConfig  # noqa: E402
+from nsa_kernels.compressed.config import CmpConfig  # noqa: E402
 from nsa_kernels.sliding.triton_function import (  # noqa: E402
     sliding_attention_triton,
     sliding_attention_triton_with_local,

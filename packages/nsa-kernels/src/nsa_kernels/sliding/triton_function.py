@@ -15,13 +15,10 @@ from torch import Tensor
 from nsa_core.checks import check_sliding_attention
 from nsa_core.local_softmax import LocalSoftmax, check_holds_local_keys
 from nsa_kernels.common.forward_outputs import forward_outputs
+from nsa_kernels.common.interval_launch import IntervalLaunch
 from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
-from nsa_kernels.compressed.triton_function import (
-    CmpConfig,
-    _Launch,
-    attend_with_lse,
-    resolve_config,
-)
+from nsa_kernels.compressed.config import CmpConfig, resolve_config
+from nsa_kernels.compressed.function import attend_with_lse
 
 
 def sliding_attention_triton(
@@ -79,7 +76,7 @@ def sliding_attention_triton_with_local(
 def _prepare(
     q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None, q_start: int,
     cu_seqlens: Tensor | None, config: CmpConfig | None, *, local_block: int,
-) -> tuple[_Launch, CmpConfig]:  # fmt: skip
+) -> tuple[IntervalLaunch, CmpConfig]:  # fmt: skip
     """Validate like the reference op, then the kernels' limits; the launch facts and tiles."""
     check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
     dk, dv = q.shape[3], v.shape[3]
@@ -87,7 +84,7 @@ def _prepare(
     check_head_dims(dk, dv)
     # One block per token (the packed keys are the packed tokens); a window as long as the keys
     # bounds nothing, so the plain causal kernels serve it.
-    info = _Launch.of_call(
+    info = IntervalLaunch.of_call(
         q, k, v, scale, q_start, cu_seqlens, cmp_block=1, cmp_stride=1, cmp_cu=cu_seqlens,
         window=int(window) if window < k.shape[1] else 0, local_block=local_block,
     )  # fmt: skip
