@@ -23,10 +23,10 @@ pytest.importorskip("triton")
 
 from nsa_core.reference.combine import gated_combine  # noqa: E402
 from nsa_core.registry import OpContext  # noqa: E402
-from nsa_kernels.common.row_runs import RowRuns  # noqa: E402
 from nsa_core.toggles import Toggles  # noqa: E402
 from nsa_kernels.combine.backends import triton_combine_supports  # noqa: E402
 from nsa_kernels.combine.function import combine_bwd, gated_combine_triton, tiles  # noqa: E402
+from nsa_kernels.common.row_runs import RowRuns  # noqa: E402
 
 SHAPES = {
     "dense": (2, 9, 3, 16),

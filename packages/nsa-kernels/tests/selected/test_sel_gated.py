@@ -19,8 +19,8 @@ from sel_testlib import Case, make_inputs, reference
 pytest.importorskip("triton")
 
 from nsa_core.reference.combine import gated_combine
-from nsa_kernels.common.row_runs import RowRuns
 from nsa_kernels.combine.function import combine_fwd, gated_combine_triton
+from nsa_kernels.common.row_runs import RowRuns
 from nsa_kernels.selected.function import (
     SelConfig,
     selected_attention_gated_triton,

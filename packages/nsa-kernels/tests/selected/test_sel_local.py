@@ -18,8 +18,8 @@ from sel_testlib import Case, make_inputs, reference, reference_lse
 
 pytest.importorskip("triton")
 
-from nsa_kernels.common.local_softmax import LocalSoftmax, local_softmax_reference
 from nsa_core.reference.combine import gated_combine
+from nsa_kernels.common.local_softmax import LocalSoftmax, local_softmax_reference
 from nsa_kernels.selected.function import (
     SelConfig,
     selected_attention_fwd,

@@ -26,8 +26,8 @@ from kernel_testlib import (
     rel_err,
 )
 
-from nsa_core.local_softmax import local_softmax_reference
 from nsa_core.reference import sliding_attention
+from nsa_kernels.common.local_softmax import local_softmax_reference
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")

@@ -13,9 +13,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from nsa_core.checks import check_sliding_attention
-from nsa_core.local_softmax import LocalSoftmax, check_holds_local_keys
 from nsa_kernels.common.forward_outputs import forward_outputs
 from nsa_kernels.common.interval_launch import IntervalLaunch
+from nsa_kernels.common.local_softmax import LocalSoftmax, check_holds_local_keys
 from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
 from nsa_kernels.compressed.config import CmpConfig, resolve_config
 from nsa_kernels.compressed.function import attend_with_lse
@@ -54,7 +54,7 @@ def sliding_attention_triton_with_local(
 ) -> tuple[Tensor, LocalSoftmax]:  # fmt: skip
     """:func:`sliding_attention_triton` and, from the same walk, each row's softmax over its
     forced blocks' keys, ``[0, l')`` and ``[max(t // l' - 1, 0) * l', t]``
-    (:class:`nsa_core.local_softmax.LocalSoftmax`, l' = ``sel_block``), which the selected
+    (:class:`nsa_kernels.common.local_softmax.LocalSoftmax`, l' = ``sel_block``), which the selected
     branch starts from where it shares k and v.
 
     Arguments as :func:`sliding_attention_triton`, and sel_block (keyword): l', with w >= 2 l'
