@@ -52,7 +52,7 @@ def record_layer(dk: int, dv: int, dtype: torch.dtype) -> None:
     """Run the layer's Triton ops once, forward and backward, at head dims dk / dv."""
     from nsa_core.blocks import num_cmp_blocks
     from nsa_kernels.combine.function import gated_combine_triton
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+    from nsa_kernels.compressed.function import compressed_attention_triton_with_lse
     from nsa_kernels.scoring.function import select_blocks_triton
     from nsa_kernels.selected.function import selected_attention_triton
     from nsa_kernels.sliding.triton_function import sliding_attention_triton

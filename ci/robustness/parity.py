@@ -136,7 +136,7 @@ def _check_select_blocks(
     """Every GPU backend of select_blocks under the index contract, without and with the
     compressed branch's lse (what the attention core hands it)."""
     from nsa_core.reference import select_blocks
-    from nsa_kernels.compressed.triton_function import compressed_attention_fwd
+    from nsa_kernels.compressed.function import compressed_attention_fwd
     from nsa_kernels.scoring.contract import check_index_contract, reference_scores, row_positions
 
     g = plan.geometries[c.geometry]

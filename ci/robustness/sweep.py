@@ -167,7 +167,7 @@ def _sweep_scoring_with_lse(rt: Runtime, s: SweepShapes, group: int, varlen: boo
     import torch
 
     from nsa_core.reference import compress
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+    from nsa_kernels.compressed.function import compressed_attention_triton_with_lse
     from nsa_kernels.scoring.function import select_blocks_triton
 
     gen = torch.Generator(device=rt.device).manual_seed(group + 11 * varlen)
@@ -190,7 +190,7 @@ def _sweep_split_backwards(rt: Runtime, s: SweepShapes) -> None:
     import torch
 
     from nsa_core.reference import compress, compressed_attention, select_blocks, selected_attention
-    from nsa_kernels.compressed.triton_function import CmpConfig, compressed_attention_triton
+    from nsa_kernels.compressed.function import CmpConfig, compressed_attention_triton
     from nsa_kernels.selected.function import SelConfig, selected_attention_triton
 
     gen = torch.Generator(device=rt.device).manual_seed(5)

@@ -31,7 +31,7 @@ pytestmark = [
     ),
 ]
 
-from nsa_kernels.compressed.triton_function import (  # noqa: E402
+from nsa_kernels.compressed.function import (  # noqa: E402
     CmpConfig,
     compressed_attention_triton,
 )
@@ -373,7 +373,7 @@ def test_nan_compressed_key_makes_the_whole_row_score_nan() -> None:
     "Non-finite values"), exactly as the reference; a normaliser that skipped the NaN would let
     the row's other blocks rank by their finite scores instead. The same holds when the kernel
     takes the compressed branch's lse (-inf on those rows) instead of its own first pass."""
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton_with_lse
+    from nsa_kernels.compressed.function import compressed_attention_triton_with_lse
 
     gen = torch.Generator().manual_seed(7)
     tq, hq, h, dk, l_cmp, d, l_sel, n = 160, 2, 1, 16, 16, 16, 16, 4

@@ -37,7 +37,7 @@ def test_stages_within_takes_the_most_stages_that_fit() -> None:
 
 def test_resolve_configs_fit_a_99_kib_device() -> None:
     pytest.importorskip("triton")
-    from nsa_kernels.compressed.triton_function import resolve_config as cmp_config
+    from nsa_kernels.compressed.function import resolve_config as cmp_config
     from nsa_kernels.selected.launch import resolve_config as sel_config
 
     half = torch.float16
@@ -93,8 +93,8 @@ def test_branches_run_on_the_99_kib_tiles(dk: int, dv: int, request: pytest.Fixt
     """G = 16, l = 32, d = 16, l' = 64, w = 64, float16: compressed, selected and sliding
     branches, forward and gradients, on the tiles resolved for sm_89's shared memory."""
     pytest.importorskip("triton")
-    from nsa_kernels.compressed.triton_function import compressed_attention_triton
-    from nsa_kernels.compressed.triton_function import resolve_config as cmp_config
+    from nsa_kernels.compressed.function import compressed_attention_triton
+    from nsa_kernels.compressed.function import resolve_config as cmp_config
     from nsa_kernels.selected.function import selected_attention_triton
     from nsa_kernels.selected.launch import resolve_config as sel_config
     from nsa_kernels.sliding.triton_function import sliding_attention_triton

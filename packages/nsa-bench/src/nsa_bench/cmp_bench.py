@@ -7,7 +7,7 @@ Methods: ``triton`` (nsa-kernels), ``reference`` (nsa_core's chunked einsums) an
 chunked SDPA call with a boolean visibility mask; for timing only: rows that see no block come
 out NaN or 0 there, by SDPA backend); methods other than triton run up to ``--baseline-max-t``
 tokens. ``--configs "block_m=64;dkv_block_n=128"`` times each
-:class:`~nsa_kernels.compressed.triton_function.CmpConfig` (fields left out keep their defaults).
+:class:`~nsa_kernels.compressed.config.CmpConfig` (fields left out keep their defaults).
 
 ``--window W`` times the sliding branch instead, which runs on the same kernels (one block per
 token, a window of W keys): k and v hold T tokens, ``triton`` is
@@ -34,7 +34,7 @@ from nsa_bench.timing import median_ms
 from nsa_core.blocks import num_cmp_blocks
 
 if TYPE_CHECKING:
-    from nsa_kernels.compressed.triton_function import CmpConfig
+    from nsa_kernels.compressed.function import CmpConfig
 
 METHODS = ("triton", "reference", "sdpa")
 WINDOW_METHODS = ("triton", "reference", "flex")
@@ -138,7 +138,7 @@ Timer = Callable[[Callable[[], object]], float]
 def time_triton(p: CmpProblem, config_text: str, timer: Timer) -> tuple[str, float, float, float]:
     """(resolved config, forward, backward alone, forward+backward) ms of the Triton kernels."""
     from nsa_kernels.common.triton_inputs import max_shared_bytes
-    from nsa_kernels.compressed.triton_function import (
+    from nsa_kernels.compressed.function import (
         compressed_attention_bwd,
         compressed_attention_fwd,
         compressed_attention_triton,
@@ -260,7 +260,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from nsa_kernels.compressed.triton_function import attention_flops
+    from nsa_kernels.compressed.function import attention_flops
 
     methods = [m for m in args.methods.split(",") if m]
     known = WINDOW_METHODS if args.window else METHODS

@@ -25,7 +25,7 @@ from nsa_core.attention import branch_outputs  # noqa: E402
 from nsa_core.registry import OpContext  # noqa: E402
 from nsa_core.toggles import Toggles  # noqa: E402
 from nsa_kernels.compressed.backends import backends as cmp_backends  # noqa: E402
-from nsa_kernels.compressed.triton_function import (  # noqa: E402
+from nsa_kernels.compressed.function import (  # noqa: E402
     compressed_attention_triton,
     compressed_attention_triton_with_lse,
 )

@@ -18,7 +18,7 @@ from scoring_testlib import Case, check, make_inputs, reference_selection
 pytestmark = [pytest.mark.gpu, pytest.mark.triton]
 pytest.importorskip("triton")
 
-from nsa_kernels.compressed.triton_function import (  # noqa: E402
+from nsa_kernels.compressed.function import (  # noqa: E402
     compressed_attention_triton_with_lse,
 )
 from nsa_kernels.scoring.function import select_blocks_triton  # noqa: E402

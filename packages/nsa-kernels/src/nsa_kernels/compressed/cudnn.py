@@ -22,7 +22,7 @@ zero-fill and add a q-sized gradient per run.
 A call whose compressed keys or values hold a non-finite value is served by the Triton kernels,
 which keep such a value to the rows that see it (docs/spec.md, "Non-finite values"): cuDNN runs,
 then the Triton forward overwrites its output where the keys are not all finite, decided on the
-device (:func:`nsa_kernels.compressed.triton_function.contain_non_finite_into`: no host sync).
+device (:func:`nsa_kernels.compressed.function.contain_non_finite_into`: no host sync).
 With a gradient the flag also travels to the host behind the forward, and the backward reads it
 there (by then long arrived: no wait on the device): the Triton backward serves a contained
 forward, cuDNN's the rest.
