@@ -145,36 +145,27 @@ def test_debug_hooks_log_shapes_and_parity(
         assert any(m.startswith("sel.triton.device ") for m in messages)
 
 
-def test_backend_hands_its_toggles_and_the_old_tile_toggles_to_the_kernels(
+def test_backend_hands_the_routings_toggles_to_the_kernels_and_skips_checks_when_routed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Tiles reach the kernels as a SelConfig; the routing's toggles, not the global ones."""
-    import warnings
-
+    """The routing's toggles reach the kernels, not the global ones; called by name the backend
+    has the kernels validate, as the registry's ``fn`` (``unchecked``) it tells them the call
+    was validated already."""
     from nsa_kernels.selected import backend as backend_module
     from nsa_kernels.selected import function as function_module
 
     seen: dict[str, Any] = {}
 
-    def capture(*args: Any, config: Any = None, toggles: Any = None, **kwargs: Any) -> str:
-        seen.update(config=config, toggles=toggles)
+    def capture(*args: Any, toggles: Any = None, validated: bool = False, **kwargs: Any) -> str:
+        seen.update(toggles=toggles, validated=validated, config=kwargs.get("config"))
         return "out"
 
     monkeypatch.setattr(function_module, "selected_attention_triton", capture)
     routed = Toggles(sel_triton_group=False)
     q = torch.zeros(1, 4, 2, 16)
-    monkeypatch.delenv("NSA_SEL_TRITON_BLOCK_L", raising=False)
-    reload_toggles()
     backend_module.selected_attention_backend(q, q, q, q, 4, toggles=routed)
-    assert seen == {"config": None, "toggles": routed}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        monkeypatch.setenv("NSA_SEL_TRITON_BLOCK_L", "32")
-        reload_toggles()
-        monkeypatch.delenv("NSA_SEL_TRITON_BLOCK_L")  # read once: later changes do not count
-        try:
-            backend_module.selected_attention_backend(q, q, q, q, 4, toggles=routed)
-        finally:
-            reload_toggles()
-    assert seen["config"] == function_module.SelConfig(block_l=32)
-    assert seen["toggles"] is routed
+    assert seen == {"toggles": routed, "validated": False, "config": None}
+    backend_module.selected_attention_backend.unchecked(q, q, q, q, 4, toggles=routed)
+    assert seen == {"toggles": routed, "validated": True, "config": None}
+    (row,) = backend_module.backends()
+    assert row.fn == backend_module.selected_attention_backend.unchecked
