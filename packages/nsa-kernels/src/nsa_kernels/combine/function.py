@@ -166,19 +166,27 @@ class GatedCombineFunction(torch.autograd.Function):
 
 
 def gated_combine_triton(
-    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
+    o_cmp: torch.Tensor,
+    o_slc: torch.Tensor,
+    o_win: torch.Tensor,
+    gates: torch.Tensor,
+    *,
+    validated: bool = False,
 ) -> torch.Tensor:
     """o [B, T, HQ, dv] = g[..., 0] * o_cmp + g[..., 1] * o_slc + g[..., 2] * o_win on Triton.
 
     Args:
         o_cmp, o_slc, o_win: [B, T, HQ, dv] branch outputs, float16, bfloat16 or float32.
         gates: [B, T, HQ, 3] (cmp, slc, win) of their dtype and device.
+        validated: nsa-core validated the call already (the registry's ``fn``); nothing is
+            checked again.
 
     Returns:
         o [B, T, HQ, dv], contiguous, in the inputs' dtype; differentiable in the four inputs
         (one backward kernel). Non-finite values propagate as in the reference.
     """
-    _check(o_cmp, o_slc, o_win, gates)
+    if not validated:
+        _check(o_cmp, o_slc, o_win, gates)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (o_cmp, o_slc, o_win, gates)):
         out = GatedCombineFunction.apply(o_cmp, o_slc, o_win, gates)  # type: ignore[no-untyped-call]
         assert isinstance(out, torch.Tensor)

@@ -37,7 +37,9 @@ def triton_decline_reason(
 
 @dataclass(frozen=True)
 class TritonFn:
-    """A Triton backend's registered ``fn``: ``module.name`` called without the toggles.
+    """A Triton backend's registered ``fn``: ``module.name`` called without the toggles, and
+    with ``validated=True``: the registry hands it calls that nsa-core validated already, so the
+    kernel entry checks nothing again (users who call the entry by name get its checks).
 
     ``module`` is imported at the call, not when the backend table is built: registering the
     backends (nsa-core's entry-point loader, on every machine) loads no Triton.
@@ -47,7 +49,7 @@ class TritonFn:
     name: str
 
     def __call__(self, *args: Any, toggles: Toggles, **kwargs: Any) -> Any:
-        return self.target()(*args, **kwargs)
+        return self.target()(*args, validated=True, **kwargs)
 
     def target(self) -> Callable[..., Any]:
         """The function the backend runs (imports its module, and so triton)."""

@@ -315,6 +315,7 @@ def _contain_runs(
         contain_non_finite_into(
             run, lse[:, row : row + n], q[:, row : row + n], k_cmp, v_cmp, call.cmp_block,
             call.cmp_stride, call.scale, q_start=call.q_start + row, finite=finite,
+            validated=True,
         )  # fmt: skip
         row += n
 
@@ -329,7 +330,17 @@ def _contained_backward(ctx: Any, grad_runs: tuple[Tensor, ...]) -> tuple[Tensor
     do = RowRuns(start=ctx.start, runs=tuple(g.contiguous() for g in grad_runs)).assemble()
     o = RowRuns(start=ctx.start, runs=tuple(o_runs)).assemble()
     return compressed_attention_bwd(
-        do, q, k, v, o, lse, call.cmp_block, call.cmp_stride, call.scale, q_start=call.q_start
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        call.cmp_block,
+        call.cmp_stride,
+        call.scale,
+        q_start=call.q_start,
+        validated=True,
     )
 
 

@@ -86,15 +86,18 @@ def attend_with_lse(
 def _prepare(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cmp_block: int, cmp_stride: int,
     scale: float | None, q_start: int, cu_seqlens: Tensor | None, config: CmpConfig | None,
+    validated: bool,
 ) -> tuple[IntervalLaunch, CmpConfig]:  # fmt: skip
-    """Validate like the reference op, then the kernels' own limits; collect the launch facts
-    and fill the zeros of ``config`` for them (:func:`resolve_config`)."""
-    check_compressed_attention(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-    )
+    """Validate like the reference op, then the kernels' own limits (unless nsa-core
+    ``validated`` the call and its routing chose these kernels); collect the launch facts and
+    fill the zeros of ``config`` for them (:func:`resolve_config`)."""
     dk, dv = q.shape[3], v_cmp.shape[3]
-    check_dtype(q.dtype, "compressed attention")
-    check_head_dims(dk, dv)
+    if not validated:
+        check_compressed_attention(
+            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+        )
+        check_dtype(q.dtype, "compressed attention")
+        check_head_dims(dk, dv)
     cmp_cu = None
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride).to(torch.int32)
@@ -108,7 +111,7 @@ def _prepare(
 def compressed_attention_triton_with_lse(
     q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cmp_block: int, cmp_stride: int,
     scale: float | None = None, *, q_start: int = 0, cu_seqlens: Tensor | None = None,
-    config: CmpConfig | None = None,
+    config: CmpConfig | None = None, validated: bool = False,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Compressed attention (docs/spec.md) on Triton and its log-sum-exp; the reference op's
     contract.
@@ -126,13 +129,17 @@ def compressed_attention_triton_with_lse(
         cu_seqlens: int32 [S+1] over tokens for packed sequences (B == 1, q_start == 0); k_cmp
             and v_cmp packed per sequence as ``nsa_core.blocks.cmp_cu_seqlens`` says.
         config: tiles and launch parameters (default: :func:`resolve_config`).
+        validated: nsa-core validated the call already (the registry's ``fn``); nothing is
+            checked again.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype (differentiable in q, k_cmp, v_cmp) and lse [B, Tq, HQ]
         float32: ``log sum_i exp(scale * q . k_cmp[i])`` over the visible blocks, -inf for rows
         that see none (no gradient flows through lse).
     """
-    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
+    info, cfg = _prepare(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config, validated
+    )
     return attend_with_lse(q, k_cmp, v_cmp, info, cfg)
 
 
@@ -173,17 +180,22 @@ def compressed_attention_fwd(
     Arguments as :func:`compressed_attention_triton_with_lse`; lse is -inf on rows that see no
     block.
     """
-    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
+    info, cfg = _prepare(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config, False
+    )
     return forward(q.contiguous(), k_cmp.contiguous(), v_cmp.contiguous(), info, cfg)
 
 
 def compressed_attention_bwd(
     do: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, o: Tensor, lse: Tensor,
     cmp_block: int, cmp_stride: int, scale: float | None = None, *, q_start: int = 0,
-    cu_seqlens: Tensor | None = None, config: CmpConfig | None = None,
+    cu_seqlens: Tensor | None = None, config: CmpConfig | None = None, validated: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """dq, dk_cmp, dv_cmp for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse: forward)."""
-    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
+    """dq, dk_cmp, dv_cmp for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse: forward);
+    ``validated``: the forward's arguments were validated already, nothing is checked again."""
+    info, cfg = _prepare(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config, validated
+    )
     k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
     return backward(do, q.contiguous(), k_cmp, v_cmp, o, lse.contiguous(), info, cfg)
 
@@ -191,7 +203,7 @@ def compressed_attention_bwd(
 def contain_non_finite_into(
     o: Tensor, lse: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cmp_block: int,
     cmp_stride: int, scale: float | None = None, *, q_start: int = 0,
-    finite: Tensor | None = None,
+    finite: Tensor | None = None, validated: bool = False,
 ) -> None:  # fmt: skip
     """Where k_cmp or v_cmp holds a non-finite value, overwrite o [B, Tq, HQ, dv] and lse
     [B, Tq, HQ] (float32) with this forward, which keeps such a value to the rows that see its
@@ -201,9 +213,12 @@ def contain_non_finite_into(
     finite), so a caller that computed o and lse with another kernel needs no host sync to
     honour the rule. Dense inputs; arguments as :func:`compressed_attention_triton_with_lse`.
     ``finite``: :func:`all_finite_flag` of k_cmp and v_cmp, where the caller has it (several
-    calls over parts of one output), else computed here.
+    calls over parts of one output), else computed here. ``validated``: the caller's arguments
+    were validated already (the cuDNN route); nothing is checked again.
     """
-    info, cfg = _prepare(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, None, None)
+    info, cfg = _prepare(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, None, None, validated
+    )
     k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
     flag = all_finite_flag(k_cmp, v_cmp) if finite is None else finite
     forward(q.contiguous(), k_cmp, v_cmp, info, cfg, into=(o, lse), unless_finite=flag)

@@ -67,7 +67,7 @@ class FusedCore:
 
             o_win, local = sliding_attention_triton_with_local(
                 q_win, k_win, v_win, cfg.window, scale, sel_block=cfg.sel_block, q_start=q_start,
-                cu_seqlens=cu_seqlens,
+                cu_seqlens=cu_seqlens, validated=True,
             )  # fmt: skip
         else:
             o_win = plan.sliding.fn(

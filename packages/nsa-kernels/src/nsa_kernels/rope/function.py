@@ -81,14 +81,18 @@ class RopeFunction(torch.autograd.Function):
         return rotate(grad, cos, sin, inverse=True), None, None
 
 
-def apply_rope_triton(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def apply_rope_triton(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, *, validated: bool = False
+) -> torch.Tensor:
     """Rotate x [B, T, H, D] by the position of each token, positions [T] or [B | 1, T] (int).
 
     The reference's contract (``nsa_core.reference.apply_rope``), bit for bit; differentiable
-    in x.
+    in x. ``validated``: nsa-core validated the call already (the registry's ``fn``); nothing
+    is checked again.
     """
-    check_apply_rope(x, positions, theta)
-    check_dtype(x.dtype, "rotary embedding")
+    if not validated:
+        check_apply_rope(x, positions, theta)
+        check_dtype(x.dtype, "rotary embedding")
     rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
     cos, sin = rope_angles(rows, x.shape[-1], theta, x.dtype)
     out: torch.Tensor = RopeFunction.apply(x, cos.contiguous(), sin.contiguous())  # type: ignore[no-untyped-call]

@@ -210,6 +210,7 @@ def select_blocks_triton(
     cu_seqlens: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     config: ScoreConfig | None = None,
+    validated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Score the selection blocks and pick n per query and kv head, in one kernel.
 
@@ -226,27 +227,22 @@ def select_blocks_triton(
             branch's softmax (log sum_i exp(scale * q . k_cmp[i]) over the visible blocks,
             -inf where none is visible); without it the kernel computes it in a first pass.
         config: tiles and launch (:class:`ScoreConfig`).
+        validated: nsa-core validated the call already (the registry's ``fn``); nothing is
+            checked again.
 
     Returns:
         indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H] int32.
     """
-    check_select_blocks(
-        q,
-        k_cmp,
-        cmp_block,
-        cmp_stride,
-        sel_block,
-        num_selected,
-        scale,
-        q_start=q_start,
-        cu_seqlens=cu_seqlens,
-        lse=lse,
-    )
     batch, tq, hq, dk = q.shape
     h = k_cmp.shape[2]
-    check_dtype(q.dtype, "block scoring")
-    if dk > MAX_HEAD_DIM:
-        raise ValueError(f"head dim dk={dk} exceeds {MAX_HEAD_DIM}")
+    if not validated:
+        check_select_blocks(
+            q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale, q_start=q_start,
+            cu_seqlens=cu_seqlens, lse=lse,
+        )  # fmt: skip
+        check_dtype(q.dtype, "block scoring")
+        if dk > MAX_HEAD_DIM:
+            raise ValueError(f"head dim dk={dk} exceeds {MAX_HEAD_DIM}")
     indices = torch.empty(batch, tq, h, num_selected, dtype=torch.int32, device=q.device)
     counts = torch.empty(batch, tq, h, dtype=torch.int32, device=q.device)
     if tq == 0:

@@ -24,6 +24,7 @@ from nsa_kernels.compressed.function import attend_with_lse
 def sliding_attention_triton(
     q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None, *,
     q_start: int = 0, cu_seqlens: Tensor | None = None, config: CmpConfig | None = None,
+    validated: bool = False,
 ) -> Tensor:  # fmt: skip
     """Sliding-window attention (docs/spec.md) on Triton; the reference op's contract.
 
@@ -39,11 +40,15 @@ def sliding_attention_triton(
         cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0).
         config: the compressed kernels' tiles (:class:`CmpConfig`; default their
             :func:`resolve_config`).
+        validated: nsa-core validated the call already (the registry's ``fn``, the fused
+            core); nothing is checked again.
 
     Returns:
         o [B, Tq, HQ, dv] in q's dtype, differentiable in q, k and v.
     """
-    info, cfg = _prepare(q, k, v, window, scale, q_start, cu_seqlens, config, local_block=0)
+    info, cfg = _prepare(
+        q, k, v, window, scale, q_start, cu_seqlens, config, local_block=0, validated=validated
+    )
     o, _ = attend_with_lse(q, k, v, info, cfg)
     return o
 
@@ -51,6 +56,7 @@ def sliding_attention_triton(
 def sliding_attention_triton_with_local(
     q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None = None, *, sel_block: int,
     q_start: int = 0, cu_seqlens: Tensor | None = None, config: CmpConfig | None = None,
+    validated: bool = False,
 ) -> tuple[Tensor, LocalSoftmax]:  # fmt: skip
     """:func:`sliding_attention_triton` and, from the same walk, each row's softmax over its
     forced blocks' keys, ``[0, l')`` and ``[max(t // l' - 1, 0) * l', t]``
@@ -64,10 +70,14 @@ def sliding_attention_triton_with_local(
         o [B, Tq, HQ, dv] (differentiable as :func:`sliding_attention_triton`'s) and the local
         softmax (no gradient).
     """
-    if sel_block < 1:
-        raise ValueError(f"sel_block must be >= 1, got {sel_block}")
-    check_holds_local_keys(window, sel_block, k.shape[1])
-    info, cfg = _prepare(q, k, v, window, scale, q_start, cu_seqlens, config, local_block=sel_block)
+    if not validated:
+        if sel_block < 1:
+            raise ValueError(f"sel_block must be >= 1, got {sel_block}")
+        check_holds_local_keys(window, sel_block, k.shape[1])
+    info, cfg = _prepare(
+        q, k, v, window, scale, q_start, cu_seqlens, config, local_block=sel_block,
+        validated=validated,
+    )  # fmt: skip
     local = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     o, _ = attend_with_lse(q, k, v, info, cfg, local)
     return o, LocalSoftmax(o=local[0], lse=local[1], sel_block=sel_block)
@@ -75,13 +85,15 @@ def sliding_attention_triton_with_local(
 
 def _prepare(
     q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None, q_start: int,
-    cu_seqlens: Tensor | None, config: CmpConfig | None, *, local_block: int,
+    cu_seqlens: Tensor | None, config: CmpConfig | None, *, local_block: int, validated: bool,
 ) -> tuple[IntervalLaunch, CmpConfig]:  # fmt: skip
-    """Validate like the reference op, then the kernels' limits; the launch facts and tiles."""
-    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    """Validate like the reference op, then the kernels' limits (unless nsa-core ``validated``
+    the call and its routing chose these kernels); the launch facts and tiles."""
     dk, dv = q.shape[3], v.shape[3]
-    check_dtype(q.dtype, "sliding attention")
-    check_head_dims(dk, dv)
+    if not validated:
+        check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+        check_dtype(q.dtype, "sliding attention")
+        check_head_dims(dk, dv)
     # One block per token (the packed keys are the packed tokens); a window as long as the keys
     # bounds nothing, so the plain causal kernels serve it.
     info = IntervalLaunch.of_call(
