@@ -25,15 +25,13 @@ from nsa_core.toggles import Toggles
 from nsa_kernels.common.flash import unsupported_reason
 from nsa_kernels.common.flex import flex_missing_reason
 
-# Where the compiled FlexAttention takes over from the chunked SDPA, for both branches. Measured
-# with `nsa-bench fa2` (docs/fa2.md; H100, torch 2.11, HQ=64, H=4, bf16, masks cached): ahead from
-# T=256, the shortest length timed where it compiles, in both branches, at D=64 and 128, forward
-# and forward+backward (the one exception, compressed D=64 forward at 16k, is a 3% tie). Below one
-# 128-token tile torch 2.11's inductor finds no kernel for it (NoValidChoicesError at T=16, 64).
+# Where the compiled FlexAttention takes over from the chunked SDPA, for both branches: ahead
+# from the shortest length timed where it compiles, in both branches, forward and
+# forward+backward (`nsa-bench fa2`, docs/fa2.md). Below one 128-token tile torch's inductor
+# finds no kernel for it.
 FLEX_MIN_LEN = 256
-# Above this head dim torch 2.11's inductor finds no float32 FlexAttention kernel that fits in an
-# SM's shared memory (dk=192, dv=128 asked 278784 B against 232448 B on an H200, in the GPU
-# robustness parity run): float32 there goes to SDPA.
+# Above this head dim torch's inductor finds no float32 FlexAttention kernel that fits in an SM's
+# shared memory (seen in the GPU robustness parity run): float32 there goes to SDPA.
 FLEX_FP32_MAX_HEAD_DIM = 128
 
 FA2_PRIORITY = 30

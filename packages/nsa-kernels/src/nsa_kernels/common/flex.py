@@ -6,9 +6,8 @@ tiles between its first query's lo and its last query's hi (both non-decreasing)
 is materialised, and FlexAttention skips every key tile outside the band, so the sliding branch
 costs O(T * w) and the compressed one about half the dense Tq x N work.
 
-Building the block mask costs about 1 ms of host-bound work per call on an H100 (the tables, the
-padded intervals, ``BlockMask.from_kv_blocks``): more than the attention itself below a few
-thousand tokens. Dense calls depend only on their shape and NSA parameters, so their masks are kept
+Building the block mask is host-bound work per call (the tables, the padded intervals,
+``BlockMask.from_kv_blocks``): more than the attention itself below a few thousand tokens. Dense calls depend only on their shape and NSA parameters, so their masks are kept
 in a small LRU cache (:data:`BLOCK_MASK_CACHE_SIZE` entries) keyed by them; varlen masks depend on
 ``cu_seqlens`` values and are built per call.
 

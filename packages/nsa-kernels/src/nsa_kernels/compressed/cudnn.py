@@ -59,11 +59,8 @@ Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float], tuple[Te
 
 CUDNN_OP = "_scaled_dot_product_cudnn_attention"
 
-# Where the folded cuDNN call beats the Triton kernels (H100, torch 2.11, cuDNN 9.19, HQ=64, H=4,
-# d=128, l=32, d=16, bf16; docs/results/2026-11-26-h100-layer-6.md, runs 3, 8 and 10): from 16k
-# tokens, forward (0.780 against 0.909 ms at 16k, 8.096 / 10.051 at 64k) and forward+backward
-# (3.803 / 4.027 ms at 16k, 34.744 / 44.796 at 64k). At 8k the three runs disagree (forward
-# 0.337 / 0.351, 0.307 / 0.427, 0.473 / 0.356; forward+backward 1.940 / 1.662 in run 10).
+# Where the folded cuDNN call beats the Triton kernels, forward and forward+backward: from 16k
+# tokens on; below it, repeated measurements disagree on the winner (docs/performance.md).
 CUDNN_MIN_LEN = 16384
 CUDNN_MAX_HEAD_DIM = 256
 
@@ -99,9 +96,9 @@ def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
         return f"cuDNN attention needs head dims that are multiples of 8 up to 256, got {dims}"
     if ctx.varlen:
         return "packed sequences (cu_seqlens) are not folded for cuDNN"
-    # A later start (chunked prefill) passes its offset diagonal as an additive bias, which run 3
-    # measured slower than the Triton kernels (16k queries after 48k: 6.19 / 4.07 ms forward);
-    # called directly, the backend serves it exactly.
+    # A later start (chunked prefill) passes its offset diagonal as an additive bias, which
+    # measured slower than the Triton kernels (docs/performance.md); called directly, the backend
+    # serves it exactly.
     if ctx.q_start:
         return f"q_start = {ctx.q_start} > 0: the offset diagonal measured slower than Triton"
     if ctx.seq_len < CUDNN_MIN_LEN:
@@ -171,9 +168,9 @@ def _rows_in_batch(
     q: Tensor, k: Tensor, v: Tensor, split: RowSplit, d: int, scale: float, attend: Attend
 ) -> tuple[Tensor, Tensor]:
     """:func:`_rows` for one sequence (B = 1) with the slots in the batch dimension, every slot
-    reading one stride-0 view of the keys. Forward only: 2.295 ms against 2.573 with the slots in
-    the heads at T = 32k, 8.443 / 8.456 at 64k (docs/results/2026-11-26-h100-layer-6.md, runs 8
-    and 3); with a gradient, the batch layout's backward was the slower (run 1)."""
+    reading one stride-0 view of the keys. Forward only: it measured faster than the slots in
+    the heads; with a gradient the batch layout's backward was the slower
+    (docs/performance.md)."""
     _, _, hq, dk = q.shape
     rows, keys = split.rows, split.row_keys + split.rows - 1
     qf = q[0].reshape(rows, d, hq, dk).permute(1, 2, 0, 3)
@@ -237,7 +234,7 @@ class _FoldedFunction(torch.autograd.Function):
     """:func:`folded_runs` with a gradient: (lse, *o_runs), each run differentiable. Each run
     keeps its own graph over detached inputs, and the backward writes dq once into place:
     autograd on slices of q would fill a zero tensor the size of q for every run and add them
-    (at T = 64k, five fills and adds of 1 GiB; docs/results/2026-11-26-h100-layer-6.md, run 9).
+    (one fill and add of q's size per run).
     Without a run (every query blind) o_runs is one run of 0 rows.
 
     ``contain``: the runs and lse are contained on the device (:func:`_contain_runs`), and the
@@ -381,9 +378,8 @@ def folded_runs(
     """:func:`folded_attention` with o as the attention calls left it: a
     :class:`RowRuns` from the first query that sees a block, one run per call
     (each [B, n, HQ, dv], a view of that call's output where its layout allows), and lse
-    [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size (0.71 ms
-    at T = 64k, H100; docs/results/2026-11-26-h100-layer-8.md), which a consumer that reads the
-    runs in place (the selected branch's gated launch, forward and backward) does without.
+    [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size, which
+    a consumer that reads the runs in place (the selected branch's gated launch, forward and backward) does without.
     With a gradient (:class:`_FoldedFunction`) each run is differentiable in q, k_cmp and v_cmp;
     the full rows then carry their slots in the heads (the batch layout's backward was slower).
 

@@ -5,8 +5,7 @@
 the angles ``position * theta^(-2c/D)`` of its token, which come from the reference's own
 ``rope_angles`` (float32), so the results are bit-equal to the reference's, forward and
 backward. One read of x and one write of the output per pass, where the reference's float32
-intermediates cost it about ten (T = 64k, HQ = 64, D = 128, bfloat16 on an H100: 10.1 ms for
-the reference's forward).
+intermediates cost it about ten.
 
 Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
 float16, bfloat16 or float32 (float64 runs the reference). x may have any strides in

@@ -126,10 +126,9 @@ def resolve_config(
     (faster) and for dk > 192 (so that q and two stages of keys fit in shared memory), with at
     most 1024 (token, block) scores per tile (the running top-n sorts them in registers); 64
     blocks per tile of the normaliser pass; 4 warps on dots of at most 128 x 64 at dk <= 128,
-    else 8 (4 warps spill on a wider dot or at dk = 192); 2 stages. At dk = 128 four warps
-    (163 registers a thread, three programs per SM) took the 64k scoring from 9.99 to 7.41 ms
-    on an H200, together with the NaN flags read off the scores; at dk = 192 they are slower
-    (16.9 against 12.7 ms; docs/results/2026-11-26-h200-layer-2.md).
+    else 8 (4 warps spill on a wider dot or at dk = 192); 2 stages. At dk = 128 four warps fit
+    three programs on an SM and measured faster; at dk = 192 they are slower
+    (docs/results/2026-11-26-h200-layer-2.md).
     Whatever the request, block_rows holds the padded group, and block_sel is at least 16,
     pow2(n) (the running top-n merges NP-wide chunks of a tile) and pow2(Q) (a spill reaches
     one tile back at most). ``shared_bytes`` (the device's per block, None: no limit): float32
@@ -145,7 +144,7 @@ def resolve_config(
     wide = 32 if dtype == torch.float32 else 128
     rows = max(cfg.block_rows or min(wide, heads * pow2(max(tq, 1))), heads, 16)
     tokens = rows // heads
-    # 64 columns at dk <= 128: 13-19% faster than 128 at T = 16k-128k on an H200
+    # 64 columns at dk <= 128 measured faster than 128 at every T timed
     # (docs/results/2026-11-26-h100-h200.md); at dk = 192 that alone is slower.
     columns = 64 if head_dim <= 128 else 128 if head_dim <= 192 else 64
     sel = cfg.block_sel or min(max(16, columns // pow2(weights.ratio)), max(16, 1024 // tokens))

@@ -29,9 +29,8 @@ from nsa_kernels.common.triton_inputs import dot_precision as dot_precision
 from nsa_kernels.common.triton_inputs import num_sms as num_sms
 
 # dk over 128 (the paper's 192): the forward walks dk in 64-wide chunks where 64 divides it, not
-# one 256-wide tile padded from 192, and dq runs on two stages. T = 64k, HQ = 64, H = 4, dv = 128,
-# bf16 on an H100, three interleaved sweeps (docs/results/2026-11-26-h100-layer-5.md): forward
-# 27.6 -> 22.5 ms, forward+backward 102.2 -> 95.0 ms (96.9-97.3 with the chunks alone).
+# one 256-wide tile padded from 192 (no padded columns loaded or multiplied), and dq runs on two
+# stages; both measured faster, forward and forward+backward (docs/performance.md).
 WIDE_DK_CHUNK = 64
 WIDE_DQ_STAGES = 2
 # Shared memory (bytes) the dq kernel asks at two stages with dk over 128 (one 256-wide tile),
@@ -46,9 +45,8 @@ DKV_WIDE_ROWS_SMALL = 16
 
 
 # The forward's forced-block prologue (nsa_kernels.selected.forced), by default on TMA devices up
-# to G = FORCED_MAX_GROUP, FORCED_TOKENS query rows a program. Selected forward alone on an H100
-# (docs/results/2026-11-27-h100-layer-11.md): G = 4, 32k 29.01 -> 25.08 + 1.98 ms; G = 1, 8k
-# 27.41 -> 25.14; at G = 16, 64k the row kernel's 15.77 ms become 13.38 + 2.45 (8 rows): no gain.
+# to G = FORCED_MAX_GROUP, FORCED_TOKENS query rows a program: it paid at small G, and gained
+# nothing at G = 16, where each program already serves many rows (docs/performance.md).
 FORCED_TOKENS = 16
 FORCED_MAX_GROUP = 4
 
@@ -148,9 +146,8 @@ def resolve_config(
     memory), 3 stages, 16-key tiles where it serves at most 16 rows (G <= 16) and 32 above;
     dq on 2 warps where it serves at most 16 rows. The walk leaves out the tiles of the causal
     block past the row (:func:`nsa_kernels.selected.row_walk.walk_steps`), so smaller tiles
-    skip more of it: 16 against 32 keys took the H100 forward from 16.04 to 15.88 ms at G = 16,
-    64k and 29.40 to 29.17 at G = 4, 32k, but 4.54 to 4.68 at G = 32 and 1.61 to 2.19 at G = 64
-    (docs/results/2026-11-27-h100-layer-10.md).
+    skip more of it: 16 keys beat 32 where a program serves at most 16 rows, and lost above
+    (docs/performance.md).
     ``shared_bytes``: the device's shared memory per block (None: no limit); at dk over 128 a
     device with less than DQ_WIDE_STAGE_BYTES_FP32 runs a float32 dq on one stage (sm_86 and
     sm_89, 99 KiB), and with dk and dv both over 128 in 16 bits one with less than
