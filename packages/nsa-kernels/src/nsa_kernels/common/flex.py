@@ -7,8 +7,9 @@ is materialised, and FlexAttention skips every key tile outside the band, so the
 costs O(T * w) and the compressed one about half the dense Tq x N work.
 
 Building the block mask is host-bound work per call (the tables, the padded intervals,
-``BlockMask.from_kv_blocks``): more than the attention itself below a few thousand tokens. Dense calls depend only on their shape and NSA parameters, so their masks are kept
-in a small LRU cache (:data:`BLOCK_MASK_CACHE_SIZE` entries) keyed by them; varlen masks depend on
+``BlockMask.from_kv_blocks``): more than the attention itself below a few thousand tokens.
+Dense calls depend only on their shape and NSA parameters, so their masks are kept in a small LRU
+cache (:data:`BLOCK_MASK_CACHE_SIZE` entries) keyed by them; varlen masks depend on
 ``cu_seqlens`` values and are built per call.
 
 Only the compiled FlexAttention is fast: uncompiled it falls back to a dense reference that ignores

@@ -379,7 +379,8 @@ def folded_runs(
     :class:`RowRuns` from the first query that sees a block, one run per call
     (each [B, n, HQ, dv], a view of that call's output where its layout allows), and lse
     [B, Tq, HQ] in one tensor. Putting o's runs in one tensor is a copy of its whole size, which
-    a consumer that reads the runs in place (the selected branch's gated launch, forward and backward) does without.
+    a consumer that reads the runs in place (the selected branch's gated launch, forward and
+    backward) does without.
     With a gradient (:class:`_FoldedFunction`) each run is differentiable in q, k_cmp and v_cmp;
     the full rows then carry their slots in the heads (the batch layout's backward was slower).
 
