@@ -161,7 +161,7 @@ def combine_bwd_kernel(
     """d o_cmp, d o_slc, d o_win [B, T, HQ, DV] (contiguous) and d gates [B, T, HQ, 3]
     (contiguous) for BR rows. WRITE_DO / WRITE_DG: whether the branch / gate gradients are
     wanted (the others are neither computed nor stored). CMP_RUNS: o_cmp comes as two runs of
-    rows (``nsa_core.row_runs.RowRuns``): rows before ``cmp_start`` read 0, the first run
+    rows (:class:`RowRuns`): rows before ``cmp_start`` read 0, the first run
     (``cmp_ptr``) holds ``cmp_rows`` rows from there, the second (``cmp2_ptr``) the rest."""
     rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     row_ok = rows < n_rows

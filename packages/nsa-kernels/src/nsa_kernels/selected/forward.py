@@ -18,11 +18,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_core.local_softmax import LocalSoftmax, check_local_softmax
-from nsa_core.row_runs import RowRuns, as_tensor
 from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
+from nsa_kernels.common.local_softmax import LocalSoftmax, check_local_softmax
 from nsa_kernels.common.online_softmax import online_softmax_step
+from nsa_kernels.common.row_runs import RowRuns, as_tensor
 from nsa_kernels.common.tile_config import pow2
 from nsa_kernels.common.two_runs import two_runs
 from nsa_kernels.selected.forced import sel_forced_kernel
@@ -363,7 +363,7 @@ class GatedSum:
     two branches o_cmp and o_win [B, Tq, HQ, dv] in q's dtype, and gates [B, Tq, HQ, 3] ordered
     (cmp, slc, win), on q's device. The kernel reads them; their gradients, where wanted, come
     from :class:`nsa_kernels.selected.function.GatedSelectedFunction`. o_cmp may be a
-    :class:`~nsa_core.row_runs.RowRuns` of at most two runs (the folded cuDNN branch's full rows
+    :class:`RowRuns` of at most two runs (the folded cuDNN branch's full rows
     and its tail), read where they lie; more runs are assembled first."""
 
     o_cmp: Tensor | RowRuns

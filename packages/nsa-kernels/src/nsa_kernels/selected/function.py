@@ -98,7 +98,7 @@ def selected_attention_gated_triton(
             without a gradient (no copy into one tensor; each run gets its own gradient).
         gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
         local: the softmax of each row over its forced blocks, computed by the sliding branch over
-            these same k and v (:class:`nsa_kernels.common.local_softmax.LocalSoftmax`,
+            these same k and v (:class:`~nsa_kernels.common.local_softmax.LocalSoftmax`,
             :func:`nsa_kernels.sliding.triton_function.sliding_attention_triton_with_local`);
             every index row must hold the row's blocks 0 and ``max(jt - 1, 0) .. jt`` (the forced
             blocks of ``select_blocks`` with n >= 3: a row without them gives NaN). The kernel

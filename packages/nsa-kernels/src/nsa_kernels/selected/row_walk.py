@@ -156,7 +156,7 @@ def walk_steps(
 def walk_between_forced(idx_row, nsel, t, SEL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr):
     """(first, steps, held) of a walk that leaves the row's forced blocks 0 and
     ``max(jt - 1, 0) .. jt`` (jt = t // SEL) to a softmax computed elsewhere
-    (:class:`nsa_core.local_softmax.LocalSoftmax`): steps ``first .. steps - 1`` cover every
+    (:class:`LocalSoftmax`): steps ``first .. steps - 1`` cover every
     tile of the row's blocks between them, all whole (an ascending set's slots after block 0);
     held: the set holds every forced block, without which that softmax is not the row's."""
     slots = tl.arange(0, NP)

@@ -60,7 +60,7 @@ def sliding_attention_triton_with_local(
 ) -> tuple[Tensor, LocalSoftmax]:  # fmt: skip
     """:func:`sliding_attention_triton` and, from the same walk, each row's softmax over its
     forced blocks' keys, ``[0, l')`` and ``[max(t // l' - 1, 0) * l', t]``
-    (:class:`nsa_kernels.common.local_softmax.LocalSoftmax`, l' = ``sel_block``), which the selected
+    (:class:`LocalSoftmax`, l' = ``sel_block``), which the selected
     branch starts from where it shares k and v.
 
     Arguments as :func:`sliding_attention_triton`, and sel_block (keyword): l', with w >= 2 l'
