@@ -23,20 +23,15 @@ contiguous: q ``[B, HQ, dk]``, cache buffers ``[B, rows, H, D]``.
 import triton
 import triton.language as tl
 
+from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.decode.topn_kernels import merge_topn
 
 
 @triton.jit
 def _load_q(
-    q_ptr,
-    b,
-    h,
-    HQ: tl.constexpr,
-    G: tl.constexpr,
-    BG: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-):
+    q_ptr, b, h,
+    HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
     """q [BG, BK] of the G heads of kv head h (padding rows and columns are 0)."""
     g = tl.arange(0, BG)
     col = tl.arange(0, BK)
@@ -49,23 +44,10 @@ def _load_q(
 
 @triton.jit
 def _attend_tile(
-    q,
-    k_ptr,
-    v_ptr,
-    key_rows,
-    live,
-    h,
-    m_i,
-    l_i,
-    acc,
-    qk_scale,
-    H: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
+    q, k_ptr, v_ptr, key_rows, live, h, m_i, l_i, acc, qk_scale,
+    H: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
-):
+):  # fmt: skip
     """One online-softmax step over the keys at rows ``key_rows`` [BN] (``b*rows + row``).
 
     Returns (p [BG, BN], m, l, acc); p = exp2(s - m) with the updated m, 0 where not live.
@@ -78,10 +60,7 @@ def _attend_tile(
     )
     s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale
     s = tl.where(live[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_new, alpha, p, l_i = online_softmax_step(m_i, l_i, s)
     vcol = tl.arange(0, BV)
     vt = tl.load(
         v_ptr + (key_rows * H + h)[:, None] * DV + vcol[None, :],
@@ -94,22 +73,11 @@ def _attend_tile(
 
 @triton.jit
 def _store_partial(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    part_n_ptr,
-    bh,
-    slot,
-    m_i,
-    l_i,
-    acc,
-    count,
-    slots,
-    G: tl.constexpr,
-    BG: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-):
+    part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slot, m_i, l_i, acc, count, slots,
+    G: tl.constexpr, BG: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+):  # fmt: skip
+    """A slice's partial state to slot ``slot`` of (b, h) = ``bh``: m and l [G], acc [G, dv]
+    and ``count``, the keys that entered its softmax."""
     g = tl.arange(0, BG)
     vcol = tl.arange(0, BV)
     row = (bh * slots + slot) * G + g
@@ -125,23 +93,10 @@ def _store_partial(
 
 @triton.jit
 def _store_band_sums(
-    p,
-    m_i,
-    tile_m_ptr,
-    u_ptr,
-    bh,
-    tile,
-    tiles,
-    ranges,
-    G: tl.constexpr,
-    BG: tl.constexpr,
-    BN: tl.constexpr,
-    R: tl.constexpr,
-    EXTRA: tl.constexpr,
-    LCMP: tl.constexpr,
-    DSTRIDE: tl.constexpr,
-    SEL: tl.constexpr,
-):
+    p, m_i, tile_m_ptr, u_ptr, bh, tile, tiles, ranges,
+    G: tl.constexpr, BG: tl.constexpr, BN: tl.constexpr, R: tl.constexpr,
+    EXTRA: tl.constexpr, LCMP: tl.constexpr, DSTRIDE: tl.constexpr, SEL: tl.constexpr,
+):  # fmt: skip
     """The score terms of one tile of compressed blocks (topn_kernels.py).
 
     ``tile_m [B*H, tiles, G]`` = m (the max p is relative to); ``u [B*H, EXTRA+1, G, ranges]``:
@@ -169,44 +124,14 @@ def _store_band_sums(
 
 @triton.jit
 def cmp_window_kernel(
-    q_ptr,
-    k_cmp,
-    v_cmp,
-    k_win,
-    v_win,
-    seqlens_ptr,
-    num_cmp_ptr,
-    tile_m_ptr,
-    u_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    part_n_ptr,
-    cmp_rows,
-    qk_scale,
-    slots,
-    cmp_chunks,
-    chunk_tiles,
-    tiles,
-    ranges,
-    H: tl.constexpr,
-    HQ: tl.constexpr,
-    G: tl.constexpr,
-    BG: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    BN: tl.constexpr,
-    R: tl.constexpr,
-    EXTRA: tl.constexpr,
-    LCMP: tl.constexpr,
-    DSTRIDE: tl.constexpr,
-    SEL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    WC: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+    q_ptr, k_cmp, v_cmp, k_win, v_win, seqlens_ptr, num_cmp_ptr,
+    tile_m_ptr, u_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
+    cmp_rows, qk_scale, slots, cmp_chunks, chunk_tiles, tiles, ranges,
+    H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    R: tl.constexpr, EXTRA: tl.constexpr, LCMP: tl.constexpr, DSTRIDE: tl.constexpr,
+    SEL: tl.constexpr, WINDOW: tl.constexpr, WC: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
     """The branches that need no selection: grid (B*H, cmp_chunks + window chunks).
 
     Slot ``s < cmp_chunks``: compressed blocks ``[s*chunk_tiles*BN, (s+1)*chunk_tiles*BN)``
@@ -265,39 +190,15 @@ def cmp_window_kernel(
 
 @triton.jit
 def selected_kernel(
-    q_ptr,
-    k_slc,
-    v_slc,
-    cand_ptr,
-    seqlens_ptr,
-    indices_ptr,
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    part_n_ptr,
-    capacity,
-    qk_scale,
-    H: tl.constexpr,
-    HQ: tl.constexpr,
-    G: tl.constexpr,
-    BG: tl.constexpr,
-    DK: tl.constexpr,
-    BK: tl.constexpr,
-    DV: tl.constexpr,
-    BV: tl.constexpr,
-    slots,
-    slc_slot0,
-    SEL: tl.constexpr,
-    BL: tl.constexpr,
-    NSUB: tl.constexpr,
-    BPS: tl.constexpr,
-    JS: tl.constexpr,
-    score_chunks,
-    NSCP: tl.constexpr,
-    N: tl.constexpr,
-    NP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
+    q_ptr, k_slc, v_slc, cand_ptr, seqlens_ptr, indices_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
+    capacity, qk_scale,
+    H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+    slots, slc_slot0,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr, JS: tl.constexpr,
+    score_chunks, NSCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
     """Selected branch: grid (B*H, splits); split s attends to the chosen blocks of ranks
     ``[s*BPS, (s+1)*BPS)``.
 

@@ -17,6 +17,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _head_channels(ptr, b, t, h, c, stride_b, stride_t, stride_h):
+    """Pointers [BH, BD] to channels c [BD] of heads h [BH] of token (b, t) in a [B, T, H, D]
+    tensor of these strides (unit stride in D); int64 offsets, as a large tensor needs."""
+    return (
+        ptr
+        + b.to(tl.int64) * stride_b
+        + t.to(tl.int64) * stride_t
+        + h.to(tl.int64)[:, None] * stride_h
+        + c[None, :]
+    )
+
+
+@triton.jit
 def rope_kernel(
     x_ptr,
     out_ptr,
@@ -54,23 +67,11 @@ def rope_kernel(
     sin = tl.load(sin_ptr + angle_at, mask=c_ok, other=0.0)[None, :]
     if INVERSE:
         sin = -sin
-    x_at = (
-        x_ptr
-        + b.to(tl.int64) * stride_xb
-        + t.to(tl.int64) * stride_xt
-        + h.to(tl.int64)[:, None] * stride_xh
-        + c[None, :]
-    )
+    x_at = _head_channels(x_ptr, b, t, h, c, stride_xb, stride_xt, stride_xh)
     x1 = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(x_at + HALF, mask=ok, other=0.0).to(tl.float32)
     out1 = x1 * cos - x2 * sin
     out2 = x2 * cos + x1 * sin
-    out_at = (
-        out_ptr
-        + b.to(tl.int64) * stride_ob
-        + t.to(tl.int64) * stride_ot
-        + h.to(tl.int64)[:, None] * stride_oh
-        + c[None, :]
-    )
+    out_at = _head_channels(out_ptr, b, t, h, c, stride_ob, stride_ot, stride_oh)
     tl.store(out_at, out1.to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(out_at + HALF, out2.to(out_ptr.dtype.element_ty), mask=ok)

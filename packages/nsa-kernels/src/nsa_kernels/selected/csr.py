@@ -12,14 +12,14 @@ segments so no single program serializes the backward.
 The sizes of both (pairs, segments, partial rows) depend on the indices. The device computes the
 slot offsets, and one copy brings them to the host (:func:`start_block_csr`, then
 :meth:`CSRInFlight.finish`), which plans the segments and sends the plan back in one copy: one
-wait in all, which the backward places behind the dq launch so that the GPU never idles on it.
-Each host sync of the earlier build (five: a masked select, bincount, three sizes) left the GPU
-idle while the host issued the next small launch.
+wait in all, which the backward places behind the dq launch so that the GPU never idles on it
+(a host sync at each step would leave the GPU idle while the host issues the next small launch).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -113,17 +113,10 @@ class CSRInFlight:
 
 
 def build_block_csr(
-    block_indices: torch.Tensor,
-    sel_block: int,
-    num_keys: int,
-    *,
-    q_start: int = 0,
-    cu_seqlens: torch.Tensor | None = None,
+    block_indices: torch.Tensor, sel_block: int, num_keys: int, **options: Any
 ) -> BlockCSR:
-    """:func:`start_block_csr`, finished (one wait for the offsets)."""
-    return start_block_csr(
-        block_indices, sel_block, num_keys, q_start=q_start, cu_seqlens=cu_seqlens
-    ).finish()
+    """:func:`start_block_csr` with the same arguments, finished (one wait for the offsets)."""
+    return start_block_csr(block_indices, sel_block, num_keys, **options).finish()
 
 
 def start_block_csr(
