@@ -6,21 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from call_counts import counting_calls
+from geometry_lib import geometry
 
 from nsa_core import NSAAttention, NSAConfig, attention_core, nsa_attention, ops
 from nsa_core.reference.compress import compress
 
-CONFIG = NSAConfig(
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim_qk=8,
-    head_dim_v=8,
-    cmp_block=4,
-    cmp_stride=2,
-    sel_block=4,
-    num_selected=3,
-    window=6,
-)
+# HQ = 4 over H = 2, dk = dv = 8, l = 4, d = 2, l' = 4, n = 3, w = 6.
+CONFIG = NSAConfig(**geometry(4, 2, 8, 8, 4, 2, 4, n=3, w=6))
 T = 21
 
 

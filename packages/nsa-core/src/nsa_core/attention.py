@@ -18,12 +18,11 @@ from nsa_core.checks import (
     check_cu_seqlens,
     check_int,
     check_rank,
-    check_same_place,
     per_head_context,
     shape,
 )
 from nsa_core.config import NSAConfig
-from nsa_core.core import run_attention_core
+from nsa_core.core import check_heads_and_gates, run_attention_core
 from nsa_core.reads import expected_reads
 from nsa_core.reference.compress import CompressMLP, compress, compress_impl
 from nsa_core.reference.compressed_attention import cmp_visible
@@ -206,17 +205,7 @@ def check_nsa_attention(
         check_attention_args(q, ks[b], vs[b], k_name=f"k[{b!r}]", v_name=f"v[{b!r}]")
         if ks[b].shape[1] != q.shape[1]:
             raise ValueError(f"k[{b!r}] {shape(ks[b])} must hold q's {q.shape[1]} tokens")
-    expected = (config.num_q_heads, config.num_kv_heads, config.head_dim_qk, config.head_dim_v)
-    got = (q.shape[2], ks["slc"].shape[2], q.shape[3], vs["slc"].shape[3])
-    if got != expected:
-        raise ValueError(
-            f"q {shape(q)} and k/v heads and head dims (HQ, H, dk, dv) = {got} differ from the "
-            f"config's {expected}"
-        )
-    check_rank("gates", gates, 4, "[B, T, HQ, 3]")
-    if tuple(gates.shape) != (*q.shape[:3], 3):
-        raise ValueError(f"gates {shape(gates)} must be [B, T, HQ, 3] matching q {shape(q)}")
-    check_same_place("gates", gates, "q", q)
+    check_heads_and_gates(q, ks["slc"], vs["slc"], gates, config)
     for name, phi in (("phi_k", phi_k), ("phi_v", phi_v)):
         if phi is not None and not isinstance(phi, nn.Module):
             raise TypeError(f"{name} must be a torch.nn.Module or None, got {type(phi).__name__}")

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.checks import (
@@ -32,6 +33,7 @@ from nsa_core.checks import (
 )
 from nsa_core.config import NSAConfig
 from nsa_core.op_context import OpContext, op_context
+from nsa_core.reference.common import validated_by
 from nsa_core.registry import CORE_OP, hooked_fn, resolve, resolve_fn
 from nsa_core.toggles import Toggles, get_toggles
 
@@ -67,19 +69,9 @@ class StepContexts:
 
     @classmethod
     def of(
-        cls,
-        q: torch.Tensor,
-        k_cmp: torch.Tensor,
-        v_cmp: torch.Tensor,
-        k_slc: torch.Tensor,
-        v_slc: torch.Tensor,
-        k_win: torch.Tensor,
-        v_win: torch.Tensor,
-        gates: torch.Tensor,
-        *,
-        q_start: int,
-        cu_seqlens: torch.Tensor | None,
-    ) -> StepContexts:
+        cls, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor,
+        k_win: Tensor, v_win: Tensor, gates: Tensor, *, q_start: int, cu_seqlens: Tensor | None,
+    ) -> StepContexts:  # fmt: skip
         varlen = cu_seqlens is not None
         start = 0 if varlen else q_start
         compressed = op_context(q, k_cmp, v_cmp, start + q.shape[1], varlen=varlen, q_start=start)
@@ -115,26 +107,15 @@ class StepContexts:
         )
 
 
-def check_attention_core(
+def check_heads_and_gates(
     q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
     k_slc: torch.Tensor,
     v_slc: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
     gates: torch.Tensor,
     config: NSAConfig,
-    *,
-    q_start: int = 0,
-    win_start: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> OpContext:
-    """Every rule of :func:`attention_core`; returns the call's routing context."""
-    if not isinstance(config, NSAConfig):
-        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
-    for branch, k, v in (("cmp", k_cmp, v_cmp), ("slc", k_slc, v_slc), ("win", k_win, v_win)):
-        check_attention_args(q, k, v, k_name=f"k_{branch}", v_name=f"v_{branch}")
+) -> None:
+    """q [B, T, HQ, dk] and the selected branch's k [B, *, H, dk], v [B, *, H, dv] have the
+    config's heads and head dims; gates are [B, T, HQ, 3] beside q."""
     expected = (config.num_q_heads, config.num_kv_heads, config.head_dim_qk, config.head_dim_v)
     got = (q.shape[2], k_slc.shape[2], q.shape[3], v_slc.shape[3])
     if got != expected:
@@ -146,6 +127,19 @@ def check_attention_core(
     if tuple(gates.shape) != (*q.shape[:3], 3):
         raise ValueError(f"gates {shape(gates)} must be [B, T, HQ, 3] matching q {shape(q)}")
     check_same_place("gates", gates, "q", q)
+
+
+def check_attention_core(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+    v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
+    win_start: int | None = None, cu_seqlens: Tensor | None = None,
+) -> OpContext:  # fmt: skip
+    """Every rule of :func:`attention_core`; returns the call's routing context."""
+    if not isinstance(config, NSAConfig):
+        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+    for branch, k, v in (("cmp", k_cmp, v_cmp), ("slc", k_slc, v_slc), ("win", k_win, v_win)):
+        check_attention_args(q, k, v, k_name=f"k_{branch}", v_name=f"v_{branch}")
+    check_heads_and_gates(q, k_slc, v_slc, gates, config)
     for name, value in (("q_start", q_start), ("win_start", win_start)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -172,21 +166,10 @@ def check_attention_core(
 
 
 def attention_core_reference(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    gates: torch.Tensor,
-    config: NSAConfig,
-    *,
-    q_start: int = 0,
-    win_start: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-    toggles: Toggles,
-) -> torch.Tensor:
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+    v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
+    win_start: int | None = None, cu_seqlens: Tensor | None = None, toggles: Toggles,
+) -> Tensor:  # fmt: skip
     """The reference core: the step ops composed, each on the backend the registry picks.
 
     Arguments as :func:`attention_core`. Block scoring takes the compressed branch's
@@ -224,48 +207,12 @@ def attention_core_reference(
     return out
 
 
-def run_attention_core(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    gates: torch.Tensor,
-    config: NSAConfig,
-    *,
-    q_start: int = 0,
-    win_start: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`attention_core` on arguments its caller has validated: one resolution, no checks."""
-    toggles = get_toggles()
-    ctx = core_context(
-        q, k_slc, v_slc, k_cmp, v_cmp, k_win, v_win, gates, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    out: torch.Tensor = resolve_fn(CORE_OP, ctx, toggles)(
-        q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, q_start=q_start,
-        win_start=win_start, cu_seqlens=cu_seqlens, toggles=toggles,
-    )  # fmt: skip
-    return out
-
-
+@validated_by(check_attention_core)
 def attention_core(
-    q: torch.Tensor,
-    k_cmp: torch.Tensor,
-    v_cmp: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
-    k_win: torch.Tensor,
-    v_win: torch.Tensor,
-    gates: torch.Tensor,
-    config: NSAConfig,
-    *,
-    q_start: int = 0,
-    win_start: int | None = None,
-    cu_seqlens: torch.Tensor | None = None,
-) -> torch.Tensor:
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+    v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
+    win_start: int | None = None, cu_seqlens: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     """The NSA attention core after compression: block scoring and top-n, the three branches and
     the gated combine (docs/spec.md), validated once and run by the backend the registry picks.
 
@@ -283,11 +230,17 @@ def attention_core(
     Returns:
         o [B, Tq, HQ, dv].
     """
-    check_attention_core(
+    toggles = get_toggles()
+    ctx = core_context(
+        q, k_slc, v_slc, k_cmp, v_cmp, k_win, v_win, gates, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    out: torch.Tensor = resolve_fn(CORE_OP, ctx, toggles)(
         q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, q_start=q_start,
-        win_start=win_start, cu_seqlens=cu_seqlens,
+        win_start=win_start, cu_seqlens=cu_seqlens, toggles=toggles,
     )  # fmt: skip
-    return run_attention_core(
-        q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, q_start=q_start,
-        win_start=win_start, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
+    return out
+
+
+# The core on arguments its caller has validated: one resolution, no checks (nsa_attention, the
+# layer and the context-parallel chunks validate the whole call first).
+run_attention_core = attention_core.body

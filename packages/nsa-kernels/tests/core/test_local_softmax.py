@@ -10,20 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core import NSAConfig
 from nsa_kernels.common.local_softmax import holds_local_keys, local_softmax_reference
 
-CONFIG = NSAConfig(
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim_qk=8,
-    head_dim_v=8,
-    cmp_block=4,
-    cmp_stride=2,
-    sel_block=4,
-    num_selected=3,
-    window=8,
-)
 F64 = torch.float64
 
 

@@ -7,20 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_core import NSAConfig
 from nsa_kernels.common.row_runs import RowRuns, as_tensor
-
-CONFIG = NSAConfig(
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim_qk=8,
-    head_dim_v=8,
-    cmp_block=4,
-    cmp_stride=2,
-    sel_block=4,
-    num_selected=3,
-    window=3,
-)
 
 
 def test_assemble_puts_zero_rows_then_the_runs_in_order() -> None:
