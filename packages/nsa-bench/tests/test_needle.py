@@ -4,6 +4,7 @@ selection statistics and a three-step run end to end (reference ops, tiny shapes
 from __future__ import annotations
 
 import json
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -23,44 +24,15 @@ from nsa_bench.needle.task import (
 )
 from nsa_bench.sel_stats import fit_indices, indices_for_bench, load_indices, selection_stats
 
-# Tiny geometry: l=8, d=4, l'=8, n=4, w=16, 2 layers (reach 31 tokens), T=96.
-TINY = NeedleSettings(
-    layers=2,
-    hidden=32,
-    heads=4,
-    kv_heads=2,
-    head_dim=16,
-    cmp_block=8,
-    cmp_stride=4,
-    sel_block=8,
-    num_selected=4,
-    window=16,
-    filler_vocab=16,
-    value_len=3,
-    value_vocab=8,
-    needle_repeats=2,
-    train_len=96,
-    batch=2,
-)
-TINY_ARGS = [
-    "--layers=2",
-    "--hidden=32",
-    "--heads=4",
-    "--kv-heads=2",
-    "--head-dim=16",
-    "--cmp-block=8",
-    "--cmp-stride=4",
-    "--sel-block=8",
-    "--num-selected=4",
-    "--window=16",
-    "--filler-vocab=16",
-    "--value-len=3",
-    "--value-vocab=8",
-    "--needle-repeats=2",
-    "--train-len=96",
-    "--batch=2",
-    "--device=cpu",
-]
+# Tiny geometry: l=8, d=4, l'=8, n=4, w=16, 2 layers (reach 31 tokens), T=96. One line each:
+# the model, its block geometry, the task, the training batches.
+TINY = NeedleSettings(layers=2, hidden=32, heads=4, kv_heads=2, head_dim=16,
+                      cmp_block=8, cmp_stride=4, sel_block=8, num_selected=4, window=16,
+                      filler_vocab=16, value_len=3, value_vocab=8, needle_repeats=2,
+                      train_len=96, batch=2)  # fmt: skip
+# The same settings as flags (one per field, as the command names them), on the CPU.
+TINY_ARGS = [f"--{f.name.replace('_', '-')}={getattr(TINY, f.name)}" for f in fields(TINY)]
+TINY_ARGS.append("--device=cpu")
 
 
 def _check_layout(nb: NeedleBatch, task: NeedleTask, t: int, reach: int, l_sel: int) -> None:

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import torch
 
-from nsa_bench.needle.model import NeedleModel
+from nsa_bench.needle.model import NeedleModel, random_selection
 from nsa_bench.needle.settings import NeedleSettings, autocast
 from nsa_bench.needle.task import answer_hits
-from nsa_bench.sel_bench import nsa_block_indices
 from nsa_bench.sel_stats import SelStats, save_indices, selection_stats
 
 
@@ -137,14 +136,7 @@ def selection_statistics(
                 "settings": dataclasses.asdict(settings),
             },
         )
-    baseline = nsa_block_indices(
-        batch,
-        length,
-        settings.kv_heads,
-        settings.num_selected,
-        settings.sel_block,
-        generator=torch.Generator(device=device).manual_seed(settings.seed + 5),
-        device=device,
-    )
+    generator = torch.Generator(device=device).manual_seed(settings.seed + 5)
+    baseline = random_selection(settings.nsa_config(), batch, length, generator, device)
     stats.append(selection_stats(baseline, settings.sel_block, source="random", layer=-1))
     return stats

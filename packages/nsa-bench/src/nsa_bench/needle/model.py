@@ -12,6 +12,19 @@ from nsa_core import NSAAttention, NSAConfig, ops
 VARIANTS = ("nsa", "window", "random")
 
 
+def random_selection(
+    config: NSAConfig,
+    batch: int,
+    seq_len: int,
+    generator: torch.Generator | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """int32 [B, T, H, n]: the forced blocks plus random distinct valid ones, ascending, -1
+    padded (the index contract of ``select_blocks``), as the ``random`` variant selects."""
+    blocks = (config.num_kv_heads, config.num_selected, config.sel_block)
+    return nsa_block_indices(batch, seq_len, *blocks, generator=generator, device=device)
+
+
 class NeedleAttention(NSAAttention):
     """NSAAttention with the variant's branches; the same parameters, so checkpoints load alike.
 
@@ -28,18 +41,8 @@ class NeedleAttention(NSAAttention):
         self.generator: torch.Generator | None = None  # for the random variant's blocks
 
     def random_block_indices(self, batch: int, t: int, device: torch.device) -> torch.Tensor:
-        """int32 [B, T, H, n]: the forced blocks plus random distinct valid ones, ascending,
-        -1 padded (the index contract of ``select_blocks``), drawn from ``self.generator``."""
-        cfg = self.config
-        return nsa_block_indices(
-            batch,
-            t,
-            cfg.num_kv_heads,
-            cfg.num_selected,
-            cfg.sel_block,
-            generator=self.generator,
-            device=device,
-        )
+        """The random variant's blocks for x [B, T, hidden], drawn from ``self.generator``."""
+        return random_selection(self.config, batch, t, self.generator, device)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden], causal (no packed sequences here)."""
