@@ -129,18 +129,23 @@ def check_forced_blocks_do_not_reach(recipe: Recipe) -> None:
     assert outside >= (recipe.seq_len - d) // 2
 
 
-QUICK = Recipe(
-    config=NSAConfig(
+def recall_config(head_dim: int, block: int) -> NSAConfig:
+    """The recipes' layer: HQ = 4 over H = 2, n = 4, l = l' = w = ``block``, d = l / 2."""
+    return NSAConfig(
         num_q_heads=4,
         num_kv_heads=2,
-        head_dim_qk=16,
-        head_dim_v=16,
-        cmp_block=8,
-        cmp_stride=4,
-        sel_block=8,
+        head_dim_qk=head_dim,
+        head_dim_v=head_dim,
+        cmp_block=block,
+        cmp_stride=block // 2,
+        sel_block=block,
         num_selected=4,
-        window=8,
-    ),
+        window=block,
+    )
+
+
+QUICK = Recipe(
+    config=recall_config(head_dim=16, block=8),
     vocab=16,
     seq_len=48,
     offset=20,
@@ -163,17 +168,7 @@ def test_train_smoke_cpu() -> None:
 
 
 LONG = Recipe(
-    config=NSAConfig(
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim_qk=32,
-        head_dim_v=32,
-        cmp_block=16,
-        cmp_stride=8,
-        sel_block=16,
-        num_selected=4,
-        window=16,
-    ),
+    config=recall_config(head_dim=32, block=16),
     vocab=32,
     seq_len=128,
     offset=50,
