@@ -15,6 +15,16 @@ def num_sel_blocks(length: int, sel_block: int) -> int:
     return -(-length // sel_block)
 
 
+def _shared_tokens(
+    i: torch.Tensor, j: torch.Tensor, cmp_block: int, cmp_stride: int, sel_block: int
+) -> torch.Tensor:
+    """``|[i*d, i*d+l) ∩ [j*l', (j+1)*l')|``: the tokens compressed block i and selection block j
+    share, for integer block indices i and j that broadcast together."""
+    lo = torch.maximum(i * cmp_stride, j * sel_block)
+    hi = torch.minimum(i * cmp_stride + cmp_block, (j + 1) * sel_block)
+    return (hi - lo).clamp_min(0)
+
+
 def cmp_block_overlap(
     num_cmp: int,
     num_sel: int,
@@ -32,9 +42,7 @@ def cmp_block_overlap(
     """
     i = torch.arange(num_cmp, device=device).unsqueeze(1)
     j = torch.arange(num_sel, device=device).unsqueeze(0)
-    lo = torch.maximum(i * cmp_stride, j * sel_block)
-    hi = torch.minimum(i * cmp_stride + cmp_block, (j + 1) * sel_block)
-    return (hi - lo).clamp_min(0).to(dtype) / cmp_stride
+    return _shared_tokens(i, j, cmp_block, cmp_stride, sel_block).to(dtype) / cmp_stride
 
 
 def cmp_block_band(
@@ -60,10 +68,9 @@ def cmp_block_band(
     # First compressed block that can overlap [j*l', (j+1)*l'): i*d + l > j*l'.
     first = torch.div(j * sel_block - cmp_block, cmp_stride, rounding_mode="floor") + 1
     i = first + torch.arange(width, device=device).unsqueeze(0)  # [num_sel, K]
-    lo = torch.maximum(i * cmp_stride, j * sel_block)
-    hi = torch.minimum(i * cmp_stride + cmp_block, (j + 1) * sel_block)
     inside = (i >= 0) & (i < num_cmp)
-    weight = torch.where(inside, (hi - lo).clamp_min(0), torch.zeros_like(i)).to(dtype) / cmp_stride
+    shared = _shared_tokens(i, j, cmp_block, cmp_stride, sel_block)
+    weight = torch.where(inside, shared, torch.zeros_like(i)).to(dtype) / cmp_stride
     return torch.where(inside, i, torch.full_like(i, num_cmp)), weight
 
 
