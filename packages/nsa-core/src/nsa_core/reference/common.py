@@ -1,5 +1,6 @@
-"""Pieces the reference ops share: validation before the body, varlen spans, the compute dtype,
-the masked softmax, attention over the visible keys, chunking over queries."""
+"""Pieces the reference ops share: validation before the body, varlen spans and the joining of
+their outputs, the compute dtype, the masked softmax, attention over the visible keys, chunking
+over queries."""
 
 from __future__ import annotations
 
@@ -53,6 +54,12 @@ def spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """[(start, end)] of each packed sequence."""
     values = [int(x) for x in cu_seqlens.tolist()]
     return list(itertools.pairwise(values))
+
+
+def join_sequences(outs: list[torch.Tensor], q: torch.Tensor, dv: int) -> torch.Tensor:
+    """o [B, Tq, HQ, dv]: the packed sequences' outputs, in order along T (none: Tq = 0)."""
+    batch, _, hq, _ = q.shape
+    return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -10,6 +10,7 @@ from nsa_core.reference.common import (
     attend_in_query_chunks,
     attend_visible,
     compute_dtype,
+    join_sequences,
     query_chunk,
     spans,
     validated_by,
@@ -68,9 +69,7 @@ def compressed_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype; zero for rows that see no block.
     """
-    batch, _, hq, dk = q.shape
-    dv = v_cmp.shape[3]
-    scale = dk**-0.5 if scale is None else scale
+    scale = q.shape[3] ** -0.5 if scale is None else scale
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride)
         outs = [
@@ -79,7 +78,7 @@ def compressed_attention(
             )
             for (s, e), (cs, ce) in zip(spans(cu_seqlens), spans(cmp_cu), strict=True)
         ]
-        return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
+        return join_sequences(outs, q, v_cmp.shape[3])
     return _compressed_dense(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start)
 
 

@@ -11,6 +11,7 @@ from nsa_core.checks import check_selected_attention
 from nsa_core.reference.common import (
     attend_in_query_chunks,
     attend_keys,
+    join_sequences,
     query_chunk,
     spans,
     validated_by,
@@ -50,9 +51,7 @@ def selected_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    batch, _, hq, dk = q.shape
-    dv = v.shape[3]
-    scale = dk**-0.5 if scale is None else scale
+    scale = q.shape[3] ** -0.5 if scale is None else scale
     if cu_seqlens is not None:
         outs = [
             _selected_dense(
@@ -60,7 +59,7 @@ def selected_attention(
             )
             for s, e in spans(cu_seqlens)
         ]
-        return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
+        return join_sequences(outs, q, v.shape[3])
     return _selected_dense(q, k, v, block_indices, sel_block, scale, q_start)
 
 

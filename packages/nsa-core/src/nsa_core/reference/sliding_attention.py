@@ -11,6 +11,7 @@ from nsa_core.reference.common import (
     CHUNK_ELEMENTS,
     attend_in_query_chunks,
     attend_keys,
+    join_sequences,
     spans,
     validated_by,
 )
@@ -39,15 +40,13 @@ def sliding_attention(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    batch, _, hq, dk = q.shape
-    dv = v.shape[3]
-    scale = dk**-0.5 if scale is None else scale
+    scale = q.shape[3] ** -0.5 if scale is None else scale
     if cu_seqlens is not None:
         outs = [
             _sliding_dense(q[:, s:e], k[:, s:e], v[:, s:e], window, scale, 0)
             for s, e in spans(cu_seqlens)
         ]
-        return torch.cat(outs, dim=1) if outs else q.new_zeros(batch, 0, hq, dv)
+        return join_sequences(outs, q, v.shape[3])
     return _sliding_dense(q, k, v, window, scale, q_start)
 
 
