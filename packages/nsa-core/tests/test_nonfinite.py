@@ -14,6 +14,20 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from nonfinite_testlib import (
+    BAD_VALUES,
+    INF,
+    NAN,
+    check_injections,
+    cmp_sees,
+    group_rows,
+    inject,
+    pick,
+    query_row,
+    row_nonfinite,
+    selected_sees,
+    sliding_sees,
+)
 
 import nsa_core.reference as ref
 from nsa_core import NSAAttention, NSAConfig
@@ -23,90 +37,20 @@ from nsa_core.blocks import num_cmp_blocks
 LayerFactory = Callable[..., NSAAttention]
 
 F64 = torch.float64
-NAN, INF = float("nan"), float("inf")
-BAD_VALUES = [NAN, INF]
 # (l, d, l', n, w, T): overlapping compressed blocks, l' > l, a window shorter than l.
 GEOMETRY = (8, 4, 16, 3, 5, 45)
 HQ, H, DK, DV = 4, 2, 8, 6
+INJECTIONS = 4  # bad tokens per check
 
 
 def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=F64)
 
 
-def dense_qkv(gen: torch.Generator, length: int) -> tuple[torch.Tensor, ...]:
-    """q [2, T, HQ, dk], k [2, T, H, dk], v [2, T, H, dv], drawn in that order."""
-    return randn(gen, 2, length, HQ, DK), randn(gen, 2, length, H, DK), randn(gen, 2, length, H, DV)
-
-
-def pick(gen: torch.Generator, high: int) -> int:
-    return int(torch.randint(high, (1,), generator=gen))
-
-
-def inject(
-    gen: torch.Generator, x: torch.Tensor, token: int, value: float
-) -> tuple[torch.Tensor, int, int]:
-    """x [B, T, heads, D] with ``value`` at one random (b, head, channel) of ``token``."""
-    b, head, channel = pick(gen, x.shape[0]), pick(gen, x.shape[2]), pick(gen, x.shape[3])
-    y = x.clone()
-    y[b, token, head, channel] = value
-    return y, b, head
-
-
-def row_nonfinite(o: torch.Tensor) -> torch.Tensor:
-    """o [B, T, HQ, dv] -> [B, T, HQ]: rows with any non-finite channel."""
-    return ~torch.isfinite(o).all(dim=-1)
-
-
-def check_rows(
-    bad: torch.Tensor,
-    clean: torch.Tensor,
-    expected: torch.Tensor,
-    exact: bool,
-    what: str,
-) -> None:
-    """bad/clean outputs [B, T, HQ, dv]; expected [B, T, HQ] rows that see the bad token."""
-    got = row_nonfinite(bad)
-    assert not row_nonfinite(clean).any(), f"{what}: the clean run is not finite"
-    assert not (got & ~expected).any(), (
-        f"{what}: rows that cannot see the bad token turned non-finite: "
-        f"{(got & ~expected).nonzero().tolist()}"
-    )
-    if exact:
-        assert torch.equal(got, expected), (
-            f"{what}: rows that see the bad token stayed finite: "
-            f"{(expected & ~got).nonzero().tolist()}"
-        )
-    # Rows that see the token may stay finite yet change (a -Inf logit weighs its token 0).
-    assert torch.equal(bad[~expected], clean[~expected]), f"{what}: an unseeing row changed"
-
-
-def group_rows(b: int, head: int, rows: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
-    """[B, T, HQ] true at (b, t, hq) for rows[t] and the query heads hq of kv head ``head``."""
-    out = torch.zeros(shape, dtype=torch.bool)
-    g = shape[2] // H
-    out[b, :, head * g : (head + 1) * g] = rows.unsqueeze(1)
-    return out
-
-
-def query_row(b: int, t: int, hq: int, sees_any: bool, shape: tuple[int, int, int]) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=torch.bool)
-    out[b, t, hq] = sees_any
-    return out
-
-
-def sliding_sees(t: torch.Tensor, s: int, w: int) -> torch.Tensor:
-    return (s <= t) & (s > t - w)
-
-
-def cmp_sees(t: torch.Tensor, i: int, l_cmp: int, d: int) -> torch.Tensor:
-    return i * d + l_cmp - 1 <= t
-
-
-def selected_sees(indices: torch.Tensor, b: int, head: int, s: int, l_sel: int) -> torch.Tensor:
-    """[T]: rows t whose chosen blocks (indices [B, T, H, n]) for kv head ``head`` hold s <= t."""
-    t = torch.arange(indices.shape[1])
-    return (indices[b, :, head] == s // l_sel).any(dim=-1) & (s <= t)
+def qkv(gen: torch.Generator, batch: int, length: int) -> tuple[torch.Tensor, ...]:
+    """q [B, T, HQ, dk], k [B, T, H, dk], v [B, T, H, dv], drawn in that order."""
+    q = randn(gen, batch, length, HQ, DK)
+    return q, randn(gen, batch, length, H, DK), randn(gen, batch, length, H, DV)
 
 
 def random_indices(
@@ -116,44 +60,24 @@ def random_indices(
     return ref.topn_blocks(scores, n, l_sel)[0]
 
 
-def check_injections(
-    gen: torch.Generator,
-    inputs: dict[str, torch.Tensor],
-    where: str,
-    value: float,
-    run: Callable[[dict[str, torch.Tensor]], torch.Tensor],
-    expected_rows: Callable[[int, int, int], torch.Tensor],
-    what: str,
-) -> None:
-    """Four times: ``value`` at a random token s of ``inputs[where]`` ([B, T, heads, D]); the
-    rows of ``run`` ([B, T, HQ, dv]) that turn non-finite must be ``expected_rows(b, s, head)``
-    ([B, T, HQ]): exactly for a NaN or a bad value, at most for an Inf in q or a key."""
-    clean = run(inputs)
-    for _ in range(4):
-        bad_inputs = dict(inputs)
-        s = pick(gen, inputs[where].shape[1])
-        bad_inputs[where], b, head = inject(gen, inputs[where], s, value)
-        exact = value != value or where.startswith("v")
-        label = f"{what} {where}[{b}, {s}, {head}] = {value}"
-        check_rows(run(bad_inputs), clean, expected_rows(b, s, head), exact, label)
-
-
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_sliding(gen: torch.Generator, where: str, value: float) -> None:
     _, _, _, _, w, length = GEOMETRY
-    q, k, v = dense_qkv(gen, length)
+    q, k, v = qkv(gen, 2, length)
     t = torch.arange(length)
 
     def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
             return query_row(b, s, head, True, (2, length, HQ))
-        return group_rows(b, head, sliding_sees(t, s, w), (2, length, HQ))
+        return group_rows(b, head, sliding_sees(t, s, w), (2, length, HQ), H)
 
     def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
         return ref.sliding_attention(x["q"], x["k"], x["v"], w)
 
-    check_injections(gen, {"q": q, "k": k, "v": v}, where, value, run, expected_rows, "sliding")
+    check_injections(
+        gen, {"q": q, "k": k, "v": v}, where, value, run, expected_rows, "sliding", INJECTIONS
+    )
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
@@ -168,32 +92,34 @@ def test_compressed(gen: torch.Generator, where: str, value: float) -> None:
     def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
             return query_row(b, s, head, s >= l_cmp - 1, (2, length, HQ))
-        return group_rows(b, head, cmp_sees(t, s, l_cmp, d), (2, length, HQ))
+        return group_rows(b, head, cmp_sees(t, s, l_cmp, d), (2, length, HQ), H)
 
     def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
         return ref.compressed_attention(x["q"], x["k_cmp"], x["v_cmp"], l_cmp, d)
 
     inputs = {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp}
-    check_injections(gen, inputs, where, value, run, expected_rows, "compressed")
+    check_injections(gen, inputs, where, value, run, expected_rows, "compressed", INJECTIONS)
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_selected(gen: torch.Generator, where: str, value: float) -> None:
     _, _, l_sel, n, _, length = GEOMETRY
-    q, k, v = dense_qkv(gen, length)
+    q, k, v = qkv(gen, 2, length)
     indices = random_indices(gen, 2, length, l_sel, n)
 
     def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
             return query_row(b, s, head, True, (2, length, HQ))
         sees = selected_sees(indices, b, head, s, l_sel)
-        return group_rows(b, head, sees, (2, length, HQ))
+        return group_rows(b, head, sees, (2, length, HQ), H)
 
     def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
         return ref.selected_attention(x["q"], x["k"], x["v"], indices, l_sel)
 
-    check_injections(gen, {"q": q, "k": k, "v": v}, where, value, run, expected_rows, "selected")
+    check_injections(
+        gen, {"q": q, "k": k, "v": v}, where, value, run, expected_rows, "selected", INJECTIONS
+    )
 
 
 def fallback_choice(t: int, l_sel: int, n: int) -> list[int]:
@@ -276,11 +202,7 @@ def test_varlen_sequences_are_isolated(gen: torch.Generator, where: str, value: 
     l_cmp, d, l_sel, n, w, _ = GEOMETRY
     cu = torch.tensor([0, 13, 30, 47], dtype=torch.int32)
     length = int(cu[-1])
-    q, k, v = (
-        randn(gen, 1, length, HQ, DK),
-        randn(gen, 1, length, H, DK),
-        randn(gen, 1, length, H, DV),
-    )
+    q, k, v = qkv(gen, 1, length)
     spans = [(int(cu[i]), int(cu[i + 1])) for i in range(len(cu) - 1)]
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:

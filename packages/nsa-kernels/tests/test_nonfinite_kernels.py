@@ -11,7 +11,9 @@ that one tile holds rows that see different blocks.
 from __future__ import annotations
 
 import os
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,9 +47,14 @@ from nsa_kernels.selected.function import (  # noqa: E402
 )
 from nsa_kernels.sliding.triton_function import sliding_attention_triton  # noqa: E402
 
+# The containment checks are the reference's (nsa-core's tests/nonfinite_testlib.py): the
+# kernels are held to the same rule, row for row.
+CORE_TESTS = str(Path(__file__).resolve().parents[2] / "nsa-core" / "tests")
+if CORE_TESTS not in sys.path:
+    sys.path.append(CORE_TESTS)
+import nonfinite_testlib as nonfinite  # noqa: E402
+
 F32 = torch.float32
-NAN, INF = float("nan"), float("inf")
-BAD_VALUES = [NAN, INF]
 HQ, H, DK, DV = 4, 2, 16, 16
 L_CMP, D_CMP, L_SEL, N_SEL, WINDOW = 8, 4, 16, 3, 24
 CMP_TILES = CmpConfig(block_m=16, block_n=16)
@@ -55,6 +62,7 @@ CMP_TILES = CmpConfig(block_m=16, block_n=16)
 # the forced blocks first: a bad token anywhere in a call moves every row off it, so rows a bad
 # token cannot reach would round otherwise than in the clean run. Off where runs are compared.
 SEL_TILES = SelConfig(forced_tokens=1)
+INJECTIONS = 2  # bad tokens per check: the interpreter runs each kernel call slowly
 
 
 def seeded(request: pytest.FixtureRequest) -> torch.Generator:
@@ -71,112 +79,63 @@ def randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(shape, generator=gen).to(dev(), F32)
 
 
-def pick(gen: torch.Generator, high: int) -> int:
-    return int(torch.randint(high, (1,), generator=gen))
+def qkv(gen: torch.Generator, batch: int, length: int) -> dict[str, torch.Tensor]:
+    """q [B, T, HQ, dk], k [B, T, H, dk], v [B, T, H, dv], drawn in that order."""
+    q = randn(gen, batch, length, HQ, DK)
+    return {"q": q, "k": randn(gen, batch, length, H, DK), "v": randn(gen, batch, length, H, DV)}
 
 
-def inject(
-    gen: torch.Generator, x: torch.Tensor, token: int, value: float
-) -> tuple[torch.Tensor, int, int]:
-    """x [B, T, heads, D] with ``value`` at one random (b, head, channel) of ``token``."""
-    b, head, channel = pick(gen, x.shape[0]), pick(gen, x.shape[2]), pick(gen, x.shape[3])
-    y = x.clone()
-    y[b, token, head, channel] = value
-    return y, b, head
-
-
-def row_nonfinite(o: torch.Tensor) -> torch.Tensor:
-    """o [B, T, HQ, dv] -> [B, T, HQ] on the host: rows with any non-finite channel."""
-    return ~torch.isfinite(o.cpu()).all(dim=-1)
-
-
-def check_rows(
-    bad: torch.Tensor, clean: torch.Tensor, expected: torch.Tensor, exact: bool, what: str
-) -> None:
-    """bad/clean kernel outputs [B, T, HQ, dv]; expected [B, T, HQ] rows that see the token."""
-    got = row_nonfinite(bad)
-    assert not row_nonfinite(clean).any(), f"{what}: the clean run is not finite"
-    assert not (got & ~expected).any(), (
-        f"{what}: rows that cannot see the bad token turned non-finite: "
-        f"{(got & ~expected).nonzero().tolist()}"
-    )
-    if exact:
-        assert torch.equal(got, expected), (
-            f"{what}: rows that see the bad token stayed finite: "
-            f"{(expected & ~got).nonzero().tolist()}"
-        )
-    unseeing = ~expected
-    assert torch.equal(bad.cpu()[unseeing], clean.cpu()[unseeing]), (
-        f"{what}: a row that cannot see the bad token changed"
-    )
-
-
-def group_rows(b: int, head: int, rows: torch.Tensor, shape: tuple[int, int, int]) -> torch.Tensor:
-    """[B, T, HQ] true at (b, t, hq) for rows[t] and the query heads of kv head ``head``."""
-    out = torch.zeros(shape, dtype=torch.bool)
-    g = shape[2] // H
-    out[b, :, head * g : (head + 1) * g] = rows.cpu().unsqueeze(1)
-    return out
-
-
-def query_row(b: int, t: int, hq: int, sees_any: bool, shape: tuple[int, int, int]) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=torch.bool)
-    out[b, t, hq] = sees_any
-    return out
-
-
-@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+@pytest.mark.parametrize("value", nonfinite.BAD_VALUES, ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["q", "k_cmp", "v_cmp"])
 def test_compressed(request: pytest.FixtureRequest, where: str, value: float) -> None:
     gen = seeded(request)
     length = 53
     n = num_cmp_blocks(length, L_CMP, D_CMP)
-    q, k_cmp, v_cmp = (
-        randn(gen, 2, length, HQ, DK),
-        randn(gen, 2, n, H, DK),
-        randn(gen, 2, n, H, DV),
+    inputs = {
+        "q": randn(gen, 2, length, HQ, DK),
+        "k_cmp": randn(gen, 2, n, H, DK),
+        "v_cmp": randn(gen, 2, n, H, DV),
+    }
+    t = torch.arange(length)
+
+    def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
+        if where == "q":
+            return nonfinite.query_row(b, s, head, s >= L_CMP - 1, (2, length, HQ))
+        return nonfinite.group_rows(
+            b, head, nonfinite.cmp_sees(t, s, L_CMP, D_CMP), (2, length, HQ), H
+        )
+
+    def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return compressed_attention_triton(
+            x["q"], x["k_cmp"], x["v_cmp"], L_CMP, D_CMP, config=CMP_TILES
+        )
+
+    nonfinite.check_injections(
+        gen, inputs, where, value, run, expected_rows, "compressed", INJECTIONS
     )
 
-    def run(q: torch.Tensor, k_cmp: torch.Tensor, v_cmp: torch.Tensor) -> torch.Tensor:
-        return compressed_attention_triton(q, k_cmp, v_cmp, L_CMP, D_CMP, config=CMP_TILES)
 
-    clean = run(q, k_cmp, v_cmp)
-    t = torch.arange(length)
-    for _ in range(2):
-        inputs = {"q": q, "k_cmp": k_cmp, "v_cmp": v_cmp}
-        s = pick(gen, inputs[where].shape[1])
-        inputs[where], b, head = inject(gen, inputs[where], s, value)
-        bad = run(inputs["q"], inputs["k_cmp"], inputs["v_cmp"])
-        if where == "q":
-            expected = query_row(b, s, head, s >= L_CMP - 1, (2, length, HQ))
-        else:
-            expected = group_rows(b, head, s * D_CMP + L_CMP - 1 <= t, (2, length, HQ))
-        exact = value != value or where == "v_cmp"
-        check_rows(bad, clean, expected, exact, f"compressed {where}[{b}, {s}, {head}] = {value}")
-
-
-@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+@pytest.mark.parametrize("value", nonfinite.BAD_VALUES, ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["q", "k", "v"])
 def test_sliding_triton(request: pytest.FixtureRequest, where: str, value: float) -> None:
     """The sliding branch on the compressed kernels (l = d = 1, a window of WINDOW keys): a bad
     token reaches exactly the rows whose window holds it."""
     gen = seeded(request)
     length = 61
-    clean_inputs = {"q": randn(gen, 2, length, HQ, DK)}
-    clean_inputs |= {"k": randn(gen, 2, length, H, DK), "v": randn(gen, 2, length, H, DV)}
-    clean = sliding_attention_triton(*clean_inputs.values(), WINDOW, config=CMP_TILES)
+    inputs = qkv(gen, 2, length)
     t = torch.arange(length)
-    for _ in range(2):
-        s = pick(gen, length)
-        bad_inputs = dict(clean_inputs)
-        bad_inputs[where], b, head = inject(gen, clean_inputs[where], s, value)
-        bad = sliding_attention_triton(*bad_inputs.values(), WINDOW, config=CMP_TILES)
+
+    def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
-            expected = query_row(b, s, head, True, (2, length, HQ))
-        else:
-            expected = group_rows(b, head, (s <= t) & (t < s + WINDOW), (2, length, HQ))
-        exact = value != value or where == "v"
-        check_rows(bad, clean, expected, exact, f"sliding {where}[{b}, {s}, {head}] = {value}")
+            return nonfinite.query_row(b, s, head, True, (2, length, HQ))
+        return nonfinite.group_rows(
+            b, head, nonfinite.sliding_sees(t, s, WINDOW), (2, length, HQ), H
+        )
+
+    def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sliding_attention_triton(x["q"], x["k"], x["v"], WINDOW, config=CMP_TILES)
+
+    nonfinite.check_injections(gen, inputs, where, value, run, expected_rows, "sliding", INJECTIONS)
 
 
 def random_indices(gen: torch.Generator, batch: int, length: int) -> torch.Tensor:
@@ -203,37 +162,28 @@ SEL_LOADS = [
 ]
 
 
-@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+@pytest.mark.parametrize("value", nonfinite.BAD_VALUES, ids=["nan", "inf"])
 @pytest.mark.parametrize(("where", "tiles"), SEL_LOADS)
 def test_selected(
     request: pytest.FixtureRequest, where: str, tiles: SelConfig, value: float
 ) -> None:
     gen = seeded(request)
     length = 37
-    q, k, v = (
-        randn(gen, 2, length, HQ, DK),
-        randn(gen, 2, length, H, DK),
-        randn(gen, 2, length, H, DV),
-    )
+    inputs = qkv(gen, 2, length)
     indices = random_indices(gen, 2, length)
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return selected_attention_triton(q, k, v, indices, L_SEL, config=tiles)
-
-    clean = run(q, k, v)
-    t = torch.arange(length)
-    for _ in range(2):
-        s = pick(gen, length)
-        inputs = {"q": q, "k": k, "v": v}
-        inputs[where], b, head = inject(gen, inputs[where], s, value)
-        bad = run(inputs["q"], inputs["k"], inputs["v"])
+    def expected_rows(b: int, s: int, head: int) -> torch.Tensor:
         if where == "q":
-            expected = query_row(b, s, head, True, (2, length, HQ))
-        else:
-            chosen = (indices[b, :, head].cpu() == s // L_SEL).any(dim=-1) & (s <= t)
-            expected = group_rows(b, head, chosen, (2, length, HQ))
-        exact = value != value or where == "v"
-        check_rows(bad, clean, expected, exact, f"selected {where}[{b}, {s}, {head}] = {value}")
+            return nonfinite.query_row(b, s, head, True, (2, length, HQ))
+        sees = nonfinite.selected_sees(indices, b, head, s, L_SEL)
+        return nonfinite.group_rows(b, head, sees, (2, length, HQ), H)
+
+    def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        return selected_attention_triton(x["q"], x["k"], x["v"], indices, L_SEL, config=tiles)
+
+    nonfinite.check_injections(
+        gen, inputs, where, value, run, expected_rows, "selected", INJECTIONS
+    )
 
 
 @pytest.mark.parametrize(
@@ -256,8 +206,8 @@ def test_select_blocks_keeps_forced_blocks(request: pytest.FixtureRequest, where
     clean, _ = run(q, k_cmp)
     for _ in range(2):
         inputs = {"q": q, "k_cmp": k_cmp}
-        s = pick(gen, inputs[where].shape[1])
-        inputs[where], b, _ = inject(gen, inputs[where], s, NAN)
+        s = nonfinite.pick(gen, inputs[where].shape[1])
+        inputs[where], b, _ = nonfinite.inject(gen, inputs[where], s, nonfinite.NAN)
         indices, counts = run(inputs["q"], inputs["k_cmp"])
         scores = ref.block_scores(
             inputs["q"].double().cpu(), inputs["k_cmp"].double().cpu(), L_CMP, D_CMP, L_SEL
@@ -273,17 +223,13 @@ def test_select_blocks_keeps_forced_blocks(request: pytest.FixtureRequest, where
         assert torch.equal(indices.cpu()[~bad], clean.cpu()[~bad]), f"{what}: a clean row changed"
 
 
-@pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])
+@pytest.mark.parametrize("value", nonfinite.BAD_VALUES, ids=["nan", "inf"])
 def test_varlen_sequences_are_isolated(request: pytest.FixtureRequest, value: float) -> None:
     """A bad token in one packed sequence leaves the others bit-identical in both kernels."""
     gen = seeded(request)
     cu = torch.tensor([0, 21, 50, 71], dtype=torch.int32)
     length = int(cu[-1])
-    q, k, v = (
-        randn(gen, 1, length, HQ, DK),
-        randn(gen, 1, length, H, DK),
-        randn(gen, 1, length, H, DV),
-    )
+    q, k, v = qkv(gen, 1, length).values()
     cu_dev = cu.to(dev())
     indices = torch.cat(
         [random_indices(gen, 1, int(cu[i + 1] - cu[i])) for i in range(len(cu) - 1)], dim=1
@@ -303,10 +249,12 @@ def test_varlen_sequences_are_isolated(request: pytest.FixtureRequest, value: fl
 
     clean = run(k, v)
     s = 30  # inside the second sequence, [21, 50)
-    bad_v, _, _ = inject(gen, v, s, value)
+    bad_v, _, _ = nonfinite.inject(gen, v, s, value)
     bad = run(k, bad_v)
     for name, o in bad.items():
-        assert not row_nonfinite(o[:, :s]).any(), f"{name}: a row before {s} turned non-finite"
+        assert not nonfinite.row_nonfinite(o[:, :s]).any(), (
+            f"{name}: a row before {s} turned non-finite"
+        )
         for start, end in ((0, 21), (50, 71)):
             assert torch.equal(o[:, start:end], clean[name][:, start:end]), (
                 f"{name}: sequence [{start}, {end}) changed by a bad token at {s}"
@@ -315,7 +263,9 @@ def test_varlen_sequences_are_isolated(request: pytest.FixtureRequest, value: fl
 
 # One value per branch keeps the interpreter time down; each value meets two branches overall.
 @pytest.mark.parametrize(
-    ("branch", "value"), [("cmp", NAN), ("slc", INF), ("win", NAN)], ids=["cmp", "slc", "win"]
+    ("branch", "value"),
+    [("cmp", nonfinite.NAN), ("slc", nonfinite.INF), ("win", nonfinite.NAN)],
+    ids=["cmp", "slc", "win"],
 )
 def test_decode_steps_follow_the_reference(
     request: pytest.FixtureRequest, branch: str, value: float
@@ -332,7 +282,7 @@ def test_decode_steps_follow_the_reference(
     v = {name: randn(gen, 2, tokens, H, DV) for name in ("cmp", "slc", "win")}
     gates = torch.rand(2, tokens, HQ, 3, generator=gen).to(dev(), F32)
     v[branch] = v[branch].clone()
-    v[branch][0, s, pick(gen, H), pick(gen, DV)] = value
+    v[branch][0, s, nonfinite.pick(gen, H), nonfinite.pick(gen, DV)] = value
     state = DecodeState.from_prefixes(cfg, k, v, [start, start], 128)
     plan = DecodePlan(state)
     for t in range(start, tokens):
