@@ -129,23 +129,18 @@ def check_forced_blocks_do_not_reach(recipe: Recipe) -> None:
     assert outside >= (recipe.seq_len - d) // 2
 
 
-def recall_config(head_dim: int, block: int) -> NSAConfig:
-    """The recipes' layer: HQ = 4 over H = 2, n = 4, l = l' = w = ``block``, d = l / 2."""
-    return NSAConfig(
+QUICK = Recipe(
+    config=NSAConfig(
         num_q_heads=4,
         num_kv_heads=2,
-        head_dim_qk=head_dim,
-        head_dim_v=head_dim,
-        cmp_block=block,
-        cmp_stride=block // 2,
-        sel_block=block,
+        head_dim_qk=16,
+        head_dim_v=16,
+        cmp_block=8,
+        cmp_stride=4,
+        sel_block=8,
         num_selected=4,
-        window=block,
-    )
-
-
-QUICK = Recipe(
-    config=recall_config(head_dim=16, block=8),
+        window=8,
+    ),
     vocab=16,
     seq_len=48,
     offset=20,
@@ -168,7 +163,17 @@ def test_train_smoke_cpu() -> None:
 
 
 LONG = Recipe(
-    config=recall_config(head_dim=32, block=16),
+    config=NSAConfig(
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim_qk=32,
+        head_dim_v=32,
+        cmp_block=16,
+        cmp_stride=8,
+        sel_block=16,
+        num_selected=4,
+        window=16,
+    ),
     vocab=32,
     seq_len=128,
     offset=50,
