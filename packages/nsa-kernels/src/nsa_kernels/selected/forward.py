@@ -300,8 +300,7 @@ def sel_fwd_kernel(
     launch that works; the other one's programs return at once. A call without V_TMA launches it
     once, with masked V loads and a zero flag. STRIDED (the launch without V_TMA beside one with
     it): a grid of a few programs per SM whose programs stride over the row blocks, so that when
-    it returns at once it costs a few microseconds, where one program per row block cost 162 us
-    at T = 64k, H = 4 on an H100 (docs/results/2026-11-26-h100-layer-9.md).
+    it returns at once it costs a few program starts rather than one per row block.
 
     GATED (forward only, :func:`forward`'s ``gated``): o is the gated sum of the three branches,
     ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` over float32 values (the combine kernel's
