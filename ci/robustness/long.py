@@ -263,7 +263,7 @@ def _long_core(
     dtype = torch_dtype(a.dtype)
     bound = bound_for(dtype)
     rows = sample_rows(tokens, a.rows)
-    branches = ("cmp", "slc", "win")
+    branches = ("cmp", "sel", "win")
     q = randn(gen, (1, tokens, a.hq, a.dim), dtype, rt.device).requires_grad_()
     k = {
         b: randn(gen, (1, tokens, a.h, a.dim), dtype, rt.device).requires_grad_() for b in branches
@@ -273,7 +273,7 @@ def _long_core(
     }
     gates = torch.sigmoid(randn(gen, (1, tokens, a.hq, 3), torch.float32, rt.device))
     gates = gates.to(dtype).requires_grad_()
-    routing = _core_routes(rt, tokens, q, k["slc"])
+    routing = _core_routes(rt, tokens, q, k["sel"])
     inputs = [q, *(k[b] for b in branches), *(v[b] for b in branches), gates]
     do = randn(gen, q.shape, dtype, rt.device)
     with timed("long", f"T={tokens} core: forward and backward"):
@@ -295,7 +295,7 @@ def _long_core(
         # branch hands it): deterministic kernels give the very indices of the forward above.
         k_cmp = compress(k0["cmp"], cfg.cmp_block, cfg.cmp_stride)
         v_cmp = compress(v0["cmp"], cfg.cmp_block, cfg.cmp_stride)
-        idx = branch_outputs(cfg, q0, k_cmp, v_cmp, k0["slc"], v0["slc"], k0["win"], v0["win"])[3]
+        idx = branch_outputs(cfg, q0, k_cmp, v_cmp, k0["sel"], v0["sel"], k0["win"], v0["win"])[3]
         counts = (idx >= 0).sum(-1, dtype=torch.int32)
         measures.append(_contract_on_rows(idx, counts, q0, k_cmp, cfg, rows))
         del k_cmp, v_cmp
@@ -311,11 +311,11 @@ def _long_core(
             o_cmp = compressed_attention(
                 qr, k_cmp_f, v_cmp_f, cfg.cmp_block, cfg.cmp_stride, q_start=t
             )
-            o_slc = selected_attention(
-                qr, f32["k_slc"], f32["v_slc"], row, cfg.sel_block, q_start=t
+            o_sel = selected_attention(
+                qr, f32["k_sel"], f32["v_sel"], row, cfg.sel_block, q_start=t
             )
             o_win = sliding_attention(qr, f32["k_win"], f32["v_win"], cfg.window, q_start=t)
-            out = gated_combine(o_cmp, o_slc, o_win, gr)
+            out = gated_combine(o_cmp, o_sel, o_win, gr)
             backprop(out, do[:, t : t + 1].float())
             assert qr.grad is not None
             assert gr.grad is not None

@@ -285,9 +285,9 @@ def run_parity_case(
         gates = torch.sigmoid(randn(gen, (*shape[:3], 3), torch.float32, rt.device)).to(d.q.dtype)
         checks += _check_attention_op(
             rt, plan, c, "gated_combine", (*branch_outs, gates),
-            lambda fn, o_cmp, o_slc, o_win, gates, **kw: fn(o_cmp, o_slc, o_win, gates, **kw),
-            lambda o_cmp, o_slc, o_win, gates: gated_combine(o_cmp, o_slc, o_win, gates),
-            {}, d.do, opts, grad_names=("do_cmp", "do_slc", "do_win", "dgates"),
+            lambda fn, o_cmp, o_sel, o_win, gates, **kw: fn(o_cmp, o_sel, o_win, gates, **kw),
+            lambda o_cmp, o_sel, o_win, gates: gated_combine(o_cmp, o_sel, o_win, gates),
+            {}, d.do, opts, grad_names=("do_cmp", "do_sel", "do_win", "dgates"),
         )  # fmt: skip
     covered = {"select_blocks", "compressed_attention", "selected_attention", "sliding_attention"}
     covered.add("gated_combine")

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 # The attention core's output, then its inputs' gradients: q, k and v of each branch, the gates
 # (the order the checks zip them with the tensors in).
-CORE_TENSORS = ("o", "dq", "dk_cmp", "dk_slc", "dk_win", "dv_cmp", "dv_slc", "dv_win", "dgates")
+CORE_TENSORS = ("o", "dq", "dk_cmp", "dk_sel", "dk_win", "dv_cmp", "dv_sel", "dv_win", "dgates")
 
 
 @dataclass

@@ -280,8 +280,8 @@ def _sweep_core(rt: Runtime, s: SweepShapes, group: int, varlen: bool) -> None:
     kv = [randn(gen, shape_k, s.dtype, rt.device) for _ in range(6)]
     gates = torch.sigmoid(randn(gen, (*q.shape[:3], 3), torch.float32, rt.device)).to(s.dtype)
     xs = leaves([q, *kv, gates])
-    k = {"cmp": xs[1], "slc": xs[2], "win": xs[3]}
-    v = {"cmp": xs[4], "slc": xs[5], "win": xs[6]}
+    k = {"cmp": xs[1], "sel": xs[2], "win": xs[3]}
+    v = {"cmp": xs[4], "sel": xs[5], "win": xs[6]}
     o = nsa_attention(xs[0], k, v, xs[7], cfg, cu_seqlens=cu)
     backprop(o, torch.ones_like(o))
     bad = non_finite(zip(CORE_TENSORS, [o, *grads(xs)], strict=True))
@@ -307,7 +307,7 @@ def _sweep_decode(rt: Runtime, s: SweepShapes, group: int, thin: bool) -> None:
     steps = 4
     total = max(lengths) + steps
     h, hq, d = cfg.num_kv_heads, cfg.num_q_heads, s.head_dim
-    branches = ("cmp", "slc", "win")
+    branches = ("cmp", "sel", "win")
     k = {b: randn(gen, (len(lengths), total, h, d), s.dtype, rt.device) for b in branches}
     v = {b: randn(gen, (len(lengths), total, h, d), s.dtype, rt.device) for b in branches}
     q = randn(gen, (len(lengths), total, hq, d), s.dtype, rt.device)
@@ -335,8 +335,8 @@ def _sweep_decode(rt: Runtime, s: SweepShapes, group: int, thin: bool) -> None:
             q=q[seq, pos],
             k_cmp=k["cmp"][seq, pos],
             v_cmp=v["cmp"][seq, pos],
-            k_slc=k["slc"][seq, pos],
-            v_slc=v["slc"][seq, pos],
+            k_sel=k["sel"][seq, pos],
+            v_sel=v["sel"][seq, pos],
             k_win=k["win"][seq, pos],
             v_win=v["win"][seq, pos],
             gates=gates[seq, pos],
@@ -365,7 +365,7 @@ def _sweep_combine(rt: Runtime, s: SweepShapes, expected: Sequence[str]) -> None
         gated_combine,
         (*outs, gates),
         do,
-        ("do_cmp", "do_slc", "do_win", "dgates"),
+        ("do_cmp", "do_sel", "do_win", "dgates"),
     )
 
 

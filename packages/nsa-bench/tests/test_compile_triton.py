@@ -36,7 +36,7 @@ def combine_launch(dv: int = 16, br: int = 64, bd: int = 16) -> compile_triton.L
 def combine_bwd_launch() -> compile_triton.Launch:
     """combine_bwd_kernel (its per-row gate sums reduce through shared memory)."""
     tensor = ("tensor", "float32")
-    # Strides (do, o_cmp's two runs, o_slc, o_win, gates), then n_rows, T, HQ and the runs' split.
+    # Strides (do, o_cmp's two runs, o_sel, o_win, gates), then n_rows, T, HQ and the runs' split.
     ints = [("int", "i32_div16")] * 19 + [("int", "i32")] * 5
     flags = (
         ("WRITE_DO", ("value", True)),

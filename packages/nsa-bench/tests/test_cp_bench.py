@@ -60,7 +60,7 @@ def test_tiny_cpu_run_writes_every_row(tmp_path: Path) -> None:
         "1,2",
         "--seqlens",
         "37",
-        "--slc-exchanges",
+        "--sel-exchanges",
         "all_gather,prefix",
     )
     args = build_parser().parse_args(argv)
@@ -71,7 +71,7 @@ def test_tiny_cpu_run_writes_every_row(tmp_path: Path) -> None:
     recs = json.loads((out / "cp.json").read_text())
     assert [list(r) for r in recs] == [list(r) for r in rows]  # one schema for both files
     # W=1: the baseline and both exchanges; W=2: both exchanges.
-    keys = [(r["world_size"], r["T"], r["method"], r["slc_exchange"]) for r in rows]
+    keys = [(r["world_size"], r["T"], r["method"], r["sel_exchange"]) for r in rows]
     assert keys == [
         ("1", "37", "single", "-"),
         ("1", "37", "cp", "all_gather"),

@@ -457,16 +457,16 @@ def sliding_attention(
     return per_sequence(q, k, v, scale, cu_seqlens, attend)
 
 
-def gated_combine(o_cmp: Tensor, o_slc: Tensor, o_win: Tensor, gates: Tensor) -> Tensor:
-    """o[t,h] = g[t,h,0] o_cmp + g[t,h,1] o_slc + g[t,h,2] o_win."""
-    o_cmp, o_slc, o_win, gates = _f64(o_cmp), _f64(o_slc), _f64(o_win), _f64(gates)
+def gated_combine(o_cmp: Tensor, o_sel: Tensor, o_win: Tensor, gates: Tensor) -> Tensor:
+    """o[t,h] = g[t,h,0] o_cmp + g[t,h,1] o_sel + g[t,h,2] o_win."""
+    o_cmp, o_sel, o_win, gates = _f64(o_cmp), _f64(o_sel), _f64(o_win), _f64(gates)
     out = torch.zeros_like(o_cmp)
     bsz, length, hq, _ = o_cmp.shape
     for b in range(bsz):
         for t in range(length):
             for h in range(hq):
                 g = gates[b, t, h]
-                out[b, t, h] = g[0] * o_cmp[b, t, h] + g[1] * o_slc[b, t, h] + g[2] * o_win[b, t, h]
+                out[b, t, h] = g[0] * o_cmp[b, t, h] + g[1] * o_sel[b, t, h] + g[2] * o_win[b, t, h]
     return out
 
 
@@ -500,7 +500,7 @@ def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 # The whole NSAAttention layer from its parameters
 
-BRANCHES = ("cmp", "slc", "win")
+BRANCHES = ("cmp", "sel", "win")
 
 
 def _linear(params: dict[str, Tensor], name: str, x: Tensor) -> Tensor:
@@ -576,7 +576,7 @@ def layer_sequence(module: NSAAttention, x: Tensor) -> Tensor:
         for g in range(heads):
             picked = choose_blocks(scores[t, g].tolist(), t, l_sel, n)
             chosen[t, g, : len(picked)] = torch.tensor(picked, dtype=torch.int64)
-    o_slc = selected_sequence(q, inp["k_slc"], inp["v_slc"], chosen, l_sel, scale, 0)
+    o_sel = selected_sequence(q, inp["k_sel"], inp["v_sel"], chosen, l_sel, scale, 0)
     o_win = sliding_sequence(q, inp["k_win"], inp["v_win"], w, scale, 0)
 
     y = torch.zeros(length, x.shape[1], dtype=F64)
@@ -584,7 +584,7 @@ def layer_sequence(module: NSAAttention, x: Tensor) -> Tensor:
         o = torch.zeros(hq, dv, dtype=F64)
         for h in range(hq):
             gate = inp["gates"][t, h]
-            o[h] = gate[0] * o_cmp[t, h] + gate[1] * o_slc[t, h] + gate[2] * o_win[t, h]
+            o[h] = gate[0] * o_cmp[t, h] + gate[1] * o_sel[t, h] + gate[2] * o_win[t, h]
         y[t] = _linear(params, "o_proj", o.reshape(hq * dv))
     return y
 

@@ -364,7 +364,7 @@ def test_gated_combine_shapes() -> None:
     o = rand(B, T, HQ, DV)
     with pytest.raises(ValueError, match=r"gates \[1, 8, 4, 2\] must be \[B, T, HQ, 3\]"):
         gated_combine(o, o, o, rand(B, T, HQ, 2))
-    with pytest.raises(ValueError, match=r"o_slc \[1, 8, 4, 5\] differs from o_cmp \[1, 8, 4, 6\]"):
+    with pytest.raises(ValueError, match=r"o_sel \[1, 8, 4, 5\] differs from o_cmp \[1, 8, 4, 6\]"):
         gated_combine(o, rand(B, T, HQ, DV - 1), o, rand(B, T, HQ, 3))
     with pytest.raises(ValueError, match=r"o_win must have rank 4"):
         gated_combine(o, o, rand(T, HQ, DV), rand(B, T, HQ, 3))

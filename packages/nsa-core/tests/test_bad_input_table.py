@@ -155,7 +155,7 @@ def split_blocks_with(**over: Any) -> object:
 
 
 def combine_with(**over: Any) -> object:
-    args = {"o_cmp": branch(), "o_slc": branch(), "o_win": branch(), "gates": gates_()}
+    args = {"o_cmp": branch(), "o_sel": branch(), "o_win": branch(), "gates": gates_()}
     return call_with(gated_combine, args, (), over)
 
 
@@ -165,7 +165,7 @@ def nsa_attention_with(**over: Any) -> object:
 
 
 def kv_branches(**over: torch.Tensor) -> dict[str, torch.Tensor]:
-    return {"cmp": rand(B, T, H, DK), "slc": rand(B, T, H, DK), "win": rand(B, T, H, DK)} | over
+    return {"cmp": rand(B, T, H, DK), "sel": rand(B, T, H, DK), "win": rand(B, T, H, DK)} | over
 
 
 def layer_() -> NSAAttention:
@@ -236,8 +236,8 @@ def float64_cache(fx: Fixture) -> NSACache:
 def tokens(fx: Fixture, **over: torch.Tensor) -> dict[str, torch.Tensor]:
     """One token of K/V per branch for ``fx.cache``: k_* [B, 1, H, dk], v_* [B, 1, H, dv]."""
     base = {
-        "k_slc": rand(B, 1, H, DK),
-        "v_slc": rand(B, 1, H, DV),
+        "k_sel": rand(B, 1, H, DK),
+        "v_sel": rand(B, 1, H, DV),
         "k_win": rand(B, 1, H, DK),
         "v_win": rand(B, 1, H, DV),
         "k_raw": rand(B, 1, H, DK),
@@ -423,8 +423,8 @@ CASES = [
          lambda: combine_with(gates=torch.rand(B, T, HQ, 2))),
     case("gated_combine", "gates", "float64", TE, "gates dtype torch.float64 differs from o_cmp",
          lambda: combine_with(gates=torch.rand(B, T, HQ, 3, dtype=torch.float64))),
-    case("gated_combine", "o_slc", META, VE, "o_slc is on meta but o_cmp is on cpu",
-         lambda: combine_with(o_slc=rand(B, T, HQ, DV, device=META))),
+    case("gated_combine", "o_sel", META, VE, "o_sel is on meta but o_cmp is on cpu",
+         lambda: combine_with(o_sel=rand(B, T, HQ, DV, device=META))),
     case("gated_combine", "o_win", "[B, T-1, HQ, dv]", VE, "o_win [1, 7, 4, 6] differs from o_cmp",
          lambda: combine_with(o_win=rand(B, T - 1, HQ, DV))),
     # NSAConfig
@@ -475,11 +475,11 @@ CASES = [
         ("k", None, TE, "k must be a tensor or a mapping with keys"),
     ]),
     case("nsa_attention", "k", "no 'win'", TE, "k must be a tensor or a mapping with keys",
-         lambda: nsa_attention_with(k={"cmp": rand(B, T, H, DK), "slc": rand(B, T, H, DK)})),
+         lambda: nsa_attention_with(k={"cmp": rand(B, T, H, DK), "sel": rand(B, T, H, DK)})),
     case("nsa_attention", "k", "k['win'] T-1 tokens", VE, "k['win'] [1, 7, 2, 8] must hold q's 8",
          lambda: nsa_attention_with(
              k=kv_branches(win=rand(B, T - 1, H, DK)),
-             v={"cmp": rand(B, T, H, DV), "slc": rand(B, T, H, DV), "win": rand(B, T - 1, H, DV)},
+             v={"cmp": rand(B, T, H, DV), "sel": rand(B, T, H, DV), "win": rand(B, T - 1, H, DV)},
          )),
     case("nsa_attention", "gates", "[B, T, HQ, 2]", VE, "gates [1, 8, 4, 2] must be [B, T, HQ, 3]",
          lambda: nsa_attention_with(gates=torch.rand(B, T, HQ, 2))),
@@ -536,8 +536,8 @@ CASES = [
                    **tokens(fx, v_win=rand(B, 1, H, DV, dtype=torch.float64)))),
     state_case("NSACache.append_tokens", "k_raw", "H=1", VE, "k_raw [1, 1, 1, 8] must be [B=1",
                lambda fx: fx.cache.append_tokens(**tokens(fx, k_raw=rand(B, 1, 1, DK)))),
-    state_case("NSACache.append_tokens", "v_slc", "2 tokens", VE, "2 entries but k_slc holds 1",
-               lambda fx: fx.cache.append_tokens(**tokens(fx, v_slc=rand(B, 2, H, DV)))),
+    state_case("NSACache.append_tokens", "v_sel", "2 tokens", VE, "2 entries but k_sel holds 1",
+               lambda fx: fx.cache.append_tokens(**tokens(fx, v_sel=rand(B, 2, H, DV)))),
     state_case("NSACache.append_tokens", "k_win", META, VE, "k_win is on meta but the cache",
                lambda fx: fx.cache.append_tokens(
                    **tokens(fx, k_win=rand(B, 1, H, DK, device=META)))),

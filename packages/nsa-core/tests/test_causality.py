@@ -95,7 +95,7 @@ def test_selected_branch_reads_no_token_after_t_even_from_a_selected_future_bloc
                 every_block,
                 l_sel,
             )
-            assert_rows_unchanged(before, after, t, "o_slc")
+            assert_rows_unchanged(before, after, t, "o_sel")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

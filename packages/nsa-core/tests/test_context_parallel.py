@@ -29,15 +29,15 @@ from nsa_core.blocks import num_cmp_blocks
 from nsa_core.context_parallel import (
     CommTimer,
     Layout,
+    SelExchange,
     ShardPlan,
-    SlcExchange,
     context_parallel_layer_forward,
     context_parallel_nsa_attention,
 )
 from nsa_core.context_parallel.attention import block_layout
 from nsa_core.context_parallel.work import Sequences, plan_work
 
-BRANCHES = ("cmp", "slc", "win")
+BRANCHES = ("cmp", "sel", "win")
 FWD_BOUND = 1e-5  # docs/spec.md, float32 path
 GRAD_BOUND = 2e-5
 # phi_k's output bias shifts every compressed key of a head by the same vector: each query's
@@ -59,7 +59,7 @@ class Case:
     per_branch_kv: bool = False
     phi: str = "avg"
     cu_seqlens: tuple[int, ...] | None = None
-    slc_exchange: SlcExchange = "all_gather"
+    sel_exchange: SelExchange = "all_gather"
     batch: int = 1
     window: int = 8
     repeat: bool = False  # run twice and require bit-equal results
@@ -83,7 +83,7 @@ class Case:
 CASES = (
     Case("dense-g1-contiguous-shared", 45, 1, "contiguous", batch=2, repeat=True),
     Case("dense-g4-zigzag-branches-mlp", 45, 4, "zigzag", per_branch_kv=True, phi="mlp"),
-    Case("dense-g4-zigzag-shared-prefix", 37, 4, "zigzag", slc_exchange="prefix", window=16),
+    Case("dense-g4-zigzag-shared-prefix", 37, 4, "zigzag", sel_exchange="prefix", window=16),
     Case(
         "varlen-g1-zigzag-branches-prefix",
         45,
@@ -91,7 +91,7 @@ CASES = (
         "zigzag",
         per_branch_kv=True,
         cu_seqlens=(0, 3, 20, 20, 31, 45),
-        slc_exchange="prefix",
+        sel_exchange="prefix",
     ),
     Case(
         "varlen-g4-contiguous-shared-mlp",
@@ -119,7 +119,7 @@ SUBGROUP_CASE = Case(
     4,
     "contiguous",
     per_branch_kv=True,
-    slc_exchange="prefix",
+    sel_exchange="prefix",
 )
 SUBGROUP_SEED = len(CASES)
 # A whole NSAAttention layer (per-branch projections, RoPE at each sequence's positions).
@@ -179,7 +179,7 @@ def leaves(
 ) -> dict[str, torch.Tensor]:
     """The tensors that take gradients, by name (one k/v when the branches share it)."""
     named = {"q": q, "gates": gates}
-    for br in BRANCHES if case.per_branch_kv else ("slc",):
+    for br in BRANCHES if case.per_branch_kv else ("sel",):
         named[f"k_{br}"] = k[br]
         named[f"v_{br}"] = v[br]
     return named
@@ -212,7 +212,7 @@ def _branch_args(
     """k/v as the core takes them: one shared tensor, or the per-branch mapping."""
     if case.per_branch_kv:
         return k, v
-    return k["slc"], v["slc"]
+    return k["sel"], v["sel"]
 
 
 def run_rank(
@@ -228,8 +228,8 @@ def run_rank(
         v = {br: _with_grad(plan.shard(inp.v[br], rank)) for br in BRANCHES}
     else:
         k_one, v_one = (
-            _with_grad(plan.shard(inp.k["slc"], rank)),
-            _with_grad(plan.shard(inp.v["slc"], rank)),
+            _with_grad(plan.shard(inp.k["sel"], rank)),
+            _with_grad(plan.shard(inp.v["sel"], rank)),
         )
         k, v = dict.fromkeys(BRANCHES, k_one), dict.fromkeys(BRANCHES, v_one)
     cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
@@ -245,7 +245,7 @@ def run_rank(
         phi_k=inp.phi_k,
         phi_v=inp.phi_v,
         cu_seqlens=cu,
-        slc_exchange=case.slc_exchange,
+        sel_exchange=case.sel_exchange,
         group=group,
         timer=timer,
     )
@@ -339,7 +339,7 @@ def reference(case: Case, seed: int) -> dict[str, torch.Tensor]:
         k = {br: _with_grad(inp.k[br]) for br in BRANCHES}
         v = {br: _with_grad(inp.v[br]) for br in BRANCHES}
     else:
-        k_one, v_one = _with_grad(inp.k["slc"]), _with_grad(inp.v["slc"])
+        k_one, v_one = _with_grad(inp.k["sel"]), _with_grad(inp.v["sel"])
         k, v = dict.fromkeys(BRANCHES, k_one), dict.fromkeys(BRANCHES, v_one)
     cu = None if case.cu_seqlens is None else torch.tensor(case.cu_seqlens, dtype=torch.int32)
     k_arg, v_arg = _branch_args(case, k, v)
@@ -507,20 +507,20 @@ def test_bad_arguments(single_rank_group: None) -> None:
     case = CASES[0]
     inp = make_inputs(case, 0)
     cfg = case.config()
-    args = (inp.q, inp.k["slc"], inp.v["slc"], inp.gates, cfg)
+    args = (inp.q, inp.k["sel"], inp.v["sel"], inp.gates, cfg)
     with pytest.raises(TypeError, match="plan must be a ShardPlan"):
         context_parallel_nsa_attention(*args, (45, 1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="plan is for 2 ranks"):
         context_parallel_nsa_attention(*args, ShardPlan(45, 2))
     with pytest.raises(ValueError, match="must hold rank 0's 44 tokens"):
         context_parallel_nsa_attention(*args, ShardPlan(44, 1))
-    with pytest.raises(ValueError, match="slc_exchange"):
-        context_parallel_nsa_attention(*args, ShardPlan(45, 1), slc_exchange="ring")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sel_exchange"):
+        context_parallel_nsa_attention(*args, ShardPlan(45, 1), sel_exchange="ring")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cu_seqlens must end at T=45"):
         context_parallel_nsa_attention(
             inp.q[:1],
-            inp.k["slc"][:1],
-            inp.v["slc"][:1],
+            inp.k["sel"][:1],
+            inp.v["sel"][:1],
             inp.gates[:1],
             cfg,
             ShardPlan(45, 1),

@@ -63,9 +63,9 @@ def test_reference_core_is_the_step_ops_composed(gen: torch.Generator) -> None:
     scale = CONFIG.softmax_scale
     o_cmp = ops.compressed_attention(q, k_cmp, v_cmp, 4, 2, scale)
     indices, _ = ops.select_blocks(q, k_cmp, 4, 2, 4, 3, scale)
-    o_slc = ops.selected_attention(q, k, v, indices, 4, scale)
+    o_sel = ops.selected_attention(q, k, v, indices, 4, scale)
     o_win = ops.sliding_attention(q, k, v, 6, scale)
-    expected = ops.gated_combine(o_cmp, o_slc, o_win, gates)
+    expected = ops.gated_combine(o_cmp, o_sel, o_win, gates)
     torch.testing.assert_close(
         attention_core(q, k_cmp, v_cmp, k, v, k, v, gates, CONFIG), expected, rtol=0, atol=0
     )
@@ -115,7 +115,7 @@ def test_the_checked_core_refuses_bad_arguments(
     k_cmp = compress(k, CONFIG.cmp_block, CONFIG.cmp_stride)
     v_cmp = compress(v, CONFIG.cmp_block, CONFIG.cmp_stride)
     args: dict[str, object] = {
-        "q": q, "k_cmp": k_cmp, "v_cmp": v_cmp, "k_slc": k, "v_slc": v, "k_win": k,
+        "q": q, "k_cmp": k_cmp, "v_cmp": v_cmp, "k_sel": k, "v_sel": v, "k_win": k,
         "v_win": v, "gates": gates, "config": CONFIG,
     }  # fmt: skip
     args.update(change)

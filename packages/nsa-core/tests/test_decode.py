@@ -224,12 +224,12 @@ def test_cache_appends_are_bitwise_independent_of_chunking(
     lc, d = cfg.cmp_block, cfg.cmp_stride
     kv = {
         name: torch.randn(batch, t, h, dim, generator=gen, dtype=torch.float64).to(dtype)
-        for name, dim in [("k_slc", 8), ("v_slc", 6), ("k_win", 8), ("v_win", 6),
+        for name, dim in [("k_sel", 8), ("v_sel", 6), ("k_win", 8), ("v_win", 6),
                           ("k_raw", 8), ("v_raw", 6)]
     }  # fmt: skip
 
     def tokens(lo: int, hi: int) -> list[torch.Tensor]:
-        return [kv[n][:, lo:hi] for n in ("k_slc", "v_slc", "k_win", "v_win", "k_raw", "v_raw")]
+        return [kv[n][:, lo:hi] for n in ("k_sel", "v_sel", "k_win", "v_win", "k_raw", "v_raw")]
 
     whole = NSACache.empty(cfg, batch, capacity=t, dtype=dtype)
     whole.append_tokens(*tokens(0, t))
@@ -254,7 +254,7 @@ def test_cache_appends_are_bitwise_independent_of_chunking(
     assert whole.num_cmp == parts.num_cmp == num_cmp_blocks(t, lc, d)
     for name, value in whole.state().items():
         assert torch.equal(value, parts.state()[name]), name
-    assert torch.equal(whole.k_slc, kv["k_slc"])
+    assert torch.equal(whole.k_sel, kv["k_sel"])
     assert torch.equal(whole.k_win, kv["k_win"][:, -cfg.window :])
     assert torch.equal(whole.v_raw, kv["v_raw"][:, whole.num_cmp * d :])
 
@@ -273,7 +273,7 @@ def test_cache_state_while_filling(gen: torch.Generator) -> None:
         lo = max(0, t + 1 - 6)
         assert torch.equal(cache.k_win, k[:, lo : t + 1])
         assert torch.equal(cache.k_raw, k[:, cache.num_cmp * 4 : t + 1])
-        assert torch.equal(cache.k_slc, k[:, : t + 1])
+        assert torch.equal(cache.k_sel, k[:, : t + 1])
         assert cache.num_cmp == num_cmp_blocks(t + 1, 8, 4)
         if cache.num_cmp:
             expected = torch.stack(

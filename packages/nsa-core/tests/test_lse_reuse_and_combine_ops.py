@@ -251,8 +251,8 @@ def test_module_combines_through_the_registry(gen: torch.Generator) -> None:
 
 
 def test_gated_combine_checks_its_arguments(gen: torch.Generator) -> None:
-    o_cmp, o_slc, o_win, gates = _branches(gen)
+    o_cmp, o_sel, o_win, gates = _branches(gen)
     with pytest.raises(ValueError, match="gates"):
-        ops.gated_combine(o_cmp, o_slc, o_win, gates[..., :2])
+        ops.gated_combine(o_cmp, o_sel, o_win, gates[..., :2])
     with pytest.raises(TypeError, match="dtype"):
-        ops.gated_combine(o_cmp, o_slc.float(), o_win, gates)
+        ops.gated_combine(o_cmp, o_sel.float(), o_win, gates)

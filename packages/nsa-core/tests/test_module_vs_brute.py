@@ -1,6 +1,6 @@
 """The whole NSAAttention layer against the brute force built from its parameters (tests/brute.py).
 
-The brute force reads q_proj, k_proj[c], v_proj[c] (c in cmp, slc, win), the gate MLP, phi_k/phi_v
+The brute force reads q_proj, k_proj[c], v_proj[c] (c in cmp, sel, win), the gate MLP, phi_k/phi_v
 and o_proj from the module, rotates q and every key by its position, and runs the three branches
 token by token in float64. A float32 layer may choose other blocks where two scores are within
 rounding of each other (top-n is discontinuous); the float32 cases check that the inputs have no

@@ -213,7 +213,7 @@ def test_varlen_sequences_are_isolated(gen: torch.Generator, where: str, value: 
         indices, _ = ref.select_blocks(q, k_cmp, l_cmp, d, l_sel, n, cu_seqlens=cu)
         return {
             "cmp": ref.compressed_attention(q, k_cmp, v_cmp, l_cmp, d, cu_seqlens=cu),
-            "slc": ref.selected_attention(q, k, v, indices, l_sel, cu_seqlens=cu),
+            "sel": ref.selected_attention(q, k, v, indices, l_sel, cu_seqlens=cu),
             "win": ref.sliding_attention(q, k, v, w, cu_seqlens=cu),
         }
 
@@ -257,8 +257,8 @@ def module_expected_rows(layer: NSAAttention, x: torch.Tensor, s: int) -> torch.
     first_block = max(0, -(-(s - cfg.cmp_block + 1) // cfg.cmp_stride))
     # The first compressed block holding s is the first a query sees: blocks end in order.
     sees_cmp = cmp_sees(t, first_block, cfg.cmp_block, cfg.cmp_stride)
-    sees_slc = (indices[0] == s // cfg.sel_block).any(dim=-1).any(dim=-1) & (s <= t)
-    return sliding_sees(t, s, cfg.window) | sees_cmp | sees_slc
+    sees_sel = (indices[0] == s // cfg.sel_block).any(dim=-1).any(dim=-1) & (s <= t)
+    return sliding_sees(t, s, cfg.window) | sees_cmp | sees_sel
 
 
 @pytest.mark.parametrize("value", BAD_VALUES, ids=["nan", "inf"])

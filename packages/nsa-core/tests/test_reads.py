@@ -113,7 +113,7 @@ def decode_run(
     with torch.no_grad():
         for t in range(x.shape[1]):
             _, s = layer.decode(x[:, t : t + 1], cache)
-            rows.append((s.position, s.reads_cmp, s.reads_slc, s.reads_win, s.reads_actual,
+            rows.append((s.position, s.reads_cmp, s.reads_sel, s.reads_win, s.reads_actual,
                          s.reads_expected))  # fmt: skip
     return rows
 
@@ -121,13 +121,13 @@ def decode_run(
 def check_run(cfg: NSAConfig, layer: NSAAttention, x: torch.Tensor) -> None:
     batch, h = x.shape[0], cfg.num_kv_heads
     lc, d, ls, n, w = cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected, cfg.window
-    for t, r_cmp, r_slc, r_win, r_all, r_exp in decode_run(layer, x):
+    for t, r_cmp, r_sel, r_win, r_all, r_exp in decode_run(layer, x):
         assert r_all.shape == (batch, h)
         n_cmp = 0 if t + 1 < lc else (t + 1 - lc) // d + 1
         blocks = min(n, t // ls + 1)
         assert r_exp == expected_reads(t, cfg) == spec_reads(t, cfg)
         assert (r_cmp == n_cmp).all(), t
-        assert (r_slc == (t % ls + 1) + (blocks - 1) * ls).all(), t
+        assert (r_sel == (t % ls + 1) + (blocks - 1) * ls).all(), t
         assert (r_win == min(w, t + 1)).all(), t
         assert (r_all == r_exp).all(), (t, r_all.tolist(), r_exp)
 

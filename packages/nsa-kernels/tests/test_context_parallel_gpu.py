@@ -40,7 +40,7 @@ class Case:
     name: str
     tokens: int
     layout: str
-    slc_exchange: str
+    sel_exchange: str
     cu_seqlens: tuple[int, ...] | None = None
 
 
@@ -98,7 +98,7 @@ def worker(rank: int, world: int, store: str, out_dir: str) -> None:
                 CONFIG,
                 plan,
                 cu_seqlens=cu,
-                slc_exchange=case.slc_exchange,  # type: ignore[arg-type]
+                sel_exchange=case.sel_exchange,  # type: ignore[arg-type]
             )
             out.backward(grad_out)
             result = {"out": out.detach().float().cpu()}

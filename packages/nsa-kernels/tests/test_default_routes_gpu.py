@@ -305,7 +305,7 @@ def test_the_core_at_16k_in_bfloat16_is_the_same_with_and_without_the_local_soft
         shared = nsa_core.nsa_attention(q, k, v, gates, config)
         assert calls == [1]
         apart = nsa_core.nsa_attention(
-            q, {"cmp": k, "slc": k.clone(), "win": k}, {"cmp": v, "slc": v.clone(), "win": v},
+            q, {"cmp": k, "sel": k.clone(), "win": k}, {"cmp": v, "sel": v.clone(), "win": v},
             gates, config,
         )  # fmt: skip
     assert calls == [1]

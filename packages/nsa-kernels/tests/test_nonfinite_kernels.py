@@ -242,7 +242,7 @@ def test_varlen_sequences_are_isolated(request: pytest.FixtureRequest, value: fl
             "cmp": compressed_attention_triton(
                 q, k_cmp, v_cmp, L_CMP, D_CMP, cu_seqlens=cu_dev, config=CMP_TILES
             ),
-            "slc": selected_attention_triton(
+            "sel": selected_attention_triton(
                 q, k, v, indices, L_SEL, cu_seqlens=cu_dev, config=SEL_TILES
             ),
         }
@@ -264,8 +264,8 @@ def test_varlen_sequences_are_isolated(request: pytest.FixtureRequest, value: fl
 # One value per branch keeps the interpreter time down; each value meets two branches overall.
 @pytest.mark.parametrize(
     ("branch", "value"),
-    [("cmp", nonfinite.NAN), ("slc", nonfinite.INF), ("win", nonfinite.NAN)],
-    ids=["cmp", "slc", "win"],
+    [("cmp", nonfinite.NAN), ("sel", nonfinite.INF), ("win", nonfinite.NAN)],
+    ids=["cmp", "sel", "win"],
 )
 def test_decode_steps_follow_the_reference(
     request: pytest.FixtureRequest, branch: str, value: float
@@ -278,8 +278,8 @@ def test_decode_steps_follow_the_reference(
     )  # fmt: skip
     tokens, s, start = 44, 20, 12
     q = randn(gen, 2, tokens, HQ, DK)
-    k = {name: randn(gen, 2, tokens, H, DK) for name in ("cmp", "slc", "win")}
-    v = {name: randn(gen, 2, tokens, H, DV) for name in ("cmp", "slc", "win")}
+    k = {name: randn(gen, 2, tokens, H, DK) for name in ("cmp", "sel", "win")}
+    v = {name: randn(gen, 2, tokens, H, DV) for name in ("cmp", "sel", "win")}
     gates = torch.rand(2, tokens, HQ, 3, generator=gen).to(dev(), F32)
     v[branch] = v[branch].clone()
     v[branch][0, s, nonfinite.pick(gen, H), nonfinite.pick(gen, DV)] = value
@@ -290,7 +290,7 @@ def test_decode_steps_follow_the_reference(
         seq = torch.arange(2, device=dev())
         step = StepInputs(
             q=q[seq, pos], k_cmp=k["cmp"][seq, pos], v_cmp=v["cmp"][seq, pos],
-            k_slc=k["slc"][seq, pos], v_slc=v["slc"][seq, pos], k_win=k["win"][seq, pos],
+            k_sel=k["sel"][seq, pos], v_sel=v["sel"][seq, pos], k_win=k["win"][seq, pos],
             v_win=v["win"][seq, pos], gates=gates[seq, pos],
         )  # fmt: skip
         out = decode_step(state, step, plan=plan)
@@ -305,7 +305,7 @@ def test_decode_steps_follow_the_reference(
         idx = out.indices[:1].cpu().to(torch.int64).unsqueeze(1)
         o_ref = ref.gated_combine(
             ref.compressed_attention(q0, k_cmp, v_cmp, L_CMP, D_CMP, q_start=t),
-            ref.selected_attention(q0, k0["slc"], v0["slc"], idx, L_SEL, q_start=t),
+            ref.selected_attention(q0, k0["sel"], v0["sel"], idx, L_SEL, q_start=t),
             ref.sliding_attention(q0, k0["win"], v0["win"], WINDOW, q_start=t),
             gates[:1, t : t + 1].double().cpu(),
         )

@@ -5,7 +5,7 @@ count become ``skipped`` rows) and each length T (``--seqlens``, default 128k..1
 every rank holds its shard of random q, k, v (one K/V shared by the three branches) and gates
 (B=1, HQ=64, H=4, dk=192, dv=128, l=32, d=16, l'=64, n=16, w=512, bf16 on CUDA by default) and
 runs :func:`nsa_core.context_parallel.context_parallel_nsa_attention` forward and backward.
-Methods: ``cp`` (the sharded core, for each ``--slc-exchanges`` mode and ``--layout``) and, at
+Methods: ``cp`` (the sharded core, for each ``--sel-exchanges`` mode and ``--layout``) and, at
 W=1, ``single`` (plain :func:`nsa_core.nsa_attention`, the baseline of ``vs_single``).
 
 Per row: ``step_ms`` the median over ``--iters`` steps of the slowest rank's forward + backward
@@ -62,11 +62,11 @@ from nsa_bench.timing import synchronize
 from nsa_core import NSAConfig, nsa_attention
 from nsa_core.context_parallel import (
     LAYOUTS,
-    SLC_EXCHANGES,
+    SEL_EXCHANGES,
     CommTimer,
     Layout,
+    SelExchange,
     ShardPlan,
-    SlcExchange,
     context_parallel_nsa_attention,
 )
 
@@ -78,7 +78,7 @@ class Row:
     world_size: int
     T: int
     method: str
-    slc_exchange: str
+    sel_exchange: str
     layout: str
     dtype: str
     device: str
@@ -113,7 +113,7 @@ class Settings:
     config: NSAConfig
     device: str
     layout: Layout
-    slc_exchanges: tuple[SlcExchange, ...]
+    sel_exchanges: tuple[SelExchange, ...]
     iters: int
     warmup: int
     comm_iters: int
@@ -174,7 +174,7 @@ def _gather_floats(value: float, world: int, device: torch.device) -> list[float
 def time_case(
     s: Settings,
     shape: Shape,
-    exchange: SlcExchange | None,
+    exchange: SelExchange | None,
     rank: int,
     world: int,
     device: torch.device,
@@ -200,7 +200,7 @@ def time_case(
                 gates,
                 s.config,
                 plan,
-                slc_exchange=exchange,
+                sel_exchange=exchange,
                 timer=timer,
             )
         torch.autograd.backward(out, grad_out)
@@ -239,23 +239,23 @@ def time_case(
     return row
 
 
-def _cases(s: Settings, world: int) -> list[tuple[Shape, SlcExchange | None]]:
+def _cases(s: Settings, world: int) -> list[tuple[Shape, SelExchange | None]]:
     """(shape, exchange) in run order: lengths ascending, the baseline (None) first at W=1."""
-    cases: list[tuple[Shape, SlcExchange | None]] = []
+    cases: list[tuple[Shape, SelExchange | None]] = []
     for shape in s.shapes:
         if world == 1:
             cases.append((shape, None))
-        cases += [(shape, exchange) for exchange in s.slc_exchanges]
+        cases += [(shape, exchange) for exchange in s.sel_exchanges]
     return cases
 
 
-def _case_key(exchange: SlcExchange | None) -> tuple[str, str]:
-    """(method, slc_exchange) as the rows write them."""
+def _case_key(exchange: SelExchange | None) -> tuple[str, str]:
+    """(method, sel_exchange) as the rows write them."""
     return ("single", "-") if exchange is None else ("cp", exchange)
 
 
 def case_row(
-    s: Settings, world: int, shape: Shape, exchange: SlcExchange | None, **extra: Any
+    s: Settings, world: int, shape: Shape, exchange: SelExchange | None, **extra: Any
 ) -> Row:
     """The row of one case, its numbers still to come (``extra`` sets any column)."""
     method, name = _case_key(exchange)
@@ -329,7 +329,7 @@ def _failure_rows(s: Settings, world: int, done: list[Row], rows_path: Path, why
     status = why
     if failures:
         status = json.loads(failures[0].read_text())["status"]
-    finished = {(r.T, r.method, r.slc_exchange) for r in done}
+    finished = {(r.T, r.method, r.sel_exchange) for r in done}
     rows = []
     for shape, exchange in _cases(s, world):
         if (shape.seq_len, *_case_key(exchange)) in finished:
@@ -387,13 +387,13 @@ def write_tables(rows: Sequence[Row], out: Path) -> tuple[Path, Path]:
 def table(rows: Sequence[Row]) -> list[str]:
     """The Markdown table of every row."""
     lines = [
-        "| W | T | method | slc exchange | step ms | tokens/s | vs single | comm fwd ms "
+        "| W | T | method | sel exchange | step ms | tokens/s | vs single | comm fwd ms "
         "| comm bwd ms | comm share | peak MiB/rank | status |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r.world_size} | {r.T} | {r.method} | {r.slc_exchange} | "
+            f"| {r.world_size} | {r.T} | {r.method} | {r.sel_exchange} | "
             f"{finite_or_dash(r.step_ms, '.2f')} | {finite_or_dash(r.tokens_per_s, '.0f')} | "
             f"{finite_or_dash(r.vs_single, '.2f')} | {finite_or_dash(r.comm_fwd_ms, '.2f')} | "
             f"{finite_or_dash(r.comm_bwd_ms, '.2f')} | {finite_or_dash(r.comm_share, '.1%')} | "
@@ -408,7 +408,7 @@ def _log(text: str) -> None:
 
 def _progress(row: Row) -> str:
     return (
-        f"[cp] W={row.world_size} T={row.T:<8d} {row.method:6s} {row.slc_exchange:10s} "
+        f"[cp] W={row.world_size} T={row.T:<8d} {row.method:6s} {row.sel_exchange:10s} "
         f"{finite_or_dash(row.step_ms, '10.2f')} ms  "
         f"comm {finite_or_dash(row.comm_fwd_ms, '.2f')}+"
         f"{finite_or_dash(row.comm_bwd_ms, '.2f')} ms  "
@@ -434,9 +434,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="how T is split")
     parser.add_argument(
-        "--slc-exchanges",
+        "--sel-exchanges",
         default="all_gather",
-        help=f"selected-branch K/V exchanges to time, comma-separated: {', '.join(SLC_EXCHANGES)}",
+        help=f"selected-branch K/V exchanges to time, comma-separated: {', '.join(SEL_EXCHANGES)}",
     )
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
@@ -455,17 +455,17 @@ def settings(args: argparse.Namespace) -> Settings:
     """The run's settings from the command line (validated)."""
     ((hq, h),) = parse_pairs(args.heads)
     ((dk, dv),) = parse_pairs(args.head_dims)
-    names = [x.strip() for x in args.slc_exchanges.split(",") if x.strip()]
-    exchanges = tuple(x for x in SLC_EXCHANGES if x in names)
+    names = [x.strip() for x in args.sel_exchanges.split(",") if x.strip()]
+    exchanges = tuple(x for x in SEL_EXCHANGES if x in names)
     if not exchanges or len(exchanges) != len(set(names)):
-        raise argparse.ArgumentTypeError(f"--slc-exchanges: choose from {SLC_EXCHANGES}")
+        raise argparse.ArgumentTypeError(f"--sel-exchanges: choose from {SEL_EXCHANGES}")
     layout = next(x for x in LAYOUTS if x == args.layout)
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     lengths = sorted(parse_length(x) for x in args.seqlens.split(",") if x.strip())
     shapes = tuple(Shape(args.batch, t, hq, h, dk, dv, dtype) for t in lengths)
     config = blocks_config(args, (hq, h), (dk, dv))
     given = {name: getattr(args, name) for name in SETTINGS_AS_GIVEN}
-    return Settings(shapes, config, layout=layout, slc_exchanges=exchanges, **given)
+    return Settings(shapes, config, layout=layout, sel_exchanges=exchanges, **given)
 
 
 def _finish(rows: list[Row], out: Path) -> None:

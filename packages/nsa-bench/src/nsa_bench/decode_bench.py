@@ -15,7 +15,7 @@ call advances them by one token, as decoding does:
   layer step of the same hidden size (q/K/V/output projections around the better dense
   attention);
 - reads: the keys each branch's softmax covered per (sequence, kv head) at the last step
-  (``reads_cmp``, ``reads_slc``, ``reads_win``), their sum against ``expected_reads``.
+  (``reads_cmp``, ``reads_sel``, ``reads_win``), their sum against ``expected_reads``.
 
 With ``--graph`` (the default) every step is one CUDA graph replayed token after token (median
 over ``--repeats`` timings of ``--iters`` back-to-back replays, CUDA events); ``--no-graph``
@@ -80,7 +80,7 @@ def filled_state(
 
     state = DecodeState.empty(cfg, batch, capacity, device="cuda", dtype=dtype)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for buf in (state.k_slc, state.v_slc, state.k_win, state.v_win, state.k_raw, state.v_raw):
+    for buf in (state.k_sel, state.v_sel, state.k_win, state.v_win, state.k_raw, state.v_raw):
         buf.normal_(generator=gen)
     state.k_cmp.normal_(generator=gen)
     state.v_cmp.normal_(generator=gen)
@@ -280,7 +280,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 CSV_COLUMNS = (
     "B", "S", "ms_step", "ms_layer", "tokens_per_s", "ms_sdpa", "ms_fa2", "ms_dense_layer",
-    "speedup", "layer_speedup", "reads_cmp", "reads_slc", "reads_win", "reads_total",
+    "speedup", "layer_speedup", "reads_cmp", "reads_sel", "reads_win", "reads_total",
     "reads_expected", "plan", "device",
 )  # fmt: skip
 
@@ -307,7 +307,7 @@ def measure_case(
     for kernel_cfg in candidates:
         ms, graph, outputs = nsa_step_ms(state, kernel_cfg, args)
         plan_text = graph.plan.describe() if graph is not None else ""
-        reads = outputs.reads.float().mean(dim=(1, 2)).tolist()  # [3]: cmp, slc, win
+        reads = outputs.reads.float().mean(dim=(1, 2)).tolist()  # [3]: cmp, sel, win
         timed.append((ms, kernel_cfg, plan_text, reads))
         del graph, outputs
     ms, best_cfg, plan_text, reads = min(timed, key=lambda x: x[0])
@@ -345,7 +345,7 @@ def measure_case(
             None if dense_layer is None or ms_layer is None else round(dense_layer / ms_layer, 3)
         ),
         "reads_cmp": reads[0],
-        "reads_slc": reads[1],
+        "reads_sel": reads[1],
         "reads_win": reads[2],
         "reads_total": sum(reads),
         "reads_expected": expected_reads(last_position, cfg),

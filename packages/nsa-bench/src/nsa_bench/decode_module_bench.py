@@ -115,7 +115,7 @@ def bench_one(
         scale = cfg.softmax_scale
         toggles = get_toggles()
         cmp_fn = resolve("compressed_attention", ctx, toggles).backend.fn
-        slc_fn = resolve("selected_attention", ctx, toggles).backend.fn
+        sel_fn = resolve("selected_attention", ctx, toggles).backend.fn
         win_fn = resolve("sliding_attention", ctx, toggles).backend.fn
 
         def run_cmp() -> object:
@@ -141,8 +141,8 @@ def bench_one(
                 scale,
                 q_start=s,
             )
-            return slc_fn(
-                q, after.k_slc, after.v_slc, idx, cfg.sel_block, scale, q_start=s, toggles=toggles
+            return sel_fn(
+                q, after.k_sel, after.v_sel, idx, cfg.sel_block, scale, q_start=s, toggles=toggles
             )
 
         win_start = after.k_win.shape[1] - 1
@@ -169,8 +169,8 @@ def bench_one(
 
         g = cfg.group_size
         qd = q.transpose(1, 2)  # [B, HQ, 1, dk]
-        kd = after.k_slc.repeat_interleave(g, dim=2).transpose(1, 2)  # [B, HQ, S+1, dk]
-        vd = after.v_slc.repeat_interleave(g, dim=2).transpose(1, 2)
+        kd = after.k_sel.repeat_interleave(g, dim=2).transpose(1, 2)  # [B, HQ, S+1, dk]
+        vd = after.v_sel.repeat_interleave(g, dim=2).transpose(1, 2)
         if use_graph:
             ms_dense = graph_median_ms(
                 lambda: lambda: _dense_decode(qd, kd, vd),

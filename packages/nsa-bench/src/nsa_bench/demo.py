@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         _, cache = layer.prefill(x[:, : args.prefill])
         prefill_ms = (time.perf_counter() - start) * 1e3
         print(f"\nprefill {args.prefill} tokens: {prefill_ms:.1f} ms")
-        print("\n     pos   cmp   slc   win  actual  expected  step_ms")
+        print("\n     pos   cmp   sel   win  actual  expected  step_ms")
         show = {0, args.steps - 1} | set(range(0, args.steps, max(1, args.steps // 8)))
         mismatches = 0
         for i in range(args.steps):
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             if i in show:
                 print(
                     f"{stats.position:8d} {int(stats.reads_cmp.max()):5d} "
-                    f"{int(stats.reads_slc.max()):5d} {int(stats.reads_win.max()):5d} "
+                    f"{int(stats.reads_sel.max()):5d} {int(stats.reads_win.max()):5d} "
                     f"{actual:7d} {stats.reads_expected:9d} {step_ms:8.2f}"
                 )
     print(

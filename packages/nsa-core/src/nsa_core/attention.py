@@ -30,7 +30,7 @@ from nsa_core.reference.selected_attention import selected_visibility
 from nsa_core.registry import resolve_fn
 from nsa_core.toggles import get_toggles
 
-BRANCHES = ("cmp", "slc", "win")
+BRANCHES = ("cmp", "sel", "win")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -42,7 +42,7 @@ class BranchInputs:
 
     q [B, T, HQ, dk] and every key are rotated by token position; values are not.
     ``k["cmp"]``/``v["cmp"]`` are the raw (uncompressed) compressed-branch keys and values.
-    gates [B, T, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+    gates [B, T, HQ, 3] in (0, 1), ordered (cmp, sel, win).
     """
 
     q: torch.Tensor
@@ -61,14 +61,14 @@ class DecodeStats:
 
     position: int
     reads_cmp: torch.Tensor
-    reads_slc: torch.Tensor
+    reads_sel: torch.Tensor
     reads_win: torch.Tensor
     reads_expected: int
 
     @property
     def reads_actual(self) -> torch.Tensor:
         """[B, H] total tokens read by the step."""
-        return self.reads_cmp + self.reads_slc + self.reads_win
+        return self.reads_cmp + self.reads_sel + self.reads_win
 
 
 def positions_of(
@@ -88,8 +88,8 @@ def branch_outputs(
     q: torch.Tensor,
     k_cmp: torch.Tensor,
     v_cmp: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
+    k_sel: torch.Tensor,
+    v_sel: torch.Tensor,
     k_win: torch.Tensor,
     v_win: torch.Tensor,
     *,
@@ -97,11 +97,11 @@ def branch_outputs(
     win_start: int | None = None,
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """o_cmp, o_slc, o_win [B, Tq, HQ, dv] and the block indices [B, Tq, H, n] used: the step ops
+    """o_cmp, o_sel, o_win [B, Tq, HQ, dv] and the block indices [B, Tq, H, n] used: the step ops
     one by one, for a caller that needs the branches apart (the decode step and its statistics;
     the gated output is :func:`nsa_core.core.attention_core`).
 
-    q [B, Tq, HQ, dk] at positions ``q_start + r``; k_slc/v_slc hold every token from 0;
+    q [B, Tq, HQ, dk] at positions ``q_start + r``; k_sel/v_sel hold every token from 0;
     k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
     Block scoring takes the compressed branch's log-sum-exp when its backend yields one
     (:func:`nsa_core.ops.compressed_attention_with_lse`), detached.
@@ -109,12 +109,12 @@ def branch_outputs(
     o_cmp, indices = _compressed_and_indices(
         config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
     )
-    o_slc = ops.selected_attention(
-        q, k_slc, v_slc, indices, config.sel_block, config.softmax_scale,
+    o_sel = ops.selected_attention(
+        q, k_sel, v_sel, indices, config.sel_block, config.softmax_scale,
         q_start=q_start, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
-    return o_cmp, o_slc, o_win, indices
+    return o_cmp, o_sel, o_win, indices
 
 
 def _compressed_and_indices(
@@ -205,7 +205,7 @@ def check_nsa_attention(
         check_attention_args(q, ks[b], vs[b], k_name=f"k[{b!r}]", v_name=f"v[{b!r}]")
         if ks[b].shape[1] != q.shape[1]:
             raise ValueError(f"k[{b!r}] {shape(ks[b])} must hold q's {q.shape[1]} tokens")
-    check_heads_and_gates(q, ks["slc"], vs["slc"], gates, config)
+    check_heads_and_gates(q, ks["sel"], vs["sel"], gates, config)
     for name, phi in (("phi_k", phi_k), ("phi_v", phi_v)):
         if phi is not None and not isinstance(phi, nn.Module):
             raise TypeError(f"{name} must be a torch.nn.Module or None, got {type(phi).__name__}")
@@ -230,8 +230,8 @@ def nsa_attention(
     Args:
         q: [B, T, HQ, dk], rotated.
         k, v: [B, T, H, dk] and [B, T, H, dv] shared by the three branches (the spec's allowed
-            special case), or mappings ``{"cmp": ..., "slc": ..., "win": ...}`` of them.
-        gates: [B, T, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+            special case), or mappings ``{"cmp": ..., "sel": ..., "win": ...}`` of them.
+        gates: [B, T, HQ, 3] in (0, 1), ordered (cmp, sel, win).
         config: the NSA geometry (l, d, l', n, w, scale); its head counts must match q and k.
         phi_k, phi_v: learned compression (``CompressMLP``); None means the mean.
         cu_seqlens: int32 [S+1] for packed sequences (B == 1).
@@ -246,7 +246,7 @@ def nsa_attention(
     k_cmp = compress_impl(ks["cmp"], l_cmp, d, phi_k, cu_seqlens=cu_seqlens)
     v_cmp = compress_impl(vs["cmp"], l_cmp, d, phi_v, cu_seqlens=cu_seqlens)
     return run_attention_core(
-        q, k_cmp, v_cmp, ks["slc"], vs["slc"], ks["win"], vs["win"], gates, config,
+        q, k_cmp, v_cmp, ks["sel"], vs["sel"], ks["win"], vs["win"], gates, config,
         cu_seqlens=cu_seqlens,
     )  # fmt: skip
 
@@ -335,7 +335,7 @@ class NSAAttention(nn.Module):
         k_cmp = compress_impl(inp.k["cmp"], l_cmp, d, self.phi_k, cu_seqlens=cu_seqlens)
         v_cmp = compress_impl(inp.v["cmp"], l_cmp, d, self.phi_v, cu_seqlens=cu_seqlens)
         o = run_attention_core(
-            inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"],
+            inp.q, k_cmp, v_cmp, inp.k["sel"], inp.v["sel"], inp.k["win"], inp.v["win"],
             inp.gates, cfg, cu_seqlens=cu_seqlens,
         )  # fmt: skip
         return o, k_cmp, v_cmp
@@ -384,7 +384,7 @@ class NSAAttention(nn.Module):
         )
         with torch.no_grad():
             cache.append_tokens(
-                inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
+                inp.k["sel"], inp.v["sel"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
             )
             cache.append_blocks(k_cmp, v_cmp, consumed=k_cmp.shape[1] * cfg.cmp_stride)
         return y, cache
@@ -417,7 +417,7 @@ class NSAAttention(nn.Module):
         positions = torch.arange(t, t + 1, device=x.device)  # no host copy: graph-capturable
         inp = self.branch_inputs(x, positions)
         cache.append_tokens(
-            inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
+            inp.k["sel"], inp.v["sel"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
         )
         if num_cmp_blocks(t + 1, cfg.cmp_block, cfg.cmp_stride) > cache.num_cmp:
             # The token at i*d + l - 1 completes block i: the first l raw tokens.
@@ -425,26 +425,26 @@ class NSAAttention(nn.Module):
                 cache.k_raw[:, : cfg.cmp_block], cache.v_raw[:, : cfg.cmp_block]
             )
             cache.append_blocks(k_blk, v_blk, consumed=cfg.cmp_stride)
-        o_cmp, o_slc, o_win, indices = self.branch_outputs(
+        o_cmp, o_sel, o_win, indices = self.branch_outputs(
             inp.q,
             cache.k_cmp,
             cache.v_cmp,
-            cache.k_slc,
-            cache.v_slc,
+            cache.k_sel,
+            cache.v_sel,
             cache.k_win,
             cache.v_win,
             q_start=t,
             win_start=cache.k_win.shape[1] - 1,
         )
-        y = self.o_proj(ops.gated_combine(o_cmp, o_slc, o_win, inp.gates).flatten(2))
+        y = self.o_proj(ops.gated_combine(o_cmp, o_sel, o_win, inp.gates).flatten(2))
         # Count the keys each branch's softmax actually covered, from the masks the ops use.
-        slc = selected_visibility(indices, cfg.sel_block, t, t + 1)[:, 0].sum(-1)  # [B, H]
+        sel = selected_visibility(indices, cfg.sel_block, t, t + 1)[:, 0].sum(-1)  # [B, H]
         cmp = cmp_visible(positions, cache.num_cmp, cfg.cmp_block, cfg.cmp_stride).sum(-1)
         stats = DecodeStats(
             position=t,
-            reads_cmp=cmp.expand_as(slc),
-            reads_slc=slc,
-            reads_win=torch.full_like(slc, cache.k_win.shape[1]),
+            reads_cmp=cmp.expand_as(sel),
+            reads_sel=sel,
+            reads_win=torch.full_like(sel, cache.k_win.shape[1]),
             reads_expected=expected_reads(t, cfg),
         )
         return y, stats

@@ -40,7 +40,7 @@ def _append(buf: torch.Tensor, length: int, new: torch.Tensor) -> torch.Tensor:
 class NSACache:
     """What a decode step needs, for B sequences that all hold ``length`` tokens.
 
-    - selected branch: K/V of every past token, ``k_slc [B, length, H, dk]``;
+    - selected branch: K/V of every past token, ``k_sel [B, length, H, dk]``;
     - sliding branch: K/V of the last ``min(w, length)`` tokens;
     - compressed branch: the raw K/V of tokens not yet folded into a block
       (tokens ``[num_cmp * d, length)``) and the emitted blocks ``k_cmp [B, num_cmp, H, dk]``.
@@ -51,8 +51,8 @@ class NSACache:
     config: NSAConfig
     length: int = 0
     num_cmp: int = 0
-    _k_slc: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    _v_slc: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    _k_sel: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    _v_sel: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     _k_cmp: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     _v_cmp: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     k_win: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -86,8 +86,8 @@ class NSACache:
 
         return cls(
             config=config,
-            _k_slc=z(capacity, dk),
-            _v_slc=z(capacity, dv),
+            _k_sel=z(capacity, dk),
+            _v_sel=z(capacity, dv),
             _k_cmp=z(cap_cmp, dk),
             _v_cmp=z(cap_cmp, dv),
             k_win=z(0, dk),
@@ -97,14 +97,14 @@ class NSACache:
         )
 
     @property
-    def k_slc(self) -> torch.Tensor:
+    def k_sel(self) -> torch.Tensor:
         """[B, length, H, dk]."""
-        return self._k_slc[:, : self.length]
+        return self._k_sel[:, : self.length]
 
     @property
-    def v_slc(self) -> torch.Tensor:
+    def v_sel(self) -> torch.Tensor:
         """[B, length, H, dv]."""
-        return self._v_slc[:, : self.length]
+        return self._v_sel[:, : self.length]
 
     @property
     def k_cmp(self) -> torch.Tensor:
@@ -119,17 +119,17 @@ class NSACache:
     @property
     def batch(self) -> int:
         """B, the sequences the cache holds."""
-        return self._k_slc.shape[0]
+        return self._k_sel.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of every tensor of the cache."""
-        return self._k_slc.dtype
+        return self._k_sel.dtype
 
     @property
     def device(self) -> torch.device:
         """The device of every tensor of the cache."""
-        return self._k_slc.device
+        return self._k_sel.device
 
     def check_compatible(
         self, config: NSAConfig, batch: int, dtype: torch.dtype, device: torch.device
@@ -170,8 +170,8 @@ class NSACache:
 
     def check_tokens(
         self,
-        k_slc: torch.Tensor,
-        v_slc: torch.Tensor,
+        k_sel: torch.Tensor,
+        v_sel: torch.Tensor,
         k_win: torch.Tensor,
         v_win: torch.Tensor,
         k_raw: torch.Tensor,
@@ -182,11 +182,11 @@ class NSACache:
         The selected branch gets every new token; the window and raw parts may come already
         trimmed to their tails, so they hold at most as many.
         """
-        n = self._check_pair(("k_slc", "v_slc"), k_slc, v_slc)
+        n = self._check_pair(("k_sel", "v_sel"), k_sel, v_sel)
         for names, k, v in ((("k_win", "v_win"), k_win, v_win), (("k_raw", "v_raw"), k_raw, v_raw)):
             if self._check_pair(names, k, v) > n:
                 raise ValueError(
-                    f"{names[0]} {shape(k)} holds more tokens than the {n} new ones of k_slc"
+                    f"{names[0]} {shape(k)} holds more tokens than the {n} new ones of k_sel"
                 )
         if self.length + n > MAX_TOKENS:
             raise ValueError(
@@ -214,23 +214,23 @@ class NSACache:
 
     def append_tokens(
         self,
-        k_slc: torch.Tensor,
-        v_slc: torch.Tensor,
+        k_sel: torch.Tensor,
+        v_sel: torch.Tensor,
         k_win: torch.Tensor,
         v_win: torch.Tensor,
         k_raw: torch.Tensor,
         v_raw: torch.Tensor,
     ) -> None:
         """Add the K/V of new tokens [B, n, H, D] for each branch (compressed: raw, unfolded)."""
-        self.check_tokens(k_slc, v_slc, k_win, v_win, k_raw, v_raw)
+        self.check_tokens(k_sel, v_sel, k_win, v_win, k_raw, v_raw)
         w = self.config.window
-        self._k_slc = _append(self._k_slc, self.length, k_slc)
-        self._v_slc = _append(self._v_slc, self.length, v_slc)
+        self._k_sel = _append(self._k_sel, self.length, k_sel)
+        self._v_sel = _append(self._v_sel, self.length, v_sel)
         self.k_win = torch.cat([self.k_win, k_win], dim=1)[:, -w:]
         self.v_win = torch.cat([self.v_win, v_win], dim=1)[:, -w:]
         self.k_raw = torch.cat([self.k_raw, k_raw], dim=1)
         self.v_raw = torch.cat([self.v_raw, v_raw], dim=1)
-        self.length += k_slc.shape[1]
+        self.length += k_sel.shape[1]
 
     def append_blocks(self, k_cmp: torch.Tensor, v_cmp: torch.Tensor, consumed: int) -> None:
         """Add emitted blocks [B, n, H, D] and drop ``consumed`` raw tokens no later block needs."""
@@ -244,8 +244,8 @@ class NSACache:
     def state(self) -> dict[str, torch.Tensor]:
         """The logical content, for comparing two caches."""
         return {
-            "k_slc": self.k_slc,
-            "v_slc": self.v_slc,
+            "k_sel": self.k_sel,
+            "v_sel": self.v_sel,
             "k_win": self.k_win,
             "v_win": self.v_win,
             "k_raw": self.k_raw,

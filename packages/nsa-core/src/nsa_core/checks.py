@@ -490,15 +490,15 @@ def check_apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: object) ->
 
 
 def check_gated_combine(
-    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
+    o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
 ) -> OpContext:
-    """o_cmp, o_slc, o_win [B, T, HQ, dv] alike; gates [B, T, HQ, 3] of their dtype and device.
+    """o_cmp, o_sel, o_win [B, T, HQ, dv] alike; gates [B, T, HQ, 3] of their dtype and device.
 
     Returns the call's routing context: the combine has no kv heads and one head dim, so it says
     H = HQ and dk = dv.
     """
     check_rank("gates", gates, 4, "[B, T, HQ, 3]")
-    for name, o in (("o_cmp", o_cmp), ("o_slc", o_slc), ("o_win", o_win)):
+    for name, o in (("o_cmp", o_cmp), ("o_sel", o_sel), ("o_win", o_win)):
         check_rank(name, o, 4, "[B, T, HQ, dv]")
         if o.shape != o_cmp.shape:
             raise ValueError(f"{name} {shape(o)} differs from o_cmp {shape(o_cmp)}")
@@ -508,4 +508,4 @@ def check_gated_combine(
     check_same_place("gates", gates, "o_cmp", o_cmp)
     if not o_cmp.is_floating_point():
         raise TypeError(f"o_cmp must be a floating-point tensor, got {o_cmp.dtype}")
-    return per_head_context(o_cmp, o_cmp, o_slc, o_win, gates)
+    return per_head_context(o_cmp, o_cmp, o_sel, o_win, gates)

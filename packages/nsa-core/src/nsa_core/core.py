@@ -40,17 +40,17 @@ from nsa_core.toggles import Toggles, get_toggles
 
 def core_context(
     q: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
+    k_sel: torch.Tensor,
+    v_sel: torch.Tensor,
     *inputs: torch.Tensor,
     q_start: int = 0,
     cu_seqlens: torch.Tensor | None = None,
 ) -> OpContext:
     """The routing context of one core call (no checks): q [B, Tq, HQ, dk], the selected
-    branch's k [B, Tk, H, dk] and v [B, Tk, H, dv]; it needs a gradient where any of q, k_slc,
-    v_slc or ``inputs`` needs one."""
+    branch's k [B, Tk, H, dk] and v [B, Tk, H, dv]; it needs a gradient where any of q, k_sel,
+    v_sel or ``inputs`` needs one."""
     ctx = op_context(
-        q, k_slc, v_slc, k_slc.shape[1], varlen=cu_seqlens is not None, q_start=q_start
+        q, k_sel, v_sel, k_sel.shape[1], varlen=cu_seqlens is not None, q_start=q_start
     )
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     return dataclasses.replace(ctx, requires_grad=ctx.requires_grad or grad)
@@ -69,7 +69,7 @@ class StepContexts:
 
     @classmethod
     def of(
-        cls, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor,
+        cls, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor,
         k_win: Tensor, v_win: Tensor, gates: Tensor, *, q_start: int, cu_seqlens: Tensor | None,
     ) -> StepContexts:  # fmt: skip
         varlen = cu_seqlens is not None
@@ -78,10 +78,10 @@ class StepContexts:
         scoring = dataclasses.replace(
             op_context(q, k_cmp, k_cmp, start + q.shape[1], varlen=varlen), requires_grad=False
         )
-        selected = op_context(q, k_slc, v_slc, k_slc.shape[1], varlen=varlen)
+        selected = op_context(q, k_sel, v_sel, k_sel.shape[1], varlen=varlen)
         sliding = op_context(q, k_win, v_win, k_win.shape[1], varlen=varlen)
         # The combine's inputs do not exist yet: its context from their shape [B, T, HQ, dv].
-        heads, dv = q.shape[2], v_slc.shape[3]
+        heads, dv = q.shape[2], v_sel.shape[3]
         grad = any(c.requires_grad for c in (compressed, selected, sliding)) or (
             torch.is_grad_enabled() and gates.requires_grad
         )
@@ -109,15 +109,15 @@ class StepContexts:
 
 def check_heads_and_gates(
     q: torch.Tensor,
-    k_slc: torch.Tensor,
-    v_slc: torch.Tensor,
+    k_sel: torch.Tensor,
+    v_sel: torch.Tensor,
     gates: torch.Tensor,
     config: NSAConfig,
 ) -> None:
     """q [B, T, HQ, dk] and the selected branch's k [B, *, H, dk], v [B, *, H, dv] have the
     config's heads and head dims; gates are [B, T, HQ, 3] beside q."""
     expected = (config.num_q_heads, config.num_kv_heads, config.head_dim_qk, config.head_dim_v)
-    got = (q.shape[2], k_slc.shape[2], q.shape[3], v_slc.shape[3])
+    got = (q.shape[2], k_sel.shape[2], q.shape[3], v_sel.shape[3])
     if got != expected:
         raise ValueError(
             f"q {shape(q)} and k/v heads and head dims (HQ, H, dk, dv) = {got} differ from the "
@@ -130,16 +130,16 @@ def check_heads_and_gates(
 
 
 def check_attention_core(
-    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
     v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
     win_start: int | None = None, cu_seqlens: Tensor | None = None,
 ) -> OpContext:  # fmt: skip
     """Every rule of :func:`attention_core`; returns the call's routing context."""
     if not isinstance(config, NSAConfig):
         raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
-    for branch, k, v in (("cmp", k_cmp, v_cmp), ("slc", k_slc, v_slc), ("win", k_win, v_win)):
+    for branch, k, v in (("cmp", k_cmp, v_cmp), ("sel", k_sel, v_sel), ("win", k_win, v_win)):
         check_attention_args(q, k, v, k_name=f"k_{branch}", v_name=f"v_{branch}")
-    check_heads_and_gates(q, k_slc, v_slc, gates, config)
+    check_heads_and_gates(q, k_sel, v_sel, gates, config)
     for name, value in (("q_start", q_start), ("win_start", win_start)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -148,13 +148,13 @@ def check_attention_core(
         check_cu_seqlens(cu_seqlens, tq, q.shape[0], q.device)
         if q_start != 0 or win_start not in (None, 0):
             raise ValueError(f"varlen calls need q_start == 0, got {q_start} and {win_start}")
-        for name, k in (("k_slc", k_slc), ("k_win", k_win)):
+        for name, k in (("k_sel", k_sel), ("k_win", k_win)):
             if k.shape[1] != tq:
                 raise ValueError(f"varlen {name} {shape(k)} must hold q's {tq} tokens")
         return core_context(
-            q, k_slc, v_slc, k_cmp, v_cmp, k_win, v_win, gates, cu_seqlens=cu_seqlens
+            q, k_sel, v_sel, k_cmp, v_cmp, k_win, v_win, gates, cu_seqlens=cu_seqlens
         )
-    check_q_start(q_start, tq, k_slc.shape[1], "k_slc")
+    check_q_start(q_start, tq, k_sel.shape[1], "k_sel")
     check_q_start(q_start if win_start is None else win_start, tq, k_win.shape[1], "k_win")
     needed = num_cmp_blocks(q_start + tq, config.cmp_block, config.cmp_stride)
     if k_cmp.shape[1] < needed:
@@ -162,11 +162,11 @@ def check_attention_core(
             f"queries up to position {q_start + tq - 1} see {needed} compressed blocks, "
             f"but k_cmp holds {k_cmp.shape[1]}"
         )
-    return core_context(q, k_slc, v_slc, k_cmp, v_cmp, k_win, v_win, gates, q_start=q_start)
+    return core_context(q, k_sel, v_sel, k_cmp, v_cmp, k_win, v_win, gates, q_start=q_start)
 
 
 def attention_core_reference(
-    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
     v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
     win_start: int | None = None, cu_seqlens: Tensor | None = None, toggles: Toggles,
 ) -> Tensor:  # fmt: skip
@@ -176,7 +176,7 @@ def attention_core_reference(
     log-sum-exp where that branch's backend yields one (its ``fn_with_lse``), detached.
     """
     steps = StepContexts.of(
-        q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, q_start=q_start, cu_seqlens=cu_seqlens
+        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start, cu_seqlens=cu_seqlens
     )
     cfg, scale = config, config.softmax_scale
     where = {"q_start": q_start, "cu_seqlens": cu_seqlens, "toggles": toggles}
@@ -193,23 +193,23 @@ def attention_core_reference(
         q, k_cmp, cfg.cmp_block, cfg.cmp_stride, cfg.sel_block, cfg.num_selected, scale,
         lse=lse, **where,
     )  # fmt: skip
-    o_slc = resolve_fn("selected_attention", steps.selected, toggles)(
-        q, k_slc, v_slc, indices, cfg.sel_block, scale, **where
+    o_sel = resolve_fn("selected_attention", steps.selected, toggles)(
+        q, k_sel, v_sel, indices, cfg.sel_block, scale, **where
     )
     o_win = resolve_fn("sliding_attention", steps.sliding, toggles)(
         q, k_win, v_win, cfg.window, scale, toggles=toggles, cu_seqlens=cu_seqlens,
         q_start=q_start if win_start is None else win_start,
     )  # fmt: skip
     combine = resolve_fn(
-        "gated_combine", per_head_context(o_cmp, o_cmp, o_slc, o_win, gates), toggles
+        "gated_combine", per_head_context(o_cmp, o_cmp, o_sel, o_win, gates), toggles
     )
-    out: torch.Tensor = combine(o_cmp, o_slc, o_win, gates, toggles=toggles)
+    out: torch.Tensor = combine(o_cmp, o_sel, o_win, gates, toggles=toggles)
     return out
 
 
 @validated_by(check_attention_core)
 def attention_core(
-    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor, k_win: Tensor,
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
     v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
     win_start: int | None = None, cu_seqlens: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
@@ -220,10 +220,10 @@ def attention_core(
         q: [B, Tq, HQ, dk], rotated; row r sits at position ``q_start + r``.
         k_cmp, v_cmp: [B, N, H, dk] and [B, N, H, dv], the compressed keys and values (N_cmp of
             the queries' last position + 1 at least; packed per sequence when varlen).
-        k_slc, v_slc: [B, Tk, H, dk] and [B, Tk, H, dv], every token from position 0.
+        k_sel, v_sel: [B, Tk, H, dk] and [B, Tk, H, dv], every token from position 0.
         k_win, v_win: [B, Tw, H, dk] and [B, Tw, H, dv], tokens from position
-            ``q_start - win_start`` on (``win_start`` None: from 0, as k_slc).
-        gates: [B, Tq, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+            ``q_start - win_start`` on (``win_start`` None: from 0, as k_sel).
+        gates: [B, Tq, HQ, 3] in (0, 1), ordered (cmp, sel, win).
         config: the NSA geometry (l, d, l', n, w, scale); its head counts must match q and k.
         cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0, Tk == Tw == Tq).
 
@@ -232,10 +232,10 @@ def attention_core(
     """
     toggles = get_toggles()
     ctx = core_context(
-        q, k_slc, v_slc, k_cmp, v_cmp, k_win, v_win, gates, q_start=q_start, cu_seqlens=cu_seqlens
+        q, k_sel, v_sel, k_cmp, v_cmp, k_win, v_win, gates, q_start=q_start, cu_seqlens=cu_seqlens
     )
     out: torch.Tensor = resolve_fn(CORE_OP, ctx, toggles)(
-        q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, config, q_start=q_start,
+        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, q_start=q_start,
         win_start=win_start, cu_seqlens=cu_seqlens, toggles=toggles,
     )  # fmt: skip
     return out

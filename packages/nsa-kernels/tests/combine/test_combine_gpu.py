@@ -32,7 +32,7 @@ def test_paper_shape(dtype: torch.dtype) -> None:
     assert rel_err(out, ref) <= BOUND[dtype]
     got_grads = torch.autograd.grad(out, got_in, do)
     ref_grads = torch.autograd.grad(ref, ref_in, do.float())
-    for name, g, r in zip(("o_cmp", "o_slc", "o_win", "gates"), got_grads, ref_grads, strict=True):
+    for name, g, r in zip(("o_cmp", "o_sel", "o_win", "gates"), got_grads, ref_grads, strict=True):
         err = rel_err(g, r)
         print(f"\n{dtype} d{name}: rel err {err:.2e}")
         assert err <= 2 * BOUND[dtype], name

@@ -60,7 +60,7 @@ def test_matches_reference(name: str, dtype: torch.dtype, request: pytest.Fixtur
     assert out.is_contiguous()
     assert rel_err(out, ref) <= BOUND[dtype]
     got_grads, ref_grads = _grads(out, got_in, do), _grads(ref, ref_in, do)
-    for name_, g, r in zip(("o_cmp", "o_slc", "o_win", "gates"), got_grads, ref_grads, strict=True):
+    for name_, g, r in zip(("o_cmp", "o_sel", "o_win", "gates"), got_grads, ref_grads, strict=True):
         assert g.dtype == dtype, name_
         assert g.shape == r.shape, name_
         assert rel_err(g, r) <= 2 * BOUND[dtype], name_
@@ -78,15 +78,15 @@ def test_strided_inputs(request: pytest.FixtureRequest) -> None:
     assert DEVICE is not None
     gen = _gen(request)
     batch, t, hq, dv = 2, 5, 3, 16
-    # o_cmp as a transposed view ([B, HQ, T, dv] storage), o_slc a slice of a wider head dim,
+    # o_cmp as a transposed view ([B, HQ, T, dv] storage), o_sel a slice of a wider head dim,
     # o_win with a dv stride of 2, gates a slice of [B, T, HQ, 5].
     o_cmp = torch.randn(batch, hq, t, dv, generator=gen).to(DEVICE).transpose(1, 2)
-    o_slc = torch.randn(batch, t, hq, dv + 8, generator=gen).to(DEVICE)[..., 4 : 4 + dv]
+    o_sel = torch.randn(batch, t, hq, dv + 8, generator=gen).to(DEVICE)[..., 4 : 4 + dv]
     o_win = torch.randn(batch, t, hq, 2 * dv, generator=gen).to(DEVICE)[..., ::2]
     gates = torch.rand(batch, t, hq, 5, generator=gen).to(DEVICE)[..., 1:4]
     do = torch.randn(batch, hq, t, dv, generator=gen).to(DEVICE).transpose(1, 2)
-    got_in = [x.detach().requires_grad_() for x in (o_cmp, o_slc, o_win, gates)]
-    ref_in = leaves(o_cmp, o_slc, o_win, gates, dtype=torch.float64)
+    got_in = [x.detach().requires_grad_() for x in (o_cmp, o_sel, o_win, gates)]
+    ref_in = leaves(o_cmp, o_sel, o_win, gates, dtype=torch.float64)
     out, ref = gated_combine_triton(*got_in), gated_combine(*ref_in)
     assert rel_err(out, ref) <= BOUND[torch.float32]
     for g, r in zip(_grads(out, got_in, do), _grads(ref, ref_in, do), strict=True):
@@ -95,13 +95,13 @@ def test_strided_inputs(request: pytest.FixtureRequest) -> None:
 
 def test_only_some_inputs_need_grad(request: pytest.FixtureRequest) -> None:
     assert DEVICE is not None
-    o_cmp, o_slc, o_win, gates = draw(_gen(request), (1, 4, 2, 8), torch.float32, DEVICE)
+    o_cmp, o_sel, o_win, gates = draw(_gen(request), (1, 4, 2, 8), torch.float32, DEVICE)
     g = gates.detach().requires_grad_()
-    out = gated_combine_triton(o_cmp, o_slc, o_win, g)
+    out = gated_combine_triton(o_cmp, o_sel, o_win, g)
     (dg,) = torch.autograd.grad(out.sum(), [g])
-    torch.testing.assert_close(dg, torch.stack([o_cmp.sum(-1), o_slc.sum(-1), o_win.sum(-1)], -1))
+    torch.testing.assert_close(dg, torch.stack([o_cmp.sum(-1), o_sel.sum(-1), o_win.sum(-1)], -1))
     w = o_win.detach().requires_grad_()
-    out = gated_combine_triton(o_cmp, o_slc, w, gates)
+    out = gated_combine_triton(o_cmp, o_sel, w, gates)
     (dw,) = torch.autograd.grad(out.sum(), [w])
     torch.testing.assert_close(dw, gates[..., 2:].expand_as(o_win).contiguous())
 
@@ -140,18 +140,18 @@ def test_nonfinite_values_follow_the_reference(request: pytest.FixtureRequest) -
     assert DEVICE is not None
     gen = _gen(request)
     shape = (1, 6, 3, 8)
-    o_cmp, o_slc, o_win, gates = (x.cpu() for x in draw(gen, shape, torch.float32, "cpu"))
+    o_cmp, o_sel, o_win, gates = (x.cpu() for x in draw(gen, shape, torch.float32, "cpu"))
     o_cmp[0, 0, 0, 1] = float("nan")
     gates[0, 0, 0, 0] = 0.0  # 0 x NaN = NaN: the row stays NaN in that channel
-    o_slc[0, 1, 2, 3] = float("inf")
+    o_sel[0, 1, 2, 3] = float("inf")
     gates[0, 1, 2, 1] = 0.0  # 0 x Inf = NaN
     o_win[0, 2, 1, 0] = float("-inf")
-    o_slc[0, 2, 1, 0] = float("inf")  # Inf - Inf = NaN
+    o_sel[0, 2, 1, 0] = float("inf")  # Inf - Inf = NaN
     o_cmp[0, 3, 0, 5] = float("inf")  # a plain Inf stays Inf
     gates[0, 4, 1, 2] = float("nan")  # a NaN gate poisons its whole row
     do = torch.randn(shape, generator=gen)
     do[0, 5, 2, 4] = float("nan")  # a NaN upstream gradient reaches the gradients only
-    inputs = [x.to(DEVICE) for x in (o_cmp, o_slc, o_win, gates)]
+    inputs = [x.to(DEVICE) for x in (o_cmp, o_sel, o_win, gates)]
     got_in, ref_in = leaves(*inputs), leaves(*inputs)
     out, ref = gated_combine_triton(*got_in), gated_combine(*ref_in)
     pairs = [(out, ref)]
@@ -185,14 +185,14 @@ def test_backward_reads_o_cmp_in_runs_where_they_lie(
     bit for bit."""
     assert DEVICE is not None
     gen = _gen(request)
-    o_cmp, o_slc, o_win, gates = draw(gen, (2, 9, 3, 16), torch.float32, DEVICE)
+    o_cmp, o_sel, o_win, gates = draw(gen, (2, 9, 3, 16), torch.float32, DEVICE)
     o_cmp[:, :start] = 0
     do = torch.randn(o_cmp.shape, generator=gen).to(DEVICE)
     bounds = [start, *cuts, o_cmp.shape[1]]
     runs = [o_cmp[:, a:b].clone() for a, b in itertools.pairwise(bounds)]
     runs[-1] = runs[-1].transpose(1, 2).contiguous().transpose(1, 2)
-    got = combine_bwd(do, RowRuns(start=start, runs=tuple(runs)), o_slc, o_win, gates)
-    want = combine_bwd(do, o_cmp, o_slc, o_win, gates)
+    got = combine_bwd(do, RowRuns(start=start, runs=tuple(runs)), o_sel, o_win, gates)
+    want = combine_bwd(do, o_cmp, o_sel, o_win, gates)
     for a, b in zip(got, want, strict=True):
         assert a is not None
         assert b is not None

@@ -81,8 +81,8 @@ class Stream(BranchInputs):
             q=self.q[seq, pos],
             k_cmp=self.k["cmp"][seq, pos],
             v_cmp=self.v["cmp"][seq, pos],
-            k_slc=self.k["slc"][seq, pos],
-            v_slc=self.v["slc"][seq, pos],
+            k_sel=self.k["sel"][seq, pos],
+            v_sel=self.v["sel"][seq, pos],
             k_win=self.k["win"][seq, pos],
             v_win=self.v["win"][seq, pos],
             gates=self.gates[seq, pos],
@@ -136,12 +136,12 @@ def reference_at(
         o_cmp = reference.compressed_attention(
             q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale, q_start=t
         )
-        o_slc = reference.selected_attention(
-            q, k["slc"], v["slc"], idx, cfg.sel_block, scale, q_start=t
+        o_sel = reference.selected_attention(
+            q, k["sel"], v["sel"], idx, cfg.sel_block, scale, q_start=t
         )
         o_win = reference.sliding_attention(q, k["win"], v["win"], cfg.window, scale, q_start=t)
         g = stream.gates[b : b + 1, t : t + 1].to(f64)
-        o = reference.gated_combine(o_cmp, o_slc, o_win, g)
+        o = reference.gated_combine(o_cmp, o_sel, o_win, g)
     return RefStep(o=o[0, 0], indices=ref_idx[0, 0], scores=scores[0, 0])
 
 
@@ -233,7 +233,7 @@ def check_reads(cfg: NSAConfig, out: StepOutputs, b: int, t: int) -> None:
     """Counted reads equal docs/spec.md's formula, per branch and in total."""
     for h in range(cfg.num_kv_heads):
         idx = [int(j) for j in out.indices[b, h].tolist()]
-        got = (int(out.reads_cmp[b, h]), int(out.reads_slc[b, h]), int(out.reads_win[b, h]))
+        got = (int(out.reads_cmp[b, h]), int(out.reads_sel[b, h]), int(out.reads_win[b, h]))
         want = (
             num_cmp_blocks(t + 1, cfg.cmp_block, cfg.cmp_stride),
             selected_reads(t, idx, cfg.sel_block),
@@ -279,7 +279,7 @@ class ReferenceDecoder:
     def _append(self, cache: NSACache, b: int, t: int) -> None:
         cfg = self.cfg
         x = self._token(b, t)
-        cache.append_tokens(x["k_slc"], x["v_slc"], x["k_win"], x["v_win"], x["k_cmp"], x["v_cmp"])
+        cache.append_tokens(x["k_sel"], x["v_sel"], x["k_win"], x["v_win"], x["k_cmp"], x["v_cmp"])
         if num_cmp_blocks(t + 1, cfg.cmp_block, cfg.cmp_stride) > cache.num_cmp:
             with torch.no_grad():
                 k_blk = reference.compress(
@@ -305,14 +305,14 @@ class ReferenceDecoder:
             o_cmp = reference.compressed_attention(
                 q, cache.k_cmp, cache.v_cmp, cfg.cmp_block, cfg.cmp_stride, scale, q_start=t
             )
-            o_slc = reference.selected_attention(
-                q, cache.k_slc, cache.v_slc, idx, cfg.sel_block, scale, q_start=t
+            o_sel = reference.selected_attention(
+                q, cache.k_sel, cache.v_sel, idx, cfg.sel_block, scale, q_start=t
             )
             o_win = reference.sliding_attention(
                 q, cache.k_win, cache.v_win, cfg.window, scale, q_start=cache.k_win.shape[1] - 1
             )
             g = s.gates[b : b + 1, t : t + 1].cpu().to(f64)
-            return reference.gated_combine(o_cmp, o_slc, o_win, g)[0, 0]
+            return reference.gated_combine(o_cmp, o_sel, o_win, g)[0, 0]
 
 
 def assert_same_cache(got: NSACache, want: NSACache, bound: float, where: str) -> None:

@@ -64,9 +64,9 @@ def prefill_reference(cfg: NSAConfig, stream: Stream, b: int) -> tuple[torch.Ten
         o_cmp = reference.compressed_attention(
             q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale
         )
-        o_slc = reference.selected_attention(q, k["slc"], v["slc"], idx, cfg.sel_block, scale)
+        o_sel = reference.selected_attention(q, k["sel"], v["sel"], idx, cfg.sel_block, scale)
         o_win = reference.sliding_attention(q, k["win"], v["win"], cfg.window, scale)
-        o = reference.gated_combine(o_cmp, o_slc, o_win, stream.gates[b : b + 1])
+        o = reference.gated_combine(o_cmp, o_sel, o_win, stream.gates[b : b + 1])
     return o[0], idx[0]
 
 
@@ -168,7 +168,7 @@ def _run_pair(
             same_rows += int((got.indices == want.indices).all(-1).sum())
             rows += got.indices.shape[0] * got.indices.shape[1]
     assert rows == 0 or same_rows >= 0.99 * rows, f"{same_rows} of {rows} rows agree"
-    for name in ("k_slc", "v_slc", "k_win", "v_win", "k_raw", "v_raw", "k_cmp", "v_cmp"):
+    for name in ("k_sel", "v_sel", "k_win", "v_win", "k_raw", "v_raw", "k_cmp", "v_cmp"):
         a, b = getattr(state, name), getattr(eager, name)
         assert torch.equal(a, b) if exact else rel_err(a, b) <= BOUND[BF16], name
     assert torch.equal(state.cache_seqlens, eager.cache_seqlens)

@@ -57,9 +57,9 @@ def test_snapshot_restore_and_clone() -> None:
     copy = state.clone()
     state.cache_seqlens += 3
     state.num_cmp += 1
-    copy.k_slc += 1
+    copy.k_sel += 1
     assert torch.equal(copy.cache_seqlens, torch.zeros(2, dtype=torch.int32))
-    assert not torch.equal(copy.k_slc, state.k_slc)
+    assert not torch.equal(copy.k_sel, state.k_sel)
     state.restore_counters(saved)
     assert state.lengths() == [0, 0]
     assert state.num_cmp.tolist() == [0, 0]

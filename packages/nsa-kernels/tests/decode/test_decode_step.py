@@ -229,7 +229,7 @@ def test_matches_layer_prefill_and_decode(request: pytest.FixtureRequest) -> Non
         err = rel_err(y, y_ref[:, 0])
         assert err <= BOUND[F32], f"t={t}: rel err {err:.3g}"
         assert torch.equal(out.reads_cmp.cpu(), stats.reads_cmp.cpu().int())
-        assert torch.equal(out.reads_slc.cpu(), stats.reads_slc.cpu().int())
+        assert torch.equal(out.reads_sel.cpu(), stats.reads_sel.cpu().int())
         assert torch.equal(out.reads_win.cpu(), stats.reads_win.cpu().int())
         for b in range(2):
             check_reads(cfg, out, b, t)
@@ -253,8 +253,8 @@ def test_layer_projections_equal_branch_inputs(request: pytest.FixtureRequest) -
     pairs = {
         "q": want.q,
         "gates": want.gates,
-        **{f"k_{b}": want.k[b] for b in ("cmp", "slc", "win")},
-        **{f"v_{b}": want.v[b] for b in ("cmp", "slc", "win")},
+        **{f"k_{b}": want.k[b] for b in ("cmp", "sel", "win")},
+        **{f"v_{b}": want.v[b] for b in ("cmp", "sel", "win")},
     }
     for name, ref in pairs.items():
         err = rel_err(getattr(got, name), ref[:, 0])

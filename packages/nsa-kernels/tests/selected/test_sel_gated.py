@@ -88,25 +88,25 @@ def test_gated_forward_is_the_combine_of_the_three_branches(case: Case, dtype: t
     assert out.dtype == dtype
     assert out.shape == o_cmp.shape
     # The spec's bound against the float64 reference of both steps.
-    o_slc64 = reference(q, k, v, idx, case, cu)
-    want64 = gated_combine(o_cmp.double(), o_slc64, o_win.double(), gates.double())
+    o_sel64 = reference(q, k, v, idx, case, cu)
+    want64 = gated_combine(o_cmp.double(), o_sel64, o_win.double(), gates.double())
     assert rel_err(out, want64) < BOUND[dtype]
-    # The two Triton steps apart: the same sum, with o_slc rounded to q's dtype first.
-    o_slc = selected_attention_triton(
+    # The two Triton steps apart: the same sum, with o_sel rounded to q's dtype first.
+    o_sel = selected_attention_triton(
         q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu, config=cfg
     )
-    apart = combine_fwd(o_cmp, o_slc, o_win, gates)
+    apart = combine_fwd(o_cmp, o_sel, o_win, gates)
     if dtype == torch.float32:
         assert rel_err(out, apart) < BOUND[dtype]
     else:
-        # One rounding of o_slc apart: within two units in the last place of the output.
+        # One rounding of o_sel apart: within two units in the last place of the output.
         ulp = torch.finfo(dtype).eps * apart.float().abs().clamp_min(1.0)
         assert ((out.float() - apart.float()).abs() <= 2 * ulp).all()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gated_gradients_match_the_reference_and_the_two_steps_apart(case: Case) -> None:
-    """With a gradient the launch stores o_slc beside the sum; the backward (the combine's
+    """With a gradient the launch stores o_sel beside the sum; the backward (the combine's
     kernel, then the selected branch's) gives q, k, v, o_cmp, o_win and gates their gradients:
     within twice the float32 bound of the float64 reference of both steps, and of the Triton
     selected step and combine run apart."""
@@ -131,10 +131,10 @@ def test_gated_gradients_match_the_reference_and_the_two_steps_apart(case: Case)
         )  # fmt: skip
 
     def apart(q: Any, k: Any, v: Any, o_cmp: Any, o_win: Any, gates: Any) -> torch.Tensor:
-        o_slc = selected_attention_triton(
+        o_sel = selected_attention_triton(
             q, k, v, idx, case.sel_block, q_start=case.q_start, cu_seqlens=cu, config=cfg
         )
-        return gated_combine_triton(o_cmp, o_slc, o_win, gates)
+        return gated_combine_triton(o_cmp, o_sel, o_win, gates)
 
     def reference64(q: Any, k: Any, v: Any, o_cmp: Any, o_win: Any, gates: Any) -> torch.Tensor:
         return gated_combine(o_cmp, reference(q, k, v, idx, case, cu), o_win, gates)
@@ -208,7 +208,7 @@ def test_gated_forward_checks_the_other_branches() -> None:
 
 
 def test_gated_forward_with_no_index_columns_sums_the_other_two_branches() -> None:
-    # n = 0: no launch; o_slc = 0, and its product is still taken (a NaN gate reaches its row).
+    # n = 0: no launch; o_sel = 0, and its product is still taken (a NaN gate reaches its row).
     assert DEVICE is not None
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 8, 2, 16, generator=gen).to(DEVICE)

@@ -101,8 +101,8 @@ def test_gated_gradients_from_the_local_softmax_match_reference(case: Case) -> N
                 config=SelConfig(**case.config), local=local,
             )  # fmt: skip
         else:
-            o_slc = reference(*leaves[:3], idx, case, cu)
-            out = gated_combine(leaves[3], o_slc, leaves[4], leaves[5])
+            o_sel = reference(*leaves[:3], idx, case, cu)
+            out = gated_combine(leaves[3], o_sel, leaves[4], leaves[5])
         return [out.detach(), *torch.autograd.grad(out, leaves, do.to(dtype))]
 
     names = ("o", "dq", "dk", "dv", "d o_cmp", "d o_win", "d gates")

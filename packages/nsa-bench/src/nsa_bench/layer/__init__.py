@@ -11,7 +11,7 @@ for smoke runs at tiny shapes):
 - ``nsa_module``: ``nsa_core.NSAAttention(config, hidden_size)`` on x [B, T, hidden]: the
   projections, RoPE, the gate MLP and the output projection included;
 - ``fla``: fla-core's ``parallel_nsa``, compression and selection with its own top-n (its
-  compression mean-pools l'-token blocks: l = d = l'), cmp and slc gates, no window;
+  compression mean-pools l'-token blocks: l = d = l'), cmp and sel gates, no window;
 - ``sdpa``: torch SDPA, causal, GQA through ``enable_gqa=True`` (kv heads repeated only on a
   torch without it, and the row says so);
 - ``fa2``: ``flash_attn_func``, causal, native GQA (v zero-padded to dk when dv != dk).

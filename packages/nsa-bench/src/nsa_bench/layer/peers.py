@@ -64,7 +64,7 @@ def bench_fla(
         backend=peer.info,
         note=(
             f"parallel_nsa: compression pools l'={shape.sel_block}-token blocks (l = d = l'), "
-            f"its own top-n with block_counts={shape.num_selected}, cmp and slc gates, no window"
+            f"its own top-n with block_counts={shape.num_selected}, cmp and sel gates, no window"
         ),
     )
     if peer.fn is None:
@@ -72,7 +72,7 @@ def bench_fla(
         return row
     fla_nsa = peer.fn
     g_cmp = inp.gates[..., 0].contiguous()
-    g_slc = inp.gates[..., 1].contiguous()
+    g_sel = inp.gates[..., 1].contiguous()
 
     def forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc_: torch.Tensor, gs: torch.Tensor
@@ -82,14 +82,14 @@ def bench_fla(
             k,
             v,
             g_cmp=gc_,
-            g_slc=gs,
+            g_sel=gs,
             block_counts=shape.num_selected,
             block_size=shape.sel_block,
             window_size=0,
             scale=shape.scale,
         )
 
-    call, leaves = timed_call(forward, (inp.q, inp.k, inp.v, g_cmp, g_slc), inp.do, mode)
+    call, leaves = timed_call(forward, (inp.q, inp.k, inp.v, g_cmp, g_sel), inp.do, mode)
     return measure(row, call, leaves, timer, device)
 
 

@@ -60,8 +60,8 @@ class NeedleAttention(NSAAttention):
         else:
             k_cmp, v_cmp = self.compress_kv(inp.k["cmp"], inp.v["cmp"])
             if self.variant == "nsa":
-                o_cmp, o_slc, o_win, indices = self.branch_outputs(
-                    inp.q, k_cmp, v_cmp, inp.k["slc"], inp.v["slc"], inp.k["win"], inp.v["win"]
+                o_cmp, o_sel, o_win, indices = self.branch_outputs(
+                    inp.q, k_cmp, v_cmp, inp.k["sel"], inp.v["sel"], inp.k["win"], inp.v["win"]
                 )
                 if self.recorded is not None:
                     self.recorded.append(indices.detach())
@@ -70,11 +70,11 @@ class NeedleAttention(NSAAttention):
                     inp.q, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale
                 )
                 indices = self.random_block_indices(x.shape[0], x.shape[1], x.device)
-                o_slc = ops.selected_attention(
-                    inp.q, inp.k["slc"], inp.v["slc"], indices, cfg.sel_block, scale
+                o_sel = ops.selected_attention(
+                    inp.q, inp.k["sel"], inp.v["sel"], indices, cfg.sel_block, scale
                 )
                 o_win = ops.sliding_attention(inp.q, inp.k["win"], inp.v["win"], cfg.window, scale)
-            o = ops.gated_combine(o_cmp, o_slc, o_win, inp.gates)
+            o = ops.gated_combine(o_cmp, o_sel, o_win, inp.gates)
         y: torch.Tensor = self.o_proj(o.flatten(2))
         return y
 

@@ -13,8 +13,8 @@ docs/context_parallel.md describes the design and the data each branch exchanges
 """
 
 from nsa_core.context_parallel.attention import (
-    SLC_EXCHANGES,
-    SlcExchange,
+    SEL_EXCHANGES,
+    SelExchange,
     context_parallel_nsa_attention,
 )
 from nsa_core.context_parallel.exchange import CommTimer
@@ -23,12 +23,12 @@ from nsa_core.context_parallel.plan import LAYOUTS, Chunk, Layout, ShardPlan
 
 __all__ = [
     "LAYOUTS",
-    "SLC_EXCHANGES",
+    "SEL_EXCHANGES",
     "Chunk",
     "CommTimer",
     "Layout",
+    "SelExchange",
     "ShardPlan",
-    "SlcExchange",
     "context_parallel_layer_forward",
     "context_parallel_nsa_attention",
 ]

@@ -45,8 +45,8 @@ from nsa_core.context_parallel.work import ChunkWork, Sequences, plan_work
 from nsa_core.core import run_attention_core
 from nsa_core.reference.compress import compress
 
-SlcExchange = Literal["all_gather", "prefix"]
-SLC_EXCHANGES: tuple[SlcExchange, ...] = ("all_gather", "prefix")
+SelExchange = Literal["all_gather", "prefix"]
+SEL_EXCHANGES: tuple[SelExchange, ...] = ("all_gather", "prefix")
 
 
 def token_layout(plan: ShardPlan) -> PieceLayout:
@@ -119,7 +119,7 @@ def check_context_parallel(
     plan: object,
     group: dist.ProcessGroup | None,
     cu_seqlens: torch.Tensor | None,
-    slc_exchange: object,
+    sel_exchange: object,
 ) -> int:
     """The rules :func:`context_parallel_nsa_attention` adds to those of
     :func:`~nsa_core.attention.check_nsa_attention` (checked first) -> this rank."""
@@ -127,8 +127,8 @@ def check_context_parallel(
         raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("context parallel attention needs an initialized torch.distributed")
-    if slc_exchange not in SLC_EXCHANGES:
-        raise ValueError(f"slc_exchange must be one of {SLC_EXCHANGES}, got {slc_exchange!r}")
+    if sel_exchange not in SEL_EXCHANGES:
+        raise ValueError(f"sel_exchange must be one of {SEL_EXCHANGES}, got {sel_exchange!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world != plan.world_size:
         raise ValueError(f"plan is for {plan.world_size} ranks, the group has {world}")
@@ -155,7 +155,7 @@ def context_parallel_nsa_attention(
     phi_k: nn.Module | None = None,
     phi_v: nn.Module | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    slc_exchange: SlcExchange = "all_gather",
+    sel_exchange: SelExchange = "all_gather",
     timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """:func:`nsa_core.nsa_attention` on a sequence sharded over ``group`` as ``plan`` says.
@@ -167,8 +167,8 @@ def context_parallel_nsa_attention(
         q: [B, T_local, HQ, dk], rotated; T_local = ``plan.local_tokens(rank)``, the rank's
             chunks one after the other (``plan.shard`` cuts them from a global tensor).
         k, v: [B, T_local, H, dk] and [B, T_local, H, dv] shared by the three branches, or
-            mappings ``{"cmp": ..., "slc": ..., "win": ...}`` of them.
-        gates: [B, T_local, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+            mappings ``{"cmp": ..., "sel": ..., "win": ...}`` of them.
+        gates: [B, T_local, HQ, 3] in (0, 1), ordered (cmp, sel, win).
         config: the NSA geometry; its head counts must match q and k.
         plan: how the T tokens are split (the same on every rank).
         group: the process group (default: the world); NCCL on GPUs, gloo on CPU.
@@ -176,7 +176,7 @@ def context_parallel_nsa_attention(
             applies phi to the blocks it owns, so its parameters get this rank's share of the
             gradient: sum them over the group (as data-parallel training does).
         cu_seqlens: int32 [S+1] over the GLOBAL packed tokens (B == 1), the same on every rank.
-        slc_exchange: ``"all_gather"`` (every rank gets all T tokens of the selected branch's
+        sel_exchange: ``"all_gather"`` (every rank gets all T tokens of the selected branch's
             K/V) or ``"prefix"`` (point-to-point, each rank gets only the tokens before its last
             chunk's end).
         timer: records the seconds of each exchange, forward and backward.
@@ -186,12 +186,12 @@ def context_parallel_nsa_attention(
     """
     # cu_seqlens is over the global tokens, not q's: check_context_parallel checks it.
     ks, vs = check_nsa_attention(q, k, v, gates, config, phi_k, phi_v, None)
-    rank = check_context_parallel(q, plan, group, cu_seqlens, slc_exchange)
+    rank = check_context_parallel(q, plan, group, cu_seqlens, sel_exchange)
     bounds = [0, plan.total_tokens] if cu_seqlens is None else cu_seqlens.tolist()
     seqs = Sequences.build([int(b) for b in bounds], config, varlen=cu_seqlens is not None)
     works = plan_work(plan, seqs, config)
     link, sources = _exchange_raw_tokens(
-        ks, vs, works, plan, rank, slc_exchange, q.new_zeros(()), group, timer
+        ks, vs, works, plan, rank, sel_exchange, q.new_zeros(()), group, timer
     )
     link, k_cmp, v_cmp = _compress_and_share(
         sources["cmp"], works, plan, rank, config, phi_k, phi_v, link, group, timer
@@ -208,13 +208,13 @@ def context_parallel_nsa_attention(
                 else torch.tensor(seg.varlen_bounds, dtype=torch.int32, device=q.device)
             )
             cmp_rows = (seg.cmp_start, seg.cmp_end - seg.cmp_start)
-            (slc_k, slc_v), (win_k, win_v) = sources["slc"], sources["win"]
+            (sel_k, sel_v), (win_k, win_v) = sources["sel"], sources["win"]
             o = run_attention_core(
                 q.narrow(1, *rows),
                 k_cmp.narrow(1, *cmp_rows),
                 v_cmp.narrow(1, *cmp_rows),
-                slc_k.tokens(index, seg.seq_start, seg.end),
-                slc_v.tokens(index, seg.seq_start, seg.end),
+                sel_k.tokens(index, seg.seq_start, seg.end),
+                sel_v.tokens(index, seg.seq_start, seg.end),
                 win_k.tokens(index, seg.win_start, seg.end),
                 win_v.tokens(index, seg.win_start, seg.end),
                 gates.narrow(1, *rows),
@@ -236,7 +236,7 @@ def _exchange_raw_tokens(
     works: tuple[ChunkWork, ...],
     plan: ShardPlan,
     rank: int,
-    slc_exchange: SlcExchange,
+    sel_exchange: SelExchange,
     link: torch.Tensor,
     group: dist.ProcessGroup | None,
     timer: CommTimer | None,
@@ -249,23 +249,23 @@ def _exchange_raw_tokens(
     tokens = token_layout(plan)
     per_rank = [[w for w in works if w.chunk.rank == r] for r in range(plan.world_size)]
     mine = per_rank[rank]
-    shared = {b: ks[b] is ks["slc"] and vs[b] is vs["slc"] for b in ("win", "cmp")}
+    shared = {b: ks[b] is ks["sel"] and vs[b] is vs["sel"] for b in ("win", "cmp")}
 
     def first_read(rank_works: list[ChunkWork]) -> int:
-        starts = [w.slc_start for w in rank_works]
+        starts = [w.sel_start for w in rank_works]
         starts += [w.win_halo_start for w in rank_works if shared["win"]]
         starts += [w.cmp_raw_start for w in rank_works if shared["cmp"]]
         return min(starts)
 
     transfers: list[Transfer] = []
-    if slc_exchange == "all_gather":
+    if sel_exchange == "all_gather":
         window_start = 0
-        transfers += [AllGather("slc_k", tokens), AllGather("slc_v", tokens)]
+        transfers += [AllGather("sel_k", tokens), AllGather("sel_v", tokens)]
     else:
         prefix = tuple(((first_read(ws), ws[-1].chunk.end),) for ws in per_rank)
         window_start = prefix[rank][0][0]
-        transfers += [FetchRanges("slc_k", tokens, prefix), FetchRanges("slc_v", tokens, prefix)]
-    inputs = [ks["slc"], vs["slc"]]
+        transfers += [FetchRanges("sel_k", tokens, prefix), FetchRanges("sel_v", tokens, prefix)]
+    inputs = [ks["sel"], vs["sel"]]
     halo_requests = {
         "win": tuple(tuple((w.win_halo_start, w.chunk.start) for w in ws) for ws in per_rank),
         "cmp": tuple(
@@ -282,11 +282,11 @@ def _exchange_raw_tokens(
         inputs += [ks[b], vs[b]]
     link, outs = exchange(transfers, inputs, link, group=group, timer=timer)
 
-    slc = (
-        _TokenSource(ks["slc"], mine, window=outs[0], window_start=window_start),
-        _TokenSource(vs["slc"], mine, window=outs[1], window_start=window_start),
+    sel = (
+        _TokenSource(ks["sel"], mine, window=outs[0], window_start=window_start),
+        _TokenSource(vs["sel"], mine, window=outs[1], window_start=window_start),
     )
-    sources: Sources = {"slc": slc, "win": slc, "cmp": slc}
+    sources: Sources = {"sel": sel, "win": sel, "cmp": sel}
     for i, b in enumerate(halo_branches):
         requests = halo_requests[b][rank]
         lengths = [end - start for start, end in requests]
@@ -344,8 +344,8 @@ def _compress_and_share(
 
 __all__ = [
     "BRANCHES",
-    "SLC_EXCHANGES",
-    "SlcExchange",
+    "SEL_EXCHANGES",
+    "SelExchange",
     "block_layout",
     "context_parallel_nsa_attention",
     "token_layout",

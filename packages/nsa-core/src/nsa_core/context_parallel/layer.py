@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from nsa_core.attention import NSAAttention, positions_of
 from nsa_core.checks import check_cu_seqlens, check_rank, shape
-from nsa_core.context_parallel.attention import SlcExchange, context_parallel_nsa_attention
+from nsa_core.context_parallel.attention import SelExchange, context_parallel_nsa_attention
 from nsa_core.context_parallel.exchange import CommTimer
 from nsa_core.context_parallel.plan import ShardPlan
 
@@ -19,7 +19,7 @@ def context_parallel_layer_forward(
     *,
     group: dist.ProcessGroup | None = None,
     cu_seqlens: torch.Tensor | None = None,
-    slc_exchange: SlcExchange = "all_gather",
+    sel_exchange: SelExchange = "all_gather",
     timer: CommTimer | None = None,
 ) -> torch.Tensor:
     """``layer(x)`` on a sequence sharded over ``group``: this rank's rows of the output.
@@ -35,7 +35,7 @@ def context_parallel_layer_forward(
         plan: how the T tokens are split (the same on every rank).
         group: the process group (default: the world).
         cu_seqlens: int32 [S+1] over the global packed tokens (B == 1), the same on every rank.
-        slc_exchange, timer: as for the core.
+        sel_exchange, timer: as for the core.
 
     Returns:
         y [B, T_local, hidden]. Parameter gradients are this rank's share: sum them over the
@@ -69,7 +69,7 @@ def context_parallel_layer_forward(
         phi_k=layer.phi_k,
         phi_v=layer.phi_v,
         cu_seqlens=cu_seqlens,
-        slc_exchange=slc_exchange,
+        sel_exchange=sel_exchange,
         timer=timer,
     )
     y: torch.Tensor = layer.o_proj(o.flatten(2))

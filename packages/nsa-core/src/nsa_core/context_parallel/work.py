@@ -100,7 +100,7 @@ class ChunkWork:
             l - 1 tokens before the chunk); ``end`` when the chunk owns no block.
         cmp_raw_bounds: cu_seqlens of those raw tokens (varlen), None when dense.
         win_halo_start: tokens [win_halo_start, start) before the chunk that its window reads.
-        slc_start: the first token its selected branch reads (0 when dense).
+        sel_start: the first token its selected branch reads (0 when dense).
     """
 
     chunk: Chunk
@@ -109,12 +109,12 @@ class ChunkWork:
     cmp_raw_start: int
     cmp_raw_bounds: tuple[int, ...] | None
     win_halo_start: int
-    slc_start: int
+    sel_start: int
 
     @property
     def first_token_read(self) -> int:
         """The first token any branch of the chunk reads."""
-        return min(self.slc_start, self.cmp_raw_start, self.win_halo_start)
+        return min(self.sel_start, self.cmp_raw_start, self.win_halo_start)
 
 
 def chunk_work(chunk: Chunk, seqs: Sequences, config: NSAConfig) -> ChunkWork:
@@ -162,7 +162,7 @@ def chunk_work(chunk: Chunk, seqs: Sequences, config: NSAConfig) -> ChunkWork:
         cmp_raw_start=raw_start,
         cmp_raw_bounds=raw_bounds,
         win_halo_start=min(s, segments[0].win_start),
-        slc_start=min(seg.seq_start for seg in segments),
+        sel_start=min(seg.seq_start for seg in segments),
     )
 
 

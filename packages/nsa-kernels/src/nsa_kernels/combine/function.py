@@ -2,7 +2,7 @@
 
 :func:`gated_combine_triton` has the reference op's signature and semantics
 (``nsa_core.reference.gated_combine``, docs/spec.md "Output"):
-``o = g[..., 0] * o_cmp + g[..., 1] * o_slc + g[..., 2] * o_win``, differentiable in the three
+``o = g[..., 0] * o_cmp + g[..., 1] * o_sel + g[..., 2] * o_win``, differentiable in the three
 branch outputs and the gates. One kernel reads the three branch outputs and the gates and
 writes o; the backward is one kernel too, giving the four gradients from one read of the
 upstream gradient. Arithmetic is float32 with one rounding to the output's dtype (the reference
@@ -49,9 +49,9 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check(
-    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
+    o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
 ) -> None:
-    check_gated_combine(o_cmp, o_slc, o_win, gates)
+    check_gated_combine(o_cmp, o_sel, o_win, gates)
     check_dtype(o_cmp.dtype, "gated combine")
 
 
@@ -64,19 +64,19 @@ def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 def combine_fwd(
-    o_cmp: torch.Tensor, o_slc: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
+    o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
 ) -> torch.Tensor:
     """o [B, T, HQ, dv] (contiguous, the inputs' dtype) from arguments ``_check`` accepted."""
     batch, t, hq, dv = o_cmp.shape
-    o_cmp, o_slc, o_win = _unit_last(o_cmp), _unit_last(o_slc), _unit_last(o_win)
+    o_cmp, o_sel, o_win = _unit_last(o_cmp), _unit_last(o_sel), _unit_last(o_win)
     o = torch.empty(batch, t, hq, dv, dtype=o_cmp.dtype, device=o_cmp.device)
     n_rows = batch * t * hq
     if n_rows == 0 or dv == 0:
         return o
     br, bd = tiles(dv)
     combine_fwd_kernel[(_cdiv(n_rows, br),)](
-        o_cmp, o_slc, o_win, gates, o,
-        *_strides3(o_cmp), *_strides3(o_slc), *_strides3(o_win),
+        o_cmp, o_sel, o_win, gates, o,
+        *_strides3(o_cmp), *_strides3(o_sel), *_strides3(o_win),
         *_strides3(gates), gates.stride(3), *_strides3(o),
         n_rows, t, hq,
         DV=dv, BR=br, BD=bd, num_warps=NUM_WARPS,
@@ -87,25 +87,25 @@ def combine_fwd(
 def combine_bwd(
     do: torch.Tensor,
     o_cmp: torch.Tensor | RowRuns,
-    o_slc: torch.Tensor,
+    o_sel: torch.Tensor,
     o_win: torch.Tensor,
     gates: torch.Tensor,
     *,
     want_branches: bool = True,
     want_gates: bool = True,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """d o_cmp, d o_slc, d o_win [B, T, HQ, dv] and d gates [B, T, HQ, 3] for upstream ``do``.
+    """d o_cmp, d o_sel, d o_win [B, T, HQ, dv] and d gates [B, T, HQ, 3] for upstream ``do``.
 
     ``want_branches`` / ``want_gates`` False: those gradients are None (not computed). o_cmp
     may come as a :class:`RowRuns` (unit stride along dv), read where its
     runs lie; d o_cmp is one tensor all the same.
     """
-    batch, t, hq, dv = o_slc.shape
+    batch, t, hq, dv = o_sel.shape
     do = _unit_last(do)
     cmp = two_runs(o_cmp if isinstance(o_cmp, RowRuns) else _unit_last(o_cmp))
-    o_slc, o_win = _unit_last(o_slc), _unit_last(o_win)
+    o_sel, o_win = _unit_last(o_sel), _unit_last(o_win)
     n_rows = batch * t * hq
-    kind, device = o_slc.dtype, o_slc.device
+    kind, device = o_sel.dtype, o_sel.device
     d_branches = [
         torch.empty(batch, t, hq, dv, dtype=kind, device=device) if want_branches else None
         for _ in range(3)
@@ -115,12 +115,12 @@ def combine_bwd(
         d_gates.zero_()  # a sum over no channels
     if n_rows and dv and (want_branches or want_gates):
         dummy = do  # stands in for the outputs not wanted: their WRITE_* flag is off
-        dcmp, dslc, dwin = (d if d is not None else dummy for d in d_branches)
+        dcmp, dsel, dwin = (d if d is not None else dummy for d in d_branches)
         br, bd = tiles(dv)
         combine_bwd_kernel[(_cdiv(n_rows, br),)](
-            do, cmp.first, o_slc, o_win, gates,
-            dcmp, dslc, dwin, d_gates if d_gates is not None else dummy, cmp.second,
-            *_strides3(do), *_strides3(cmp.first), *_strides3(cmp.second), *_strides3(o_slc),
+            do, cmp.first, o_sel, o_win, gates,
+            dcmp, dsel, dwin, d_gates if d_gates is not None else dummy, cmp.second,
+            *_strides3(do), *_strides3(cmp.first), *_strides3(cmp.second), *_strides3(o_sel),
             *_strides3(o_win), *_strides3(gates), gates.stride(3),
             n_rows, t, hq, cmp.start, cmp.first_rows,
             DV=dv, BR=br, BD=bd, WRITE_DO=want_branches, WRITE_DG=want_gates,
@@ -130,28 +130,28 @@ def combine_bwd(
 
 
 class GatedCombineFunction(torch.autograd.Function):
-    """o = gated combine of (o_cmp, o_slc, o_win) by gates; differentiable in all four."""
+    """o = gated combine of (o_cmp, o_sel, o_win) by gates; differentiable in all four."""
 
     @staticmethod
     def forward(
         ctx: Any,
         o_cmp: torch.Tensor,
-        o_slc: torch.Tensor,
+        o_sel: torch.Tensor,
         o_win: torch.Tensor,
         gates: torch.Tensor,
     ) -> torch.Tensor:
-        ctx.save_for_backward(o_cmp, o_slc, o_win, gates)
-        return combine_fwd(o_cmp, o_slc, o_win, gates)
+        ctx.save_for_backward(o_cmp, o_sel, o_win, gates)
+        return combine_fwd(o_cmp, o_sel, o_win, gates)
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, do: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        o_cmp, o_slc, o_win, gates = ctx.saved_tensors
+        o_cmp, o_sel, o_win, gates = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dcmp, dslc, dwin, dg = combine_bwd(
+        dcmp, dsel, dwin, dg = combine_bwd(
             do,
             o_cmp,
-            o_slc,
+            o_sel,
             o_win,
             gates,
             want_branches=any(need[:3]),
@@ -159,7 +159,7 @@ class GatedCombineFunction(torch.autograd.Function):
         )
         return (
             dcmp if need[0] else None,
-            dslc if need[1] else None,
+            dsel if need[1] else None,
             dwin if need[2] else None,
             dg if need[3] else None,
         )
@@ -167,17 +167,17 @@ class GatedCombineFunction(torch.autograd.Function):
 
 def gated_combine_triton(
     o_cmp: torch.Tensor,
-    o_slc: torch.Tensor,
+    o_sel: torch.Tensor,
     o_win: torch.Tensor,
     gates: torch.Tensor,
     *,
     validated: bool = False,
 ) -> torch.Tensor:
-    """o [B, T, HQ, dv] = g[..., 0] * o_cmp + g[..., 1] * o_slc + g[..., 2] * o_win on Triton.
+    """o [B, T, HQ, dv] = g[..., 0] * o_cmp + g[..., 1] * o_sel + g[..., 2] * o_win on Triton.
 
     Args:
-        o_cmp, o_slc, o_win: [B, T, HQ, dv] branch outputs, float16, bfloat16 or float32.
-        gates: [B, T, HQ, 3] (cmp, slc, win) of their dtype and device.
+        o_cmp, o_sel, o_win: [B, T, HQ, dv] branch outputs, float16, bfloat16 or float32.
+        gates: [B, T, HQ, 3] (cmp, sel, win) of their dtype and device.
         validated: nsa-core validated the call already (the registry's ``fn``); nothing is
             checked again.
 
@@ -186,12 +186,12 @@ def gated_combine_triton(
         (one backward kernel). Non-finite values propagate as in the reference.
     """
     if not validated:
-        _check(o_cmp, o_slc, o_win, gates)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (o_cmp, o_slc, o_win, gates)):
-        out = GatedCombineFunction.apply(o_cmp, o_slc, o_win, gates)  # type: ignore[no-untyped-call]
+        _check(o_cmp, o_sel, o_win, gates)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (o_cmp, o_sel, o_win, gates)):
+        out = GatedCombineFunction.apply(o_cmp, o_sel, o_win, gates)  # type: ignore[no-untyped-call]
         assert isinstance(out, torch.Tensor)
         return out
-    return combine_fwd(o_cmp, o_slc, o_win, gates)
+    return combine_fwd(o_cmp, o_sel, o_win, gates)
 
 
 # Elements per program of the three-way sum (a pass bound by memory traffic).

@@ -8,7 +8,7 @@ takes BR rows and walks their dv channels in chunks of BD (one chunk when dv <= 
 tensor is addressed through its own (b, t, head) strides with unit stride along dv, so the
 branch outputs need not be contiguous.
 
-Forward: ``o = g0 * o_cmp + g1 * o_slc + g2 * o_win`` with the gates and branch values read in
+Forward: ``o = g0 * o_cmp + g1 * o_sel + g2 * o_win`` with the gates and branch values read in
 float32 and o rounded once to its dtype. Backward, for the upstream ``do``: ``d o_c = g_c * do``
 per channel and ``d g_c = sum over dv of do * o_c`` per row, all four in the same pass. Every
 product is taken, as in the reference (docs/spec.md, "Non-finite values"): a gate of 0 times a
@@ -69,9 +69,9 @@ def _load_chunk(row_ptrs, cols, ok):
 
 @triton.jit
 def combine_fwd_kernel(
-    cmp_ptr, slc_ptr, win_ptr, g_ptr, o_ptr,
+    cmp_ptr, sel_ptr, win_ptr, g_ptr, o_ptr,
     s_cmp_b, s_cmp_t, s_cmp_h,
-    s_slc_b, s_slc_t, s_slc_h,
+    s_sel_b, s_sel_t, s_sel_h,
     s_win_b, s_win_t, s_win_h,
     s_g_b, s_g_t, s_g_h, s_g_c,
     s_o_b, s_o_t, s_o_h,
@@ -83,14 +83,14 @@ def combine_fwd_kernel(
     row_ok = rows < n_rows
     g0, g1, g2 = _load_gates(g_ptr, rows, row_ok, T, HQ, s_g_b, s_g_t, s_g_h, s_g_c)
     cmp_rows = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
-    slc_rows = slc_ptr + _row_offsets(rows, T, HQ, s_slc_b, s_slc_t, s_slc_h)
+    sel_rows = sel_ptr + _row_offsets(rows, T, HQ, s_sel_b, s_sel_t, s_sel_h)
     win_rows = win_ptr + _row_offsets(rows, T, HQ, s_win_b, s_win_t, s_win_h)
     o_rows = o_ptr + _row_offsets(rows, T, HQ, s_o_b, s_o_t, s_o_h)
     for d0 in range(0, DV, BD):
         cols = d0 + tl.arange(0, BD)
         ok = row_ok[:, None] & (cols < DV)[None, :]
         a = _load_chunk(cmp_rows, cols, ok)
-        b = _load_chunk(slc_rows, cols, ok)
+        b = _load_chunk(sel_rows, cols, ok)
         c = _load_chunk(win_rows, cols, ok)
         o = g0 * a + g1 * b + g2 * c
         tl.store(o_rows[:, None] + cols[None, :], o.to(o_ptr.dtype.element_ty), mask=ok)
@@ -98,18 +98,18 @@ def combine_fwd_kernel(
 
 @triton.jit
 def combine_bwd_kernel(
-    do_ptr, cmp_ptr, slc_ptr, win_ptr, g_ptr, dcmp_ptr, dslc_ptr, dwin_ptr, dg_ptr, cmp2_ptr,
+    do_ptr, cmp_ptr, sel_ptr, win_ptr, g_ptr, dcmp_ptr, dsel_ptr, dwin_ptr, dg_ptr, cmp2_ptr,
     s_do_b, s_do_t, s_do_h,
     s_cmp_b, s_cmp_t, s_cmp_h,
     s_cmp2_b, s_cmp2_t, s_cmp2_h,
-    s_slc_b, s_slc_t, s_slc_h,
+    s_sel_b, s_sel_t, s_sel_h,
     s_win_b, s_win_t, s_win_h,
     s_g_b, s_g_t, s_g_h, s_g_c,
     n_rows, T, HQ, cmp_start, cmp_rows,
     DV: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
     WRITE_DO: tl.constexpr, WRITE_DG: tl.constexpr, CMP_RUNS: tl.constexpr,
 ):  # fmt: skip
-    """d o_cmp, d o_slc, d o_win [B, T, HQ, DV] (contiguous) and d gates [B, T, HQ, 3]
+    """d o_cmp, d o_sel, d o_win [B, T, HQ, DV] (contiguous) and d gates [B, T, HQ, 3]
     (contiguous) for BR rows. WRITE_DO / WRITE_DG: whether the branch / gate gradients are
     wanted (the others are neither computed nor stored). CMP_RUNS: o_cmp comes as two runs of
     rows (:class:`RowRuns`): rows before ``cmp_start`` read 0, the first run
@@ -127,7 +127,7 @@ def combine_bwd_kernel(
         cmp_ok = row_ok & in_runs
     else:
         cmp_at = cmp_ptr + _row_offsets(rows, T, HQ, s_cmp_b, s_cmp_t, s_cmp_h)
-    slc_rows = slc_ptr + _row_offsets(rows, T, HQ, s_slc_b, s_slc_t, s_slc_h)
+    sel_rows = sel_ptr + _row_offsets(rows, T, HQ, s_sel_b, s_sel_t, s_sel_h)
     win_rows = win_ptr + _row_offsets(rows, T, HQ, s_win_b, s_win_t, s_win_h)
     out_rows = rows * DV
     dg0 = tl.zeros([BR], dtype=tl.float32)
@@ -140,11 +140,11 @@ def combine_bwd_kernel(
         if WRITE_DO:
             dst = out_rows[:, None] + cols[None, :]
             tl.store(dcmp_ptr + dst, (g0 * do).to(dcmp_ptr.dtype.element_ty), mask=ok)
-            tl.store(dslc_ptr + dst, (g1 * do).to(dslc_ptr.dtype.element_ty), mask=ok)
+            tl.store(dsel_ptr + dst, (g1 * do).to(dsel_ptr.dtype.element_ty), mask=ok)
             tl.store(dwin_ptr + dst, (g2 * do).to(dwin_ptr.dtype.element_ty), mask=ok)
         if WRITE_DG:
             a = _load_chunk(cmp_at, cols, ok & cmp_ok[:, None])
-            b = _load_chunk(slc_rows, cols, ok)
+            b = _load_chunk(sel_rows, cols, ok)
             c = _load_chunk(win_rows, cols, ok)
             dg0 += tl.sum(do * a, axis=1)
             dg1 += tl.sum(do * b, axis=1)

@@ -110,8 +110,8 @@ class _Assemble(torch.autograd.Function):
 def check_gated_combine_runs(
     o_cmp: torch.Tensor | RowRuns, o_win: torch.Tensor, gates: torch.Tensor
 ) -> OpContext:
-    """:func:`nsa_core.checks.check_gated_combine` of (o_cmp, o_slc, o_win, gates) for the
-    one-step gated sum, o_slc not yet computed: o_cmp may be a :class:`RowRuns` (its own checks
+    """:func:`nsa_core.checks.check_gated_combine` of (o_cmp, o_sel, o_win, gates) for the
+    one-step gated sum, o_sel not yet computed: o_cmp may be a :class:`RowRuns` (its own checks
     hold the runs alike; the tensor they make up must match o_win). The context needs a
     gradient where a run needs one, as where o_cmp is one tensor."""
     if not isinstance(o_cmp, RowRuns):

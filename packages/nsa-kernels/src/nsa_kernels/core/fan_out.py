@@ -41,7 +41,7 @@ class _FanOut(torch.autograd.Function):
 
 
 def fan_out(q: torch.Tensor, sum3: Sum3 | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q_cmp, q_slc, q_win): three views of q whose gradients ``sum3`` adds in one pass, where
+    """(q_cmp, q_sel, q_win): three views of q whose gradients ``sum3`` adds in one pass, where
     q takes a gradient and a ``sum3`` is given; else (q, q, q), at no cost."""
     if sum3 is None or not (torch.is_grad_enabled() and q.requires_grad):
         return q, q, q

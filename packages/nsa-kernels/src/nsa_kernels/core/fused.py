@@ -29,19 +29,19 @@ class FusedCore:
         return CorePlan.make(StepContexts.of_context(ctx), toggles).describe()
 
     def __call__(
-        self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_slc: Tensor, v_slc: Tensor,
+        self, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor,
         k_win: Tensor, v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
         win_start: int | None = None, cu_seqlens: Tensor | None = None, toggles: Toggles,
     ) -> Tensor:  # fmt: skip
         """o [B, Tq, HQ, dv]: nsa-core's ``attention_core`` (shapes there)."""
         steps = StepContexts.of(
-            q, k_cmp, v_cmp, k_slc, v_slc, k_win, v_win, gates, q_start=q_start,
+            q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, q_start=q_start,
             cu_seqlens=cu_seqlens,
         )  # fmt: skip
         plan = CorePlan.make(steps, toggles)
         cfg, scale = config, config.softmax_scale
         where: dict[str, Any] = {"q_start": q_start, "cu_seqlens": cu_seqlens, "toggles": toggles}
-        q_cmp, q_slc, q_win = fan_out(q, _sum3() if plan.grad_sum else None)
+        q_cmp, q_sel, q_win = fan_out(q, _sum3() if plan.grad_sum else None)
 
         cmp_args = (q_cmp, k_cmp, v_cmp, cfg.cmp_block, cfg.cmp_stride, scale)
         o_cmp: Tensor | RowRuns
@@ -60,7 +60,7 @@ class FusedCore:
             lse=lse, **where,
         )  # fmt: skip
 
-        shared = k_slc is k_win and v_slc is v_win and win_start in (None, q_start)
+        shared = k_sel is k_win and v_sel is v_win and win_start in (None, q_start)
         local: LocalSoftmax | None = None
         if plan.local and shared and holds_local_keys(cfg.window, cfg.sel_block, k_win.shape[1]):
             from nsa_kernels.sliding.triton_function import sliding_attention_triton_with_local
@@ -79,11 +79,11 @@ class FusedCore:
             from nsa_kernels.selected.backend import selected_attention_gated
 
             return selected_attention_gated(
-                q_slc, k_slc, v_slc, indices, cfg.sel_block, scale, o_cmp=o_cmp, o_win=o_win,
+                q_sel, k_sel, v_sel, indices, cfg.sel_block, scale, o_cmp=o_cmp, o_win=o_win,
                 gates=gates, local=local, **where,
             )  # fmt: skip
-        o_slc = plan.selected.fn(q_slc, k_slc, v_slc, indices, cfg.sel_block, scale, **where)
-        out: Tensor = plan.combine.fn(as_tensor(o_cmp), o_slc, o_win, gates, toggles=toggles)
+        o_sel = plan.selected.fn(q_sel, k_sel, v_sel, indices, cfg.sel_block, scale, **where)
+        out: Tensor = plan.combine.fn(as_tensor(o_cmp), o_sel, o_win, gates, toggles=toggles)
         return out
 
 

@@ -190,12 +190,12 @@ def cmp_window_kernel(
 
 @triton.jit
 def selected_kernel(
-    q_ptr, k_slc, v_slc, cand_ptr, seqlens_ptr, indices_ptr,
+    q_ptr, k_sel, v_sel, cand_ptr, seqlens_ptr, indices_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
     capacity, qk_scale,
     H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    slots, slc_slot0,
+    slots, sel_slot0,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr, JS: tl.constexpr,
     score_chunks, NSCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
@@ -231,11 +231,11 @@ def selected_kernel(
             # block as a block tensor: triton 3.9's interpreter turns scalar & block into int32.
             live = ((block + tl.zeros_like(in_block)) >= 0) & (in_block < SEL) & (pos <= t)
             _, m_i, l_i, acc = _attend_tile(
-                q, k_slc, v_slc, b * capacity + pos, live, h, m_i, l_i, acc, qk_scale,
+                q, k_sel, v_sel, b * capacity + pos, live, h, m_i, l_i, acc, qk_scale,
                 H, DK, BK, DV, BV, DOT_PREC,
             )  # fmt: skip
             count += tl.sum(live.to(tl.int32), axis=0)
     _store_partial(
-        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slc_slot0 + split,
+        part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, sel_slot0 + split,
         m_i, l_i, acc, count, slots, G, BG, DV, BV,
     )  # fmt: skip

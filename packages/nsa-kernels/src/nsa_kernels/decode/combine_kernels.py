@@ -91,12 +91,12 @@ def combine_kernel(
     BV: tl.constexpr,
     KT: tl.constexpr,
 ):
-    """o = g0 * o_cmp + g1 * o_slc + g2 * o_win for HPC query heads of one kv head.
+    """o = g0 * o_cmp + g1 * o_sel + g2 * o_win for HPC query heads of one kv head.
 
     Grid: (B*H, ceil(G / HPC)); program (bh, c) serves heads ``[c*HPC, (c+1)*HPC)`` of group h
     (HB = HPC rounded up to a power of two). gates ``[B, HQ, 3]`` and o ``[B, HQ, dv]``
     contiguous. Program c == 0 also writes the keys each branch read, ``reads [3, B, H]``
-    (cmp, slc, win), summed from the partials.
+    (cmp, sel, win), summed from the partials.
 
     Two passes over all slots of the three branches together, KT slots a tile (one tile when
     KT >= slots, the usual case): the first reads only the small (m, l, n) and gives each
@@ -114,16 +114,16 @@ def combine_kernel(
     row_q = b * HQ + h * G + heads  # [HB] query-head rows
     gate = gates_ptr + row_q * 3
     g_cmp = tl.load(gate + 0, mask=head_ok, other=0.0).to(tl.float32)
-    g_slc = tl.load(gate + 1, mask=head_ok, other=0.0).to(tl.float32)
+    g_sel = tl.load(gate + 1, mask=head_ok, other=0.0).to(tl.float32)
     g_win = tl.load(gate + 2, mask=head_ok, other=0.0).to(tl.float32)
     n_cmp_used = tl.cdiv(tl.load(num_cmp_ptr + b), cmp_chunk)
 
     m_cmp = tl.full([HB], -1.0e30, dtype=tl.float32)
     m_win = tl.full([HB], -1.0e30, dtype=tl.float32)
-    m_slc = tl.full([HB], -1.0e30, dtype=tl.float32)
+    m_sel = tl.full([HB], -1.0e30, dtype=tl.float32)
     l_cmp = tl.zeros([HB], dtype=tl.float32)
     l_win = tl.zeros([HB], dtype=tl.float32)
-    l_slc = tl.zeros([HB], dtype=tl.float32)
+    l_sel = tl.zeros([HB], dtype=tl.float32)
     reads = tl.zeros([KT], dtype=tl.int32)
     reads_cmp = tl.zeros([KT], dtype=tl.int32)
     reads_win = tl.zeros([KT], dtype=tl.int32)
@@ -135,7 +135,7 @@ def combine_kernel(
         n = tl.load(part_n_ptr + bh * slots + k, mask=branch >= 0, other=0)
         m_cmp, l_cmp = _online_max_sum(m_cmp, l_cmp, m, denom, branch == 0)
         m_win, l_win = _online_max_sum(m_win, l_win, m, denom, branch == 1)
-        m_slc, l_slc = _online_max_sum(m_slc, l_slc, m, denom, branch == 2)
+        m_sel, l_sel = _online_max_sum(m_sel, l_sel, m, denom, branch == 2)
         reads += n
         reads_cmp += tl.where(branch == 0, n, 0)
         reads_win += tl.where(branch == 1, n, 0)
@@ -143,7 +143,7 @@ def combine_kernel(
     # Per branch: g / L where the branch saw a key, else 0 (its output is 0, never NaN).
     s_cmp = tl.where(l_cmp > 0.0, g_cmp / tl.where(l_cmp > 0.0, l_cmp, 1.0), 0.0)
     s_win = tl.where(l_win > 0.0, g_win / tl.where(l_win > 0.0, l_win, 1.0), 0.0)
-    s_slc = tl.where(l_slc > 0.0, g_slc / tl.where(l_slc > 0.0, l_slc, 1.0), 0.0)
+    s_sel = tl.where(l_sel > 0.0, g_sel / tl.where(l_sel > 0.0, l_sel, 1.0), 0.0)
     vcol = tl.arange(0, BV)
     o = tl.zeros([HB, BV], dtype=tl.float32)
     for k0 in range(0, slots, KT):
@@ -157,8 +157,8 @@ def combine_kernel(
         )
         is_cmp = (branch == 0)[:, None]
         is_win = (branch == 1)[:, None]
-        top = tl.where(is_cmp, m_cmp[None, :], tl.where(is_win, m_win[None, :], m_slc[None, :]))
-        scale = tl.where(is_cmp, s_cmp[None, :], tl.where(is_win, s_win[None, :], s_slc[None, :]))
+        top = tl.where(is_cmp, m_cmp[None, :], tl.where(is_win, m_win[None, :], m_sel[None, :]))
+        scale = tl.where(is_cmp, s_cmp[None, :], tl.where(is_win, s_win[None, :], s_sel[None, :]))
         weight = tl.where(have, scale * tl.exp2(m - top), 0.0)  # [KT, HB]
         o += tl.sum(weight[:, :, None] * part, axis=0)
     tl.store(

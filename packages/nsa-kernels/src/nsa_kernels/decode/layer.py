@@ -100,12 +100,12 @@ class LayerDecoder:
     def _stack_input_projections(
         module: NSAAttention,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """W [q; k_cmp; k_slc; k_win; v_cmp; v_slc; v_win; gate_in] [rows, hidden], its bias
+        """W [q; k_cmp; k_sel; k_win; v_cmp; v_sel; v_win; gate_in] [rows, hidden], its bias
         (zeros where a projection has none) and the rows of each part."""
         layers: list[torch.nn.Linear] = [
             module.q_proj,
-            *(_linear(module.k_proj[b]) for b in ("cmp", "slc", "win")),
-            *(_linear(module.v_proj[b]) for b in ("cmp", "slc", "win")),
+            *(_linear(module.k_proj[b]) for b in ("cmp", "sel", "win")),
+            *(_linear(module.v_proj[b]) for b in ("cmp", "sel", "win")),
             _linear(module.gate[0]),
         ]
         with torch.no_grad():
@@ -127,18 +127,18 @@ class LayerDecoder:
         batch, hq, h = x.shape[0], cfg.num_q_heads, cfg.num_kv_heads
         dk, dv = cfg.head_dim_qk, cfg.head_dim_v
         parts = torch.split(F.linear(x, self._w_in, self._b_in), self._splits, dim=-1)
-        q, k_cmp, k_slc, k_win, v_cmp, v_slc, v_win, gate_in = parts
-        keys = torch.cat([q, k_cmp, k_slc, k_win], dim=-1).view(batch, 1, hq + 3 * h, dk)
+        q, k_cmp, k_sel, k_win, v_cmp, v_sel, v_win, gate_in = parts
+        keys = torch.cat([q, k_cmp, k_sel, k_win], dim=-1).view(batch, 1, hq + 3 * h, dk)
         keys = apply_rope(keys, positions, cfg.rope_theta)[:, 0]  # [B, HQ + 3H, dk]
-        q_rot, k_cmp, k_slc, k_win = torch.split(keys, [hq, h, h, h], dim=1)
+        q_rot, k_cmp, k_sel, k_win = torch.split(keys, [hq, h, h, h], dim=1)
         gate = self.module.gate
         gates = torch.sigmoid(gate[2](gate[1](gate_in))).view(batch, hq, 3)
         return StepInputs(
             q=q_rot,
             k_cmp=k_cmp,
             v_cmp=v_cmp.reshape(batch, h, dv),
-            k_slc=k_slc,
-            v_slc=v_slc.reshape(batch, h, dv),
+            k_sel=k_sel,
+            v_sel=v_sel.reshape(batch, h, dv),
             k_win=k_win,
             v_win=v_win.reshape(batch, h, dv),
             gates=gates,

@@ -8,7 +8,7 @@ position (what a CUDA graph needs).
 
 Layout, for sequence b holding ``L_b = cache_seqlens[b]`` tokens:
 
-- ``k_slc [B, capacity, H, dk]``, ``v_slc [B, capacity, H, dv]``: token p at row p.
+- ``k_sel [B, capacity, H, dk]``, ``v_sel [B, capacity, H, dv]``: token p at row p.
 - ``k_win [B, w, H, dk]``, ``v_win``: a ring, token p at row ``p % w`` (the last ``min(w, L_b)``).
 - ``k_raw [B, l, H, dk]``, ``v_raw``: a ring, token p at row ``p % l``. The tokens not yet folded
   into a block, ``[num_cmp[b] * d, L_b)``, are at most l - 1, and the l tokens of a block that
@@ -32,7 +32,7 @@ from nsa_core import NSACache, NSAConfig, num_cmp_blocks, split_blocks
 # phi of one block per (sequence, kv head): blocks [B, H, l, D] -> [B, H, D].
 BlockPhi = Callable[[torch.Tensor], torch.Tensor]
 
-BRANCHES = ("cmp", "slc", "win")
+BRANCHES = ("cmp", "sel", "win")
 
 
 def block_phi(module: Callable[[torch.Tensor], torch.Tensor]) -> BlockPhi:
@@ -68,8 +68,8 @@ class DecodeState:
 
     config: NSAConfig
     capacity: int
-    k_slc: torch.Tensor
-    v_slc: torch.Tensor
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
     k_win: torch.Tensor
     v_win: torch.Tensor
     k_raw: torch.Tensor
@@ -110,8 +110,8 @@ class DecodeState:
         return cls(
             config=config,
             capacity=capacity,
-            k_slc=z(capacity, dk),
-            v_slc=z(capacity, dv),
+            k_sel=z(capacity, dk),
+            v_sel=z(capacity, dv),
             k_win=z(config.window, dk),
             v_win=z(config.window, dv),
             k_raw=z(config.cmp_block, dk),
@@ -129,11 +129,11 @@ class DecodeState:
         cfg = cache.config
         if capacity < cache.length:
             raise ValueError(f"capacity {capacity} is below the cache length {cache.length}")
-        batch = cache.k_slc.shape[0]
-        state = cls.empty(cfg, batch, capacity, device=cache.k_slc.device, dtype=cache.k_slc.dtype)
+        batch = cache.k_sel.shape[0]
+        state = cls.empty(cfg, batch, capacity, device=cache.k_sel.device, dtype=cache.k_sel.dtype)
         length = cache.length
-        state.k_slc[:, :length] = cache.k_slc
-        state.v_slc[:, :length] = cache.v_slc
+        state.k_sel[:, :length] = cache.k_sel
+        state.v_sel[:, :length] = cache.v_sel
         state._fill_ring(state.k_win, cache.k_win, length)
         state._fill_ring(state.v_win, cache.v_win, length)
         state._fill_ring(state.k_raw, cache.k_raw, length)
@@ -159,7 +159,7 @@ class DecodeState:
         """Sequences of different lengths from their per-branch K/V.
 
         Args:
-            k, v: per branch ("cmp", "slc", "win") keys [B, T, H, dk] and values [B, T, H, dv];
+            k, v: per branch ("cmp", "sel", "win") keys [B, T, H, dk] and values [B, T, H, dv];
                 sequence b uses its first ``lengths[b]`` tokens (rotated keys; the compressed
                 branch's raw, unfolded K/V).
             lengths: B prefix lengths, each <= T and <= capacity.
@@ -167,13 +167,13 @@ class DecodeState:
                 :func:`block_phi`); None means the mean (``phi == "avg"``).
         """
         check_phi(config, phi_k, phi_v)
-        ref = k["slc"]
+        ref = k["sel"]
         batch = ref.shape[0]
         if len(lengths) != batch:
             raise ValueError(f"{len(lengths)} lengths for a batch of {batch}")
         for name in BRANCHES:
             if k[name].shape[:3] != ref.shape[:3] or v[name].shape[:3] != ref.shape[:3]:
-                raise ValueError(f"branch {name!r} K/V do not match k['slc'] {list(ref.shape)}")
+                raise ValueError(f"branch {name!r} K/V do not match k['sel'] {list(ref.shape)}")
         if any(n < 0 or n > ref.shape[1] or n > capacity for n in lengths):
             raise ValueError(
                 f"lengths {list(lengths)} must lie in [0, min(T={ref.shape[1]}, {capacity})]"
@@ -181,8 +181,8 @@ class DecodeState:
         state = cls.empty(config, batch, capacity, device=ref.device, dtype=ref.dtype)
         cfg = config
         for b, n in enumerate(lengths):
-            state.k_slc[b, :n] = k["slc"][b, :n]
-            state.v_slc[b, :n] = v["slc"][b, :n]
+            state.k_sel[b, :n] = k["sel"][b, :n]
+            state.v_sel[b, :n] = v["sel"][b, :n]
             win0 = max(0, n - cfg.window)
             state._fill_ring(state.k_win[b : b + 1], k["win"][b : b + 1, win0:n], n)
             state._fill_ring(state.v_win[b : b + 1], v["win"][b : b + 1, win0:n], n)
@@ -215,15 +215,15 @@ class DecodeState:
 
     @property
     def batch(self) -> int:
-        return int(self.k_slc.shape[0])
+        return int(self.k_sel.shape[0])
 
     @property
     def device(self) -> torch.device:
-        return self.k_slc.device
+        return self.k_sel.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.k_slc.dtype
+        return self.k_sel.dtype
 
     @property
     def cmp_capacity(self) -> int:
@@ -248,7 +248,7 @@ class DecodeState:
         """Copies of (cache_seqlens, num_cmp, overflow).
 
         Restoring them undoes a step: everything else a step writes lies past the logical
-        content (row L of k_slc, row num_cmp of k_cmp) or in ring rows the next step at the
+        content (row L of k_sel, row num_cmp of k_cmp) or in ring rows the next step at the
         same position overwrites with the same token before any read.
         """
         return self.cache_seqlens.clone(), self.num_cmp.clone(), self.overflow.clone()
@@ -283,8 +283,8 @@ class DecodeState:
 
         win0 = max(0, length - cfg.window)
         cache.append_tokens(
-            self.k_slc[b : b + 1, :length],
-            self.v_slc[b : b + 1, :length],
+            self.k_sel[b : b + 1, :length],
+            self.v_sel[b : b + 1, :length],
             ring(self.k_win, win0),
             ring(self.v_win, win0),
             ring(self.k_raw, blocks * cfg.cmp_stride),

@@ -55,14 +55,14 @@ class StepInputs:
     """The new token of each sequence, already projected (and q and keys rotated).
 
     q [B, HQ, dk]; per branch k_* [B, H, dk], v_* [B, H, dv] (``k_cmp``/``v_cmp``: the raw,
-    unfolded compressed-branch K/V); gates [B, HQ, 3] in (0, 1), ordered (cmp, slc, win).
+    unfolded compressed-branch K/V); gates [B, HQ, 3] in (0, 1), ordered (cmp, sel, win).
     """
 
     q: torch.Tensor
     k_cmp: torch.Tensor
     v_cmp: torch.Tensor
-    k_slc: torch.Tensor
-    v_slc: torch.Tensor
+    k_sel: torch.Tensor
+    v_sel: torch.Tensor
     k_win: torch.Tensor
     v_win: torch.Tensor
     gates: torch.Tensor
@@ -81,8 +81,8 @@ class StepInputs:
             q=z(batch, hq, dk),
             k_cmp=z(batch, h, dk),
             v_cmp=z(batch, h, dv),
-            k_slc=z(batch, h, dk),
-            v_slc=z(batch, h, dv),
+            k_sel=z(batch, h, dk),
+            v_sel=z(batch, h, dv),
             k_win=z(batch, h, dk),
             v_win=z(batch, h, dv),
             gates=z(batch, hq, 3),
@@ -102,8 +102,8 @@ class StepInputs:
             "q": (batch, hq, dk),
             "k_cmp": (batch, h, dk),
             "v_cmp": (batch, h, dv),
-            "k_slc": (batch, h, dk),
-            "v_slc": (batch, h, dv),
+            "k_sel": (batch, h, dk),
+            "v_sel": (batch, h, dv),
             "k_win": (batch, h, dk),
             "v_win": (batch, h, dv),
             "gates": (batch, hq, 3),
@@ -125,20 +125,20 @@ class StepOutputs:
     """What one step produced, all on the device.
 
     o [B, HQ, dv] in the state's dtype; indices [B, H, n] int32 (ascending, -1 padded) the
-    selected blocks; reads_cmp, reads_slc, reads_win [B, H] int32: the key tokens each branch's
+    selected blocks; reads_cmp, reads_sel, reads_win [B, H] int32: the key tokens each branch's
     softmax covered, counted by the kernels.
     """
 
     o: torch.Tensor
     indices: torch.Tensor
-    reads: torch.Tensor  # [3, B, H]: cmp, slc, win
+    reads: torch.Tensor  # [3, B, H]: cmp, sel, win
 
     @property
     def reads_cmp(self) -> torch.Tensor:
         return self.reads[0]
 
     @property
-    def reads_slc(self) -> torch.Tensor:
+    def reads_sel(self) -> torch.Tensor:
         return self.reads[1]
 
     @property
@@ -362,8 +362,8 @@ def decode_step(
     x = {f.name: getattr(inputs, f.name).contiguous() for f in fields(inputs)}
     append_token(
         state,
-        {"cmp": x["k_cmp"], "slc": x["k_slc"], "win": x["k_win"]},
-        {"cmp": x["v_cmp"], "slc": x["v_slc"], "win": x["v_win"]},
+        {"cmp": x["k_cmp"], "sel": x["k_sel"], "win": x["k_win"]},
+        {"cmp": x["v_cmp"], "sel": x["v_sel"], "win": x["v_win"]},
         plan.tickets,
         phi_k=phi_k,
         phi_v=phi_v,
@@ -395,10 +395,10 @@ def decode_step(
         SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common,
     )  # fmt: skip
     selected_kernel[(batch * h, p.sel_splits)](
-        q, state.k_slc, state.v_slc, p.cand, state.cache_seqlens, indices,
+        q, state.k_sel, state.v_sel, p.cand, state.cache_seqlens, indices,
         p.part_m, p.part_l, p.part_acc, p.part_n,
         state.capacity, qk_scale,
-        slc_slot0=p.cmp_chunks + p.window_chunks, score_chunks=p.score_chunks,
+        sel_slot0=p.cmp_chunks + p.window_chunks, score_chunks=p.score_chunks,
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
         SEL=cfg.sel_block, BL=p.sel_tile, NSUB=p.sel_sub, BPS=p.blocks_per_split,
         JS=p.score_chunk, NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,

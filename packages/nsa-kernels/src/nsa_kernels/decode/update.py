@@ -73,12 +73,12 @@ def _fold_block(
 
 @triton.jit
 def _append_kv(
-    new_slc, new_win, new_raw, slc, win, raw, cmp, b, h, pos, room, raw_slot, cmp_row, cmp_rows,
+    new_sel, new_win, new_raw, sel, win, raw, cmp, b, h, pos, room, raw_slot, cmp_row, cmp_rows,
     emit, capacity, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr,
     LCMP: tl.constexpr, BL: tl.constexpr, AVG: tl.constexpr,
 ):  # fmt: skip
     """One head's keys (or values) of the new token into the three caches, the block folded."""
-    _put_row(new_slc, slc, b, h, pos, capacity, room, H, D, BD)
+    _put_row(new_sel, sel, b, h, pos, capacity, room, H, D, BD)
     _put_row(new_win, win, b, h, pos % WINDOW, WINDOW, room, H, D, BD)
     x = _put_row(new_raw, raw, b, h, raw_slot, LCMP, room, H, D, BD)
     if AVG:
@@ -87,14 +87,14 @@ def _append_kv(
 
 @triton.jit
 def append_kernel(
-    k_new_slc,
-    v_new_slc,
+    k_new_sel,
+    v_new_sel,
     k_new_win,
     v_new_win,
     k_new_cmp,
     v_new_cmp,
-    k_slc,
-    v_slc,
+    k_sel,
+    v_sel,
     k_win,
     v_win,
     k_raw,
@@ -146,12 +146,12 @@ def append_kernel(
     cmp_row = blocks.to(tl.int64)
     if kind == 0:
         _append_kv(
-            k_new_slc, k_new_win, k_new_cmp, k_slc, k_win, k_raw, k_cmp, b, h, pos, room,
+            k_new_sel, k_new_win, k_new_cmp, k_sel, k_win, k_raw, k_cmp, b, h, pos, room,
             raw_slot, cmp_row, cmp_rows, emit, capacity, H, DK, BK, WINDOW, LCMP, BL, AVG,
         )  # fmt: skip
     else:
         _append_kv(
-            v_new_slc, v_new_win, v_new_cmp, v_slc, v_win, v_raw, v_cmp, b, h, pos, room,
+            v_new_sel, v_new_win, v_new_cmp, v_sel, v_win, v_raw, v_cmp, b, h, pos, room,
             raw_slot, cmp_row, cmp_rows, emit, capacity, H, DV, BV, WINDOW, LCMP, BL, AVG,
         )  # fmt: skip
     full = tl.load(overflow_ptr + b) | (length >= capacity).to(tl.int32)
@@ -181,7 +181,7 @@ def append_token(
     """Append one token per sequence to ``state`` at its own position, on the device.
 
     Args:
-        k_new, v_new: per branch ("cmp", "slc", "win") the new token's keys [B, H, dk] and
+        k_new, v_new: per branch ("cmp", "sel", "win") the new token's keys [B, H, dk] and
             values [B, H, dv], contiguous, in the state's dtype ("cmp": raw, unfolded).
         tickets: int32 [B], zeros between steps (the kernel leaves them so): the count of a
             sequence's programs that have read its counters (see ``append_kernel``).
@@ -194,8 +194,8 @@ def append_token(
     if tickets.shape != (state.batch,) or tickets.dtype != torch.int32:
         raise ValueError(f"tickets must be int32 [B={state.batch}], got {tuple(tickets.shape)}")
     append_kernel[(state.batch * h, 2)](
-        k_new["slc"], v_new["slc"], k_new["win"], v_new["win"], k_new["cmp"], v_new["cmp"],
-        state.k_slc, state.v_slc, state.k_win, state.v_win, state.k_raw, state.v_raw,
+        k_new["sel"], v_new["sel"], k_new["win"], v_new["win"], k_new["cmp"], v_new["cmp"],
+        state.k_sel, state.v_sel, state.k_win, state.v_win, state.k_raw, state.v_raw,
         state.k_cmp, state.v_cmp,
         state.cache_seqlens, state.num_cmp, state.overflow, tickets,
         state.capacity, state.k_cmp.shape[1],

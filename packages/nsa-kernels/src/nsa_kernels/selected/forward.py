@@ -82,13 +82,13 @@ def _cmp_row(
 
 @triton.jit
 def _gated_sum(
-    o_slc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
+    o_sel, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, b, r, heads, offs_v, g_mask, v_mask,
     stride_cb, stride_ct, stride_ch, stride_c2b, stride_c2t, stride_c2h, cmp_start, cmp_rows,
     stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh, stride_gc,
     CMP_RUNS: tl.constexpr,
 ):  # fmt: skip
-    """[BG, BV] float32 ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` at query row r of
-    batch row b, heads ``heads`` [BG] and channels ``offs_v`` [BV]; o_slc [BG, BV] float32;
+    """[BG, BV] float32 ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win`` at query row r of
+    batch row b, heads ``heads`` [BG] and channels ``offs_v`` [BV]; o_sel [BG, BV] float32;
     o_cmp as :func:`_cmp_row` reads it.
 
     o_cmp and o_win are read once and not again: ``evict_first`` keeps K/V in L2 over them.
@@ -104,16 +104,16 @@ def _gated_sum(
     ).to(tl.float32)  # fmt: skip
     gates = gate_ptr + b * stride_gb + r * stride_gt + heads * stride_gh
     g_cmp = tl.load(gates, mask=g_mask, other=0.0).to(tl.float32)[:, None]
-    g_slc = tl.load(gates + stride_gc, mask=g_mask, other=0.0).to(tl.float32)[:, None]
+    g_sel = tl.load(gates + stride_gc, mask=g_mask, other=0.0).to(tl.float32)[:, None]
     g_win = tl.load(gates + 2 * stride_gc, mask=g_mask, other=0.0).to(tl.float32)[:, None]
-    return g_cmp * o_cmp + g_slc * o_slc + g_win * o_win
+    return g_cmp * o_cmp + g_sel * o_sel + g_win * o_win
 
 
 @triton.jit
 def _sel_fwd_rows(
     blk,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
-    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr, init_lse_ptr,
+    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, sel_ptr, init_o_ptr, init_lse_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -129,7 +129,7 @@ def _sel_fwd_rows(
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
+    TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SEL: tl.constexpr,
     CMP_RUNS: tl.constexpr, HAS_INIT: tl.constexpr, LOCAL: tl.constexpr,
 ):  # fmt: skip
     """The body of :func:`sel_fwd_kernel` for the rows of row block ``blk``."""
@@ -232,11 +232,11 @@ def _sel_fwd_rows(
             o = tl.where(held, o, float("nan"))
         o_rows = o_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
         if GATED:
-            if STORE_SLC:
-                slc_rows = slc_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
+            if STORE_SEL:
+                sel_rows = sel_ptr + b * stride_ob + r * stride_ot + heads[:, None] * stride_oh
                 tl.store(
-                    slc_rows + offs_v[None, :],
-                    o.to(slc_ptr.dtype.element_ty),
+                    sel_rows + offs_v[None, :],
+                    o.to(sel_ptr.dtype.element_ty),
                     mask=g_mask[:, None] & v_mask[None, :],
                 )
             o = _gated_sum(
@@ -262,7 +262,7 @@ def _sel_fwd_rows(
 @triton.jit
 def sel_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr, k_desc, v_desc,
-    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr, init_lse_ptr,
+    cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, sel_ptr, init_o_ptr, init_lse_ptr,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -278,7 +278,7 @@ def sel_fwd_kernel(
     DK: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, NP: tl.constexpr,
     RPP: tl.constexpr, KV_HINT: tl.constexpr, VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SLC: tl.constexpr,
+    TMA: tl.constexpr, V_TMA: tl.constexpr, GATED: tl.constexpr, STORE_SEL: tl.constexpr,
     CMP_RUNS: tl.constexpr, HAS_INIT: tl.constexpr,
     STRIDED: tl.constexpr, LOCAL: tl.constexpr = False,
 ):  # fmt: skip
@@ -303,10 +303,10 @@ def sel_fwd_kernel(
     it returns at once it costs a few program starts rather than one per row block.
 
     GATED (forward only, :func:`forward`'s ``gated``): o is the gated sum of the three branches,
-    ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` over float32 values (the combine kernel's
+    ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win`` over float32 values (the combine kernel's
     expression), o_cmp and o_win [B, Tq, HQ, dv] read at the row's heads, gates [B, Tq, HQ, 3]:
-    the combine's pass over the three outputs is saved, and o_slc never goes to memory unless
-    STORE_SLC: then o_slc is stored too, at o's strides in slc [B, Tq, HQ, dv] (the backward of
+    the combine's pass over the three outputs is saved, and o_sel never goes to memory unless
+    STORE_SEL: then o_sel is stored too, at o's strides in sel [B, Tq, HQ, dv] (the backward of
     the gated sum reads it). CMP_RUNS: o_cmp comes as two runs of rows (cmp and cmp2, from row
     ``cmp_start``, the first ``cmp_rows`` long; :class:`GatedSum`).
 
@@ -322,7 +322,7 @@ def sel_fwd_kernel(
         for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
             _sel_fwd_rows(
                 blk, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr, finite_ptr,
-                k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr,
+                k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, sel_ptr, init_o_ptr,
                 init_lse_ptr, stride_qb,
                 stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                 stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_ib,
@@ -330,12 +330,12 @@ def sel_fwd_kernel(
                 stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
                 stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP,
                 BG, DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA,
-                V_TMA, GATED, STORE_SLC, CMP_RUNS, HAS_INIT, LOCAL,
+                V_TMA, GATED, STORE_SEL, CMP_RUNS, HAS_INIT, LOCAL,
             )  # fmt: skip
     else:
         _sel_fwd_rows(
             tl.program_id(0), q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, idx_ptr, seq_ptr, cu_ptr,
-            finite_ptr, k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, slc_ptr, init_o_ptr,
+            finite_ptr, k_desc, v_desc, cmp_ptr, cmp2_ptr, win_ptr, gate_ptr, sel_ptr, init_o_ptr,
             init_lse_ptr, stride_qb,
             stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
             stride_vh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_ib,
@@ -343,7 +343,7 @@ def sel_fwd_kernel(
             stride_c2h, stride_wb, stride_wt, stride_wh, stride_gb, stride_gt, stride_gh,
             stride_gc, n_rows, tq, tk, q_start, nsel, qk_scale, cmp_start, cmp_rows, G, HPP, BG,
             DK, BK, NK, DV, BV, SEL, BL, NSUB, NP, RPP, KV_HINT, VARLEN, DOT_PREC, TMA, V_TMA,
-            GATED, STORE_SLC, CMP_RUNS, HAS_INIT, LOCAL,
+            GATED, STORE_SEL, CMP_RUNS, HAS_INIT, LOCAL,
         )  # fmt: skip
 
 
@@ -360,7 +360,7 @@ def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
 class GatedSum:
     """What the selected forward sums its output with (docs/spec.md, "Output"): the other
     two branches o_cmp and o_win [B, Tq, HQ, dv] in q's dtype, and gates [B, Tq, HQ, 3] ordered
-    (cmp, slc, win), on q's device. The kernel reads them; their gradients, where wanted, come
+    (cmp, sel, win), on q's device. The kernel reads them; their gradients, where wanted, come
     from :class:`nsa_kernels.selected.function.GatedSelectedFunction`. o_cmp may be a
     :class:`RowRuns` of at most two runs (the folded cuDNN branch's full rows
     and its tail), read where they lie; more runs are assembled first."""
@@ -372,13 +372,13 @@ class GatedSum:
 
 def forward(
     q: Tensor, k: Tensor, v: Tensor, idx: Tensor, info: Launch, gated: GatedSum | None = None,
-    slc_out: Tensor | None = None, local: LocalSoftmax | None = None,
+    sel_out: Tensor | None = None, local: LocalSoftmax | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """o [B, Tq, HQ, dv] in q's dtype and lse [B, Tq, HQ] float32 (natural log, -inf on rows that
     see nothing) of contiguous q, k, v and index rows as sets ``idx [B, Tq, H, n]`` int32.
 
     ``gated``: o is the gated sum of the three branches instead (see sel_fwd_kernel's GATED);
-    lse stays the selected branch's own. ``slc_out`` (with ``gated``): a contiguous
+    lse stays the selected branch's own. ``sel_out`` (with ``gated``): a contiguous
     [B, Tq, HQ, dv] tensor of q's dtype that receives the selected branch's own output as well.
     ``local``: each row's softmax over its forced blocks 0 and ``max(jt - 1, 0) .. jt`` (the
     sliding branch's, over the same keys and values, l' = info.sel_block); every row's index set
@@ -386,8 +386,8 @@ def forward(
     them (sel_fwd_kernel's LOCAL); the call's config comes from ``prepare(..., local=True)``
     (the forced-block prologue off).
     """
-    if slc_out is not None and (gated is None or not slc_out.is_contiguous()):
-        raise ValueError("slc_out takes a contiguous tensor, and only beside a gated sum")
+    if sel_out is not None and (gated is None or not sel_out.is_contiguous()):
+        raise ValueError("sel_out takes a contiguous tensor, and only beside a gated sum")
     sel_block, cfg = info.sel_block, info.cfg
     o, lse = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     if local is not None:
@@ -398,13 +398,13 @@ def forward(
         return o, lse
     if info.n == 0:
         o, lse = no_visible_keys(o, lse)
-        if slc_out is not None:
-            slc_out.copy_(o)
+        if sel_out is not None:
+            sel_out.copy_(o)
         if gated is not None:
-            # o_slc = 0, its product still taken (a non-finite gate makes its row non-finite,
+            # o_sel = 0, its product still taken (a non-finite gate makes its row non-finite,
             # docs/spec.md "Output"), in the combine kernel's float32.
-            g, o_slc = gated.gates.float(), o.float()
-            total = g[..., 0:1] * as_tensor(gated.o_cmp).float() + g[..., 1:2] * o_slc
+            g, o_sel = gated.gates.float(), o.float()
+            total = g[..., 0:1] * as_tensor(gated.o_cmp).float() + g[..., 1:2] * o_sel
             o = (total + g[..., 2:3] * gated.o_win.float()).to(q.dtype)
         return o, lse
     seq_ids, cu = varlen_args(info, q.device)
@@ -437,12 +437,12 @@ def forward(
         if gated is None
         else (cmp.first, cmp.second, gated.o_win, gated.gates)
     )
-    slc = o if slc_out is None else slc_out
+    sel = o if sel_out is None else sel_out
     part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[3].stride(-1)]
     for v_path, strided in path_launches(v_tma):
         sel_fwd_kernel[strided_grid(grid, q.device) if strided else grid](
             q, k, v, o, lse, rest if v_path else idx, seq_ids, cu, finite, k_desc, v_desc,
-            *parts, slc, init_o, init_lse,
+            *parts, sel, init_o, init_lse,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -458,7 +458,7 @@ def forward(
             SEL=sel_block, BL=cfg.fwd_block_l, NSUB=nsub, NP=pow2(info.n),
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype), TMA=tma,
-            V_TMA=v_path, GATED=gated is not None, STORE_SLC=slc_out is not None,
+            V_TMA=v_path, GATED=gated is not None, STORE_SEL=sel_out is not None,
             CMP_RUNS=cmp.runs, HAS_INIT=prologue and v_path, STRIDED=strided,
             LOCAL=local is not None,
             num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,

@@ -79,14 +79,14 @@ def selected_attention_gated_triton(
 ) -> Tensor:  # fmt: skip
     """The gated combine with the selected branch computed in the same launch.
 
-    ``g_cmp * o_cmp + g_slc * o_slc + g_win * o_win`` (docs/spec.md, "Gated combine") where o_slc
+    ``g_cmp * o_cmp + g_sel * o_sel + g_win * o_win`` (docs/spec.md, "Gated combine") where o_sel
     is :func:`selected_attention_triton` of the same arguments: each program sums its rows' three
     terms before it stores them, so the combine's own pass over the three outputs is saved. The
-    sum is the combine kernel's expression over float32 values; o_slc enters it unrounded (the
+    sum is the combine kernel's expression over float32 values; o_sel enters it unrounded (the
     separate ops round it to q's dtype first).
 
-    Without a gradient o_slc never goes to memory. With one (grad mode on and an input that
-    requires it) the launch stores o_slc beside o, and :class:`GatedSelectedFunction` gives
+    Without a gradient o_sel never goes to memory. With one (grad mode on and an input that
+    requires it) the launch stores o_sel beside o, and :class:`GatedSelectedFunction` gives
     the gradients of q, k, v, o_cmp, o_win and gates: the combine's backward kernel, then the
     selected branch's backward.
 
@@ -96,7 +96,7 @@ def selected_attention_gated_triton(
         o_cmp, o_win: [B, Tq, HQ, dv] the compressed and sliding branches' outputs, q's dtype;
             o_cmp may be a :class:`RowRuns`, read where its runs lie with or
             without a gradient (no copy into one tensor; each run gets its own gradient).
-        gates: [B, Tq, HQ, 3] ordered (cmp, slc, win), q's dtype.
+        gates: [B, Tq, HQ, 3] ordered (cmp, sel, win), q's dtype.
         local: the softmax of each row over its forced blocks, computed by the sliding branch over
             these same k and v (:class:`~nsa_kernels.common.local_softmax.LocalSoftmax`,
             :func:`nsa_kernels.sliding.triton_function.sliding_attention_triton_with_local`);
@@ -141,7 +141,7 @@ class GatedSelectedFunction(torch.autograd.Function):
     """o = gated combine of (o_cmp, selected_attention(q, k, v), o_win) by gates, the selected
     branch and the sum in one launch; o_cmp comes as the runs of a
     :class:`RowRuns` from row ``cmp_start`` (each a differentiable input, read
-    in place). Backward: the combine's backward kernel (d o_cmp, d o_slc, d o_win, d gates from
+    in place). Backward: the combine's backward kernel (d o_cmp, d o_sel, d o_win, d gates from
     one read of do; each run's gradient a slice of d o_cmp), then the selected branch's, without
     atomics. Its kernels give no graph of their own (once_differentiable): a second derivative
     through them raises where the upstream gradient carries a graph."""
@@ -154,25 +154,25 @@ class GatedSelectedFunction(torch.autograd.Function):
     ) -> Tensor:  # fmt: skip
         q, k, v, idx = _operands(q, k, v, block_indices, info)
         o_cmp = RowRuns(start=cmp_start, runs=cmp_runs)
-        o_slc = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
+        o_sel = torch.empty(info.batch, info.tq, info.hq, info.dv, dtype=q.dtype, device=q.device)
         parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
-        o, lse = forward(q, k, v, idx, info, parts, slc_out=o_slc, local=local)
-        ctx.save_for_backward(q, k, v, o_slc, lse, idx, o_win, gates, *cmp_runs)
+        o, lse = forward(q, k, v, idx, info, parts, sel_out=o_sel, local=local)
+        ctx.save_for_backward(q, k, v, o_sel, lse, idx, o_win, gates, *cmp_runs)
         ctx.info, ctx.cmp_start = info, cmp_start
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, do: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, o_slc, lse, idx, o_win, gates, *cmp_runs = ctx.saved_tensors
+        q, k, v, o_sel, lse, idx, o_win, gates, *cmp_runs = ctx.saved_tensors
         want_gates = ctx.needs_input_grad[4]
         o_cmp = RowRuns(start=ctx.cmp_start, runs=tuple(cmp_runs))
-        d_cmp, d_slc, d_win, d_gates = combine_bwd(
-            do, o_cmp, o_slc, o_win, gates, want_gates=want_gates
+        d_cmp, d_sel, d_win, d_gates = combine_bwd(
+            do, o_cmp, o_sel, o_win, gates, want_gates=want_gates
         )
         assert d_cmp is not None
-        assert d_slc is not None
-        dq, dk, dv = backward(d_slc, q, k, v, o_slc, lse, idx, ctx.info)
+        assert d_sel is not None
+        dq, dk, dv = backward(d_sel, q, k, v, o_sel, lse, idx, ctx.info)
         # Each run's gradient is its rows of d o_cmp (a view).
         d_runs, row = [], ctx.cmp_start
         for run in cmp_runs:
