@@ -36,7 +36,7 @@ def fake_parallel_nsa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwarg
     if group < 16 or group & (group - 1):
         # fla-core checks with an assert; pytest would rewrite one written here.
         raise AssertionError(FLA_REFUSAL)
-    g = kwargs["g_cmp"] + kwargs["g_sel"]
+    g = kwargs["g_cmp"] + kwargs["g_slc"]  # fla-core's keywords
     return v.repeat_interleave(group, dim=2) * g.unsqueeze(-1) + q[..., : v.shape[-1]]
 
 

@@ -82,7 +82,7 @@ def bench_fla(
             k,
             v,
             g_cmp=gc_,
-            g_sel=gs,
+            g_slc=gs,  # fla-core's keyword (the paper's spelling)
             block_counts=shape.num_selected,
             block_size=shape.sel_block,
             window_size=0,
