@@ -44,7 +44,7 @@ def unused(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("planning calls no backend")
 
 
-def _context(requires_grad: bool = False) -> OpContext:
+def _context(requires_grad: bool = True) -> OpContext:
     return OpContext.for_config(
         CONFIG, device=torch.device("cpu"), dtype=torch.float32, seq_len=64,
         requires_grad=requires_grad,
@@ -97,6 +97,14 @@ def test_a_hand_off_applies_only_between_the_kernels_that_share_it(
     _stand_ins(**names)
     plan = CorePlan.make(StepContexts.of_context(_context()), toggles)
     assert (plan.gated, plan.runs, plan.local, plan.grad_sum) == expected
+
+
+@pytest.mark.usefixtures("isolated_registry")
+def test_without_a_gradient_there_is_no_gradient_sum() -> None:
+    _stand_ins(**KERNELS)
+    plan = CorePlan.make(StepContexts.of_context(_context(requires_grad=False)), Toggles())
+    assert (plan.gated, plan.runs, plan.local, plan.grad_sum) == (True, True, True, False)
+    assert "gradients" not in plan.describe()[4]
 
 
 @pytest.mark.usefixtures("isolated_registry")
@@ -163,7 +171,7 @@ def test_the_fused_core_on_the_triton_kernels_matches_the_reference_core(
     _kernel_rows_on_this_device()
     assert resolve(CORE_OP, _context(requires_grad)).backend.name == "fused"
     plan = CorePlan.make(StepContexts.of_context(_context(requires_grad)), Toggles())
-    assert (plan.gated, plan.local, plan.grad_sum) == (True, True, True)
+    assert (plan.gated, plan.local, plan.grad_sum) == (True, True, requires_grad)
     fused = nsa_attention(*inputs, CONFIG)
     assert rel_err(fused, reference) <= BOUND[torch.float32]
     if requires_grad:

@@ -11,7 +11,8 @@ core. A hand-off applies only between the kernels that share it:
 | compressed output as runs of rows | that gated launch, and compressed ``cudnn`` |
 | forced-block softmax from the sliding kernel | that gated launch, sliding ``triton_win``; and |
 | | per call: the branches share k, v and positions, w >= 2 l' |
-| q's three gradients summed in one pass | combine ``triton_combine``, NSA_COMBINE_GRAD_SUM on |
+| q's three gradients summed in one pass | a gradient, combine ``triton_combine``, and |
+| | NSA_COMBINE_GRAD_SUM on |
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ class CorePlan:
             gated=gated,
             runs=gated and compressed.name == CUDNN,
             local=gated and sliding.name == TRITON_WIN,
-            grad_sum=toggles.combine_grad_sum and combine.name == TRITON_COMBINE,
+            grad_sum=steps.combine.requires_grad
+            and toggles.combine_grad_sum
+            and combine.name == TRITON_COMBINE,
         )
 
     def describe(self) -> list[str]:
