@@ -13,8 +13,8 @@ output 0, lse -inf, no gradient.
 
 A forward without a gradient on one sequence puts the slots into the batch dimension instead,
 every slot reading one stride-0 view of the keys (faster there); each run of queries is written
-once into the output, or left where cuDNN wrote it (:func:`folded_runs`, the backend's
-``fn_runs_with_lse``: a :class:`RowRuns`). With a gradient,
+once into the output, or left where cuDNN wrote it (:func:`folded_runs`, which the fused core,
+:mod:`nsa_kernels.core`, hands to the selected launch: a :class:`RowRuns`). With a gradient,
 :class:`_FoldedFunction` keeps each run's graph, gives each run as a differentiable output (left
 where cuDNN wrote it as well) and writes dq once into place, where autograd on slices of q would
 zero-fill and add a q-sized gradient per run.
@@ -424,7 +424,7 @@ def _output(q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall) -> Te
 
 
 # nsa_core's compressed_attention on cuDNN, with its signature; dense inputs only. The second
-# returns (o, lse), the registry's fn_with_lse; the third (RowRuns, lse), its fn_runs_with_lse.
+# returns (o, lse), the registry's fn_with_lse; the third (RowRuns, lse), the fused core's.
 compressed_attention_cudnn = CompressedBackend(_output)
 compressed_attention_cudnn_with_lse = CompressedBackend(_with_lse)
 compressed_attention_cudnn_runs_with_lse = CompressedBackend(_runs_with_lse)
