@@ -8,6 +8,7 @@ launch (tests/core/test_fused_core.py); here, what the softmax covers.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nsa_kernels.common.local_softmax import holds_local_keys, local_softmax_reference
@@ -39,3 +40,13 @@ def test_a_window_holds_the_local_keys_from_2_l_or_over_all_keys() -> None:
     assert holds_local_keys(128, 64, 10_000)
     assert not holds_local_keys(127, 64, 10_000)
     assert holds_local_keys(127, 64, 127)
+
+
+def test_the_sliding_kernel_refuses_a_window_that_cannot_hold_them() -> None:
+    """Called by name, the Triton sliding branch's local-softmax entry checks the window before
+    any launch."""
+    from nsa_kernels.sliding.triton_function import sliding_attention_triton_with_local
+
+    q, k = torch.zeros(1, 23, 4, 8), torch.zeros(1, 23, 2, 8)
+    with pytest.raises(ValueError, match="does not hold every row's local blocks"):
+        sliding_attention_triton_with_local(q, k, k, 7, sel_block=4)
