@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build flash-attn (FlashAttention-2) from its sdist on a GPU host without a package index, in the
-# background, into a --target site dir (about 24 minutes with 16 cores for one arch).
+# background, into a --target site dir (it takes tens of minutes: docs/performance.md).
 #
 #   ci/build_flash_attn.sh start        # detach the build (setsid nohup) and return at once
 #   ci/build_flash_attn.sh status       # running / built / failed, and the log's last lines

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Triton selected attention on a GPU host: GPU parity tests, then the prefill bench against
 # fla-core's selection kernel (same block indices), the GQA group sweep and a tile-config sweep.
-# Run from the repository root; about 6-8 minutes of GPU time on an H100/H200.
+# Run from the repository root; it takes minutes of GPU time (docs/performance.md).
 #
 #   OUT=/some/dir ci/gpu_sel.sh
 #

@@ -37,9 +37,8 @@ class WindowMean(torch.autograd.Function):
     windows i that cover it, and with d | l those are the same for the d tokens of one stride
     chunk ``[c*d, (c+1)*d)``: windows ``c - L + 1 .. c`` (L = l / d, those in [0, N)). So the
     gradient is L shifted sums of g (in float32, or float64 for float64) broadcast over each
-    chunk, rounded once. Autograd's unfold backward scatters every window back token by token:
-    0.74 ms of kernels for k and v together in the core's forward+backward at T = 64k on an
-    H100, against 0.14 ms for these sums (docs/results/2026-11-26-h100-layer-7.md, run 8).
+    chunk, rounded once. Autograd's unfold backward scatters every window back token by token,
+    several times slower than these sums (docs/results/2026-11-26-h100-layer-7.md).
     """
 
     @staticmethod
