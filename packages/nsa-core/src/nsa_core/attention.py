@@ -13,7 +13,6 @@ from nsa_core import ops
 from nsa_core.blocks import num_cmp_blocks
 from nsa_core.cache import NSACache
 from nsa_core.checks import (
-    MAX_TOKENS,
     check_attention_args,
     check_cu_seqlens,
     check_int,
@@ -23,6 +22,7 @@ from nsa_core.checks import (
 )
 from nsa_core.config import NSAConfig
 from nsa_core.core import check_heads_and_gates, run_attention_core
+from nsa_core.limits import MAX_TOKENS
 from nsa_core.reads import expected_reads
 from nsa_core.reference.compress import CompressMLP, compress, compress_impl
 from nsa_core.reference.compressed_attention import cmp_visible

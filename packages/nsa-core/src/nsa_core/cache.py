@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 
-from nsa_core.checks import MAX_TOKENS, check_int, check_rank, shape
+from nsa_core.checks import check_int, check_rank, shape
 from nsa_core.config import NSAConfig
+from nsa_core.limits import MAX_TOKENS
 
 
 def check_device(name: str, device: object) -> torch.device | None:

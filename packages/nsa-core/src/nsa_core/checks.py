@@ -16,7 +16,7 @@ import numbers
 import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks, num_sel_blocks
-from nsa_core.limits import MAX_TOKENS as MAX_TOKENS  # re-exported: callers check against it
+from nsa_core.limits import MAX_TOKENS
 from nsa_core.op_context import OpContext, op_context
 from nsa_core.toggles import get_toggles
 

@@ -16,7 +16,8 @@ from typing import Literal
 
 import torch
 
-from nsa_core.checks import MAX_TOKENS, check_int, shape
+from nsa_core.checks import check_int, shape
+from nsa_core.limits import MAX_TOKENS
 
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS: tuple[Layout, ...] = ("contiguous", "zigzag")

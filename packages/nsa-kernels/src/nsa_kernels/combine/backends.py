@@ -20,6 +20,7 @@ from nsa_kernels.common.triton_routing import triton_decline_reason, triton_fn
 
 OP = "gated_combine"
 TRITON_PRIORITY = 20
+TRITON_NAME = "triton_combine"
 
 
 def triton_combine_supports(ctx: OpContext, toggles: Toggles) -> str | None:
@@ -31,4 +32,4 @@ def backends() -> list[Backend]:
     """The gated combine's backends, highest priority first: the docstring's table, one row each
     as ``Backend(op, name, fn, supports, priority)``."""
     triton = triton_fn("nsa_kernels.combine.function", "gated_combine_triton")
-    return [Backend(OP, "triton_combine", triton, triton_combine_supports, TRITON_PRIORITY)]
+    return [Backend(OP, TRITON_NAME, triton, triton_combine_supports, TRITON_PRIORITY)]

@@ -37,6 +37,7 @@ TRITON_PRIORITY = 25
 # Above FA-2: cuDNN's fused attention runs the folded compressed forward faster on sm90
 # (docs/performance.md).
 CUDNN_PRIORITY = 35
+CUDNN_NAME = "cudnn"
 _TRITON_MODULE = "nsa_kernels.compressed.function"
 
 
@@ -53,7 +54,7 @@ def backends() -> list[Backend]:
     triton = triton_fn(_TRITON_MODULE, "compressed_attention_triton")
     triton_with_lse = triton_fn(_TRITON_MODULE, "compressed_attention_triton_with_lse")
     return [
-        Backend(OP, "cudnn", compressed_attention_cudnn.unchecked, cudnn_compressed_supports,
+        Backend(OP, CUDNN_NAME, compressed_attention_cudnn.unchecked, cudnn_compressed_supports,
                 CUDNN_PRIORITY, fn_with_lse=compressed_attention_cudnn_with_lse.unchecked),
         Backend(OP, "fa2", fa2, routing.fa2_compressed_supports, routing.FA2_PRIORITY,
                 requested_by=routing.fa2_compressed_requested),

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from nsa_core.core import StepContexts
 from nsa_core.registry import Backend, resolve
 from nsa_core.toggles import Toggles
-
-CUDNN = "cudnn"
-TRITON_SEL = "triton_sel"
-TRITON_WIN = "triton_win"
-TRITON_COMBINE = "triton_combine"
+from nsa_kernels.combine.backends import TRITON_NAME as TRITON_COMBINE
+from nsa_kernels.compressed.backends import CUDNN_NAME as CUDNN
+from nsa_kernels.selected.backend import NAME as TRITON_SEL
+from nsa_kernels.sliding.backends import TRITON_NAME as TRITON_WIN
 
 
 @dataclass(frozen=True)

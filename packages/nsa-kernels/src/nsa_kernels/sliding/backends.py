@@ -32,6 +32,7 @@ from nsa_kernels.sliding.fa2 import sliding_attention_fa2
 OP = "sliding_attention"
 # Above Flex, below FA-2 (the docstring's table says why).
 TRITON_PRIORITY = 25
+TRITON_NAME = "triton_win"
 
 
 def triton_win_supports(ctx: OpContext, toggles: Toggles) -> str | None:
@@ -49,5 +50,5 @@ def backends() -> list[Backend]:
         Backend(OP, "fa2", sliding_attention_fa2.unchecked, *fa2_row),
         Backend(OP, "flex", flex, routing.flex_supports, routing.FLEX_PRIORITY),
         Backend(OP, "sdpa", sdpa, routing.sdpa_supports, routing.SDPA_PRIORITY),
-        Backend(OP, "triton_win", triton, triton_win_supports, TRITON_PRIORITY),
+        Backend(OP, TRITON_NAME, triton, triton_win_supports, TRITON_PRIORITY),
     ]
