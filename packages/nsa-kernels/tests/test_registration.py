@@ -61,3 +61,7 @@ def test_backend_takes_the_ops_arguments_by_name(op: str, backend: registry.Back
         assert (target[name].default is inspect.Parameter.empty) == (
             param.default is inspect.Parameter.empty
         ), f"{backend.name}'s {name!r} differs from {op}'s in having a default"
+    if isinstance(backend.fn, TritonFn):
+        # The registry's calls were validated already: a Triton row hands validated=True on.
+        assert "validated" in target, f"{backend.name}'s target takes no 'validated'"
+        assert target["validated"].kind is inspect.Parameter.KEYWORD_ONLY
