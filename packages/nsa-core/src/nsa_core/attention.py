@@ -29,6 +29,7 @@ from nsa_core.reference.compressed_attention import cmp_visible
 from nsa_core.reference.selected_attention import selected_visibility
 from nsa_core.registry import resolve_fn
 from nsa_core.toggles import get_toggles
+from nsa_core.tracing import TraceConstant, compiling, nonstrict_region
 
 BRANCHES = ("cmp", "sel", "win")
 
@@ -160,6 +161,28 @@ def _sliding(
         q_start=q_start if win_start is None else win_start,
         cu_seqlens=cu_seqlens,
     )
+
+
+def run_apply_rope(x: torch.Tensor, positions: torch.Tensor, config: NSAConfig) -> torch.Tensor:
+    """x [B, T, H, D] rotated at ``positions`` with ``config.rope_theta``, on arguments the layer
+    made itself (its projections at its positions): one resolution, no checks. Under
+    torch.compile, a non-strict region (:mod:`nsa_core.tracing`)."""
+    if compiling():
+        return _rope_region(x, positions, config.trace_constant)
+    toggles = get_toggles()
+    rope = resolve_fn("apply_rope", per_head_context(x), toggles)
+    out: torch.Tensor = rope(x, positions, config.rope_theta, toggles=toggles)
+    return out
+
+
+@nonstrict_region
+def _rope_region(
+    x: torch.Tensor, positions: torch.Tensor, config: TraceConstant[NSAConfig]
+) -> torch.Tensor:
+    toggles = get_toggles()
+    rope = resolve_fn("apply_rope", per_head_context(x), toggles)
+    out: torch.Tensor = rope(x, positions, config.value.rope_theta, toggles=toggles)
+    return out
 
 
 def _with_layer_config(
@@ -296,13 +319,9 @@ class NSAAttention(nn.Module):
         cfg = self.config
         batch, t, _ = x.shape
         hq, h = cfg.num_q_heads, cfg.num_kv_heads
-        toggles = get_toggles()
 
         def rotate(y: torch.Tensor) -> torch.Tensor:
-            # The layer's own projections at its own positions: nothing left to validate.
-            rope = resolve_fn("apply_rope", per_head_context(y), toggles)
-            out: torch.Tensor = rope(y, positions, cfg.rope_theta, toggles=toggles)
-            return out
+            return run_apply_rope(y, positions, cfg)
 
         q = rotate(self.q_proj(x).view(batch, t, hq, cfg.head_dim_qk))
         k = {b: rotate(self.k_proj[b](x).view(batch, t, h, cfg.head_dim_qk)) for b in BRANCHES}

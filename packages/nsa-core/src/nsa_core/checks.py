@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import math
 import numbers
+from typing import cast
 
 import torch
 
@@ -150,7 +151,15 @@ def check_block_indices(
 
 
 def check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    """``value`` as an int in [minimum, maximum]; bools and floats (even 4.0) are refused."""
+    """``value`` as an int in [minimum, maximum]; bools and floats (even 4.0) are refused.
+
+    A symbolic int (torch.compile tracing shapes as symbols) passes as it is: the bounds become
+    guards, and making it a Python int would pin the graph to its value.
+    """
+    if isinstance(value, torch.SymInt):
+        if value < minimum or (maximum is not None and value > maximum):
+            raise ValueError(f"{name} must be in [{minimum}, {maximum}], got {value}")
+        return cast(int, value)
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     if int(value) < minimum:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from nsa_core.limits import MAX_TOKENS
+from nsa_core.tracing import TraceConstant
 
 PhiKind = Literal["avg", "mlp"]
 
@@ -28,6 +29,8 @@ class NSAConfig:
         phi: ``"avg"`` (mean over the block) or ``"mlp"`` (learned, with intra-block positions).
         scale: softmax scale; ``None`` means ``head_dim_qk ** -0.5``.
         rope_theta: RoPE base for the rotary embedding of queries and keys.
+        trace_constant: this config as torch.compile's regions take it (set on creation;
+            :mod:`nsa_core.tracing`).
     """
 
     num_q_heads: int = 64
@@ -42,8 +45,13 @@ class NSAConfig:
     phi: PhiKind = "avg"
     scale: float | None = None
     rope_theta: float = 10000.0
+    trace_constant: TraceConstant[NSAConfig] = field(
+        init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
+        # Made here, outside any trace: Dynamo cannot build it inside a compiled function.
+        object.__setattr__(self, "trace_constant", TraceConstant(self))
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):

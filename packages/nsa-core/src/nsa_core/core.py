@@ -36,6 +36,7 @@ from nsa_core.op_context import OpContext, op_context
 from nsa_core.reference.common import validated_by
 from nsa_core.registry import CORE_OP, hooked_fn, resolve, resolve_fn
 from nsa_core.toggles import Toggles, get_toggles
+from nsa_core.tracing import TraceConstant, compiling, nonstrict_region
 
 
 def core_context(
@@ -241,6 +242,48 @@ def attention_core(
     return out
 
 
-# The core on arguments its caller has validated: one resolution, no checks (nsa_attention, the
-# layer and the context-parallel chunks validate the whole call first).
-run_attention_core = attention_core.body
+def run_attention_core(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
+    v_win: Tensor, gates: Tensor, config: NSAConfig, *, q_start: int = 0,
+    win_start: int | None = None, cu_seqlens: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """:func:`attention_core` on arguments its caller has validated: one resolution, no checks
+    (nsa_attention, the layer and the context-parallel chunks validate the whole call first).
+
+    Under torch.compile the call is a non-strict region (:mod:`nsa_core.tracing`): routing and
+    the kernels' host planning run once, when the graph is traced.
+    """
+    if not compiling():
+        return attention_core.body(
+            q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, q_start=q_start,
+            win_start=win_start, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+    # A region takes no None: win_start None means the window's keys start at 0, as q_start does.
+    win = q_start if win_start is None else win_start
+    tensors = (q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates)
+    if cu_seqlens is None:
+        return _core_region(*tensors, config.trace_constant, q_start, win)
+    return _varlen_core_region(*tensors, cu_seqlens, config.trace_constant)
+
+
+@nonstrict_region
+def _core_region(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
+    v_win: Tensor, gates: Tensor, config: TraceConstant[NSAConfig], q_start: int, win_start: int,
+) -> Tensor:  # fmt: skip
+    out: Tensor = attention_core.body(
+        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config.value, q_start=q_start,
+        win_start=win_start,
+    )  # fmt: skip
+    return out
+
+
+@nonstrict_region
+def _varlen_core_region(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, k_sel: Tensor, v_sel: Tensor, k_win: Tensor,
+    v_win: Tensor, gates: Tensor, cu_seqlens: Tensor, config: TraceConstant[NSAConfig],
+) -> Tensor:  # fmt: skip
+    out: Tensor = attention_core.body(
+        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config.value, cu_seqlens=cu_seqlens
+    )
+    return out

@@ -37,6 +37,8 @@ from nsa_bench.layer.peers import (
 )
 from nsa_bench.layer.plot import write_plot
 from nsa_bench.layer.rows import (
+    COMPILED_METHODS,
+    DEFAULT_METHODS,
     METHODS,
     MODES,
     LayerShape,
@@ -62,7 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=2048, help="nsa_module's hidden size")
     add_dtype_arg(parser)
     parser.add_argument("--modes", default="fwd,fwdbwd", help="fwd,fwdbwd")
-    parser.add_argument("--methods", default=",".join(METHODS), help=",".join(METHODS))
+    parser.add_argument(
+        "--methods",
+        default=",".join(DEFAULT_METHODS),
+        help=f"from {','.join(METHODS)} (the *_compiled ones run under torch.compile)",
+    )
     parser.add_argument(
         "--no-steps", action="store_true", help="skip the per-step breakdown of the core"
     )
@@ -143,12 +149,14 @@ def sweep(args: argparse.Namespace, out: Path) -> list[Row]:
             here: list[Row] = []
             for mode in modes:
                 for method in methods:
-                    if method == "nsa_core":
-                        row = bench_nsa_core(shape, inp, mode, timer, device)
-                    elif method == "nsa_module":
+                    compiled = method in COMPILED_METHODS
+                    if method in ("nsa_core", "nsa_core_compiled"):
+                        row = bench_nsa_core(shape, inp, mode, timer, device, compiled=compiled)
+                    elif method in ("nsa_module", "nsa_module_compiled"):
                         row = bench_nsa_module(
-                            shape, mode, args.hidden_size, timer, device, args.seed
-                        )
+                            shape, mode, args.hidden_size, timer, device, args.seed,
+                            compiled=compiled,
+                        )  # fmt: skip
                     elif method == "fla":
                         row = bench_fla(shape, inp, mode, fla, timer, device)
                     elif method == "sdpa":

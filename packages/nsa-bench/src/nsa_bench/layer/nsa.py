@@ -1,6 +1,6 @@
 """The layer bench's NSA methods: ``nsa_core`` (the functional layer on shared K/V) and
-``nsa_module`` (NSAAttention with its projections), and the backends the registry routes their
-ops to, named in the rows."""
+``nsa_module`` (NSAAttention with its projections), each also under torch.compile
+(``*_compiled``), and the backends the registry routes their ops to, named in the rows."""
 
 from __future__ import annotations
 
@@ -51,37 +51,43 @@ def core_routing(shape: LayerShape, device: torch.device, requires_grad: bool) -
     return ";".join(f"{op}={routed_backend(op, ctx)}" for op in registry.OPS)
 
 
+COMPILED_NOTE = "; torch.compile(fullgraph=True), compiled before timing"
+
+
 def bench_nsa_core(
-    shape: LayerShape, inp: Inputs, mode: str, timer: Timer, device: torch.device
-) -> Row:
+    shape: LayerShape, inp: Inputs, mode: str, timer: Timer, device: torch.device,
+    *, compiled: bool = False,
+) -> Row:  # fmt: skip
     row = shape.row(
         "method",
-        "nsa_core",
+        "nsa_core_compiled" if compiled else "nsa_core",
         mode,
         backend=core_routing(shape, device, mode == "fwdbwd"),
-        note="one K/V shared by the three branches",
+        note="one K/V shared by the three branches" + (COMPILED_NOTE if compiled else ""),
     )
     config = shape.config()
 
     def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> Any:
         return nsa_core.nsa_attention(q, k, v, g, config)
 
-    call, leaves = timed_call(forward, (inp.q, inp.k, inp.v, inp.gates), inp.do, mode)
+    fn = torch.compile(forward, fullgraph=True) if compiled else forward
+    call, leaves = timed_call(fn, (inp.q, inp.k, inp.v, inp.gates), inp.do, mode)
     return measure(row, call, leaves, timer, device)
 
 
 def bench_nsa_module(
-    shape: LayerShape, mode: str, hidden_size: int, timer: Timer, device: torch.device, seed: int
-) -> Row:
+    shape: LayerShape, mode: str, hidden_size: int, timer: Timer, device: torch.device, seed: int,
+    *, compiled: bool = False,
+) -> Row:  # fmt: skip
     row = shape.row(
         "method",
-        "nsa_module",
+        "nsa_module_compiled" if compiled else "nsa_module",
         mode,
         hidden_size=hidden_size,
         backend=core_routing(shape, device, mode == "fwdbwd"),
         note=(
             f"NSAAttention, hidden_size={hidden_size}: q/k/v projections per branch, RoPE, "
-            "gate MLP and output projection included"
+            "gate MLP and output projection included" + (COMPILED_NOTE if compiled else "")
         ),
     )
     try:
@@ -100,7 +106,8 @@ def bench_nsa_module(
         layer.train()
     else:
         layer.eval()
-    call, leaves = timed_call(layer, (x,), dy, mode, extra_leaves=list(layer.parameters()))
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    call, leaves = timed_call(fn, (x,), dy, mode, extra_leaves=list(layer.parameters()))
     measure(row, call, leaves, timer, device)
     del layer, x, dy, call, leaves
     return row

@@ -17,8 +17,11 @@ from nsa_bench.tables import write_env_tables
 from nsa_core import NSAConfig
 
 NSA_METHODS = ("nsa_core", "nsa_module")
+# The NSA methods under torch.compile(fullgraph=True), each timed beside its eager twin.
+COMPILED_METHODS = tuple(f"{m}_compiled" for m in NSA_METHODS)
 PEERS = ("fla", "sdpa", "fa2")
-METHODS = NSA_METHODS + PEERS
+METHODS = NSA_METHODS + PEERS + COMPILED_METHODS
+DEFAULT_METHODS = NSA_METHODS + PEERS
 MODES = ("fwd", "fwdbwd")
 
 
@@ -28,6 +31,7 @@ class Row:
 
     ``kind`` is ``method`` or ``step``; ``step`` is empty for methods. ``share``: a step's ms
     over the core forward's ms. ``vs_<peer>``: the peer's ms over this row's ms, same case.
+    ``vs_eager`` (compiled methods): the eager twin's ms over this row's ms, same case.
     """
 
     kind: str
@@ -55,6 +59,7 @@ class Row:
     vs_fla: float = math.nan
     vs_sdpa: float = math.nan
     vs_fa2: float = math.nan
+    vs_eager: float = math.nan
     backend: str = ""
     status: str = "ok"
     note: str = ""
@@ -106,6 +111,10 @@ def add_ratios(rows: Sequence[Row]) -> None:
                 if row.ok and other is not None and other.ok and row.ms > 0:
                     ratio = other.ms / row.ms
                 setattr(row, f"vs_{peer}", ratio)
+            if row.method in COMPILED_METHODS:
+                eager = case.get(row.method.removesuffix("_compiled"))
+                if row.ok and eager is not None and eager.ok and row.ms > 0:
+                    row.vs_eager = eager.ms / row.ms
     for row in rows:
         if row.kind != "step":
             continue

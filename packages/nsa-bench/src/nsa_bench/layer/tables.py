@@ -7,7 +7,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from nsa_bench.layer.rows import METHODS, MODES, PEERS, Row
+from nsa_bench.layer.rows import COMPILED_METHODS, METHODS, MODES, PEERS, Row
 from nsa_bench.layer.steps import STEPS
 from nsa_bench.tables import finite_or_dash
 
@@ -36,12 +36,15 @@ def methods_table(rows: Sequence[Row]) -> list[str]:
         f"n={first.num_selected}, w={first.window}"
         + (f"; nsa_module at hidden size {hidden}" if hidden else ""),
         "",
-        "Medians in ms; `core vs X` is X's ms over nsa_core's (> 1: NSA is faster).",
+        "Medians in ms; `core vs X` is X's ms over nsa_core's (> 1: NSA is faster); "
+        "`X_compiled vs eager` is X's eager ms over its compiled ms (> 1: compiled is faster).",
         "",
         "| dk/dv | mode | T | "
         + " | ".join(f"{m} ms" for m in METHODS)
-        + " | core vs fla | core vs sdpa | core vs fa2 | core peak MiB |",
-        "|---|---|---:|" + "---:|" * (len(METHODS) + 4),
+        + " | core vs fla | core vs sdpa | core vs fa2 | core peak MiB | "
+        + " | ".join(f"{m} vs eager" for m in COMPILED_METHODS)
+        + " |",
+        "|---|---|---:|" + "---:|" * (len(METHODS) + 4 + len(COMPILED_METHODS)),
     ]
     by_case: dict[tuple[Any, ...], dict[str, Row]] = {}
     for r in rows:
@@ -55,6 +58,9 @@ def methods_table(rows: Sequence[Row]) -> list[str]:
         else:
             cells += [_fmt(getattr(core, f"vs_{p}"), ".2f") for p in PEERS]
             cells.append(_fmt(core.peak_mib, ".0f"))
+        for m in COMPILED_METHODS:
+            compiled = case.get(m)
+            cells.append("-" if compiled is None else _fmt(compiled.vs_eager, ".3f"))
         lines.append(f"| {key[4]}/{key[5]} | {key[6]} | {key[7]} | " + " | ".join(cells) + " |")
     return lines
 

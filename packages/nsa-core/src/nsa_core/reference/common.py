@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, ParamSpec, TypeVar
 
 import torch
@@ -140,6 +140,17 @@ def query_chunk(per_query_elements: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, per_query_elements))
 
 
+def query_chunks(tq: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """The row ranges [c0, c1) of ``tq`` query rows, ``chunk`` at a time.
+
+    Counting chunks, rather than stepping through tq, keeps a traced tq symbolic: torch.compile
+    then guards on the number of chunks alone, not on each sequence length.
+    """
+    for i in range(-(-tq // chunk)):
+        c0 = i * chunk
+        yield c0, min(tq, c0 + chunk)
+
+
 def attend_in_query_chunks(
     q: torch.Tensor, dv: int, chunk: int, attend_chunk: Callable[[int, int], torch.Tensor]
 ) -> torch.Tensor:
@@ -152,8 +163,7 @@ def attend_in_query_chunks(
     if tq == 0:
         return q.new_zeros(batch, 0, hq, dv)
     outs = []
-    for c0 in range(0, tq, chunk):
-        c1 = min(tq, c0 + chunk)
+    for c0, c1 in query_chunks(tq, chunk):
         o = attend_chunk(c0, c1)
         outs.append(o.permute(0, 2, 1, 3, 4).reshape(batch, c1 - c0, hq, dv))
     return torch.cat(outs, dim=1).to(q.dtype)

@@ -6,7 +6,13 @@ import torch
 
 from nsa_core.blocks import cmp_block_band, cmp_cu_seqlens, num_sel_blocks
 from nsa_core.checks import check_block_scores, check_select_blocks, check_topn_blocks
-from nsa_core.reference.common import masked_softmax, query_chunk, spans, validated_by
+from nsa_core.reference.common import (
+    masked_softmax,
+    query_chunk,
+    query_chunks,
+    spans,
+    validated_by,
+)
 from nsa_core.reference.compressed_attention import cmp_visible
 
 
@@ -43,8 +49,7 @@ def block_scores(
         chunk = query_chunk(hq * n_cmp * (dk if exact else 2) + h * n_sel * band.shape[1])
         kc = k_cmp.permute(0, 2, 1, 3)  # [B, H, N, dk]
         outs = []
-        for c0 in range(0, tq, chunk):
-            c1 = min(tq, c0 + chunk)
+        for c0, c1 in query_chunks(tq, chunk):
             qg = q[:, c0:c1].view(batch, c1 - c0, h, hq // h, dk).permute(0, 2, 1, 3, 4)
             logits = tie_exact_logits(qg, kc) * scale  # [B, H, C, G, N]
             t = torch.arange(q_start + c0, q_start + c1, device=q.device)
@@ -166,8 +171,8 @@ def select_blocks(
     n_sel = num_sel_blocks(q_start + tq, sel_block)
     chunk = query_chunk(hq * (k_cmp.shape[1] + n_sel) + 2 * n_sel)
     indices, counts = [], []
-    for c0 in range(0, max(tq, 1), chunk):
-        c1 = min(tq, c0 + chunk)
+    for c0, c1 in query_chunks(max(tq, 1), chunk):
+        c1 = min(tq, c1)
         s = block_scores(
             q[:, c0:c1], k_cmp, cmp_block, cmp_stride, sel_block, scale, q_start=q_start + c0
         )

@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from nsa_core.checks import check_gated_combine
 from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel, sum3_kernel
 from nsa_kernels.common.row_runs import RowRuns
+from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.common.triton_inputs import check_dtype
 from nsa_kernels.common.two_runs import two_runs
 
@@ -74,12 +75,13 @@ def combine_fwd(
     if n_rows == 0 or dv == 0:
         return o
     br, bd = tiles(dv)
-    combine_fwd_kernel[(_cdiv(n_rows, br),)](
+    launch(
+        combine_fwd_kernel, (_cdiv(n_rows, br),),
         o_cmp, o_sel, o_win, gates, o,
         *_strides3(o_cmp), *_strides3(o_sel), *_strides3(o_win),
         *_strides3(gates), gates.stride(3), *_strides3(o),
         n_rows, t, hq,
-        DV=dv, BR=br, BD=bd, num_warps=NUM_WARPS,
+        DV=dv, BR=br, BD=bd, num_warps=NUM_WARPS, writes=(o,),
     )  # fmt: skip
     return o
 
@@ -117,14 +119,16 @@ def combine_bwd(
         dummy = do  # stands in for the outputs not wanted: their WRITE_* flag is off
         dcmp, dsel, dwin = (d if d is not None else dummy for d in d_branches)
         br, bd = tiles(dv)
-        combine_bwd_kernel[(_cdiv(n_rows, br),)](
+        written = tuple(d for d in (*d_branches, d_gates) if d is not None)
+        launch(
+            combine_bwd_kernel, (_cdiv(n_rows, br),),
             do, cmp.first, o_sel, o_win, gates,
             dcmp, dsel, dwin, d_gates if d_gates is not None else dummy, cmp.second,
             *_strides3(do), *_strides3(cmp.first), *_strides3(cmp.second), *_strides3(o_sel),
             *_strides3(o_win), *_strides3(gates), gates.stride(3),
             n_rows, t, hq, cmp.start, cmp.first_rows,
             DV=dv, BR=br, BD=bd, WRITE_DO=want_branches, WRITE_DG=want_gates,
-            CMP_RUNS=cmp.runs, num_warps=NUM_WARPS,
+            CMP_RUNS=cmp.runs, num_warps=NUM_WARPS, writes=written,
         )  # fmt: skip
     return d_branches[0], d_branches[1], d_branches[2], d_gates
 
@@ -217,7 +221,18 @@ def sum3_triton(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tens
     out = torch.empty_like(a)
     numel = a.numel()
     if numel:
-        sum3_kernel[(_cdiv(numel, SUM_BLOCK),)](a, b, c, out, numel, BLOCK=SUM_BLOCK, num_warps=4)
+        launch(
+            sum3_kernel,
+            (_cdiv(numel, SUM_BLOCK),),
+            a,
+            b,
+            c,
+            out,
+            numel,
+            BLOCK=SUM_BLOCK,
+            num_warps=4,
+            writes=(out,),
+        )
     return out
 
 

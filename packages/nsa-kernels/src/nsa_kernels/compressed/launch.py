@@ -16,6 +16,7 @@ import torch
 from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.forward_outputs import forward_outputs, no_visible_keys
 from nsa_kernels.common.interval_launch import IntervalLaunch, row_tiles
+from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.common.triton_inputs import dot_precision, num_sms
 from nsa_kernels.compressed.config import CmpConfig
 from nsa_kernels.compressed.tiles import key_tiles, query_tiles, segment_rows, varlen_args
@@ -85,14 +86,15 @@ def forward(
     else:
         finite, finite_paths = finite_path_launches(True, v)
     for finite_path in finite_paths:
-        cmp_fwd_kernel[grid](
+        launch(
+            cmp_fwd_kernel, grid,
             q, k, v, o, lse, loc_o, loc_lse, finite, tiles, cu, cmp_cu,
             *_strides(q, k, v, o), *_strides(lse, dims=2),
             info.batch, info.tq, info.q_start, info.h, info.window, info.scale * LOG2E,
             G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks, BM=cfg.block_m,
             BN=cfg.block_n, CONTAIN=not finite_path, DOT_PREC=dot_precision(q.dtype),
             LOCAL=local is not None, SEL=max(info.local_block, 1), **_geometry(info),
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, writes=(o, lse, loc_o, loc_lse),
         )  # fmt: skip
     return o, lse
 
@@ -118,13 +120,14 @@ def backward(
 
     layout = row_tiles(info.group, cfg.dq_block_m)
     tiles, num_tiles = query_tiles(info, layout.tokens, q.device)
-    cmp_bwd_dq_kernel[(num_tiles * info.h * layout.chunks,)](
+    launch(
+        cmp_bwd_dq_kernel, (num_tiles * info.h * layout.chunks,),
         q, k, v, o, do, lse, delta, lse2, dq, tiles, cu, cmp_cu,
         *_strides(q, k, v, o), *_strides(lse, dims=2),
         info.batch, info.tq, info.q_start, info.h, info.window, info.scale * LOG2E, info.scale,
         G=info.group, HPP=layout.heads, TPP=layout.tokens, NCH=layout.chunks,
         BM=cfg.dq_block_m, BN=cfg.dq_block_n, DOT_PREC=prec, **geometry,
-        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, writes=(delta, lse2, dq),
     )  # fmt: skip
 
     bn = cfg.dkv_block_n
@@ -135,19 +138,21 @@ def backward(
     parts = num_tiles * info.h * num_segs if num_segs > 1 else 1
     dk_part = torch.empty(parts, bn, info.bk, dtype=torch.float32, device=q.device)
     dv_part = torch.empty(parts, bn, info.bv, dtype=torch.float32, device=q.device)
-    cmp_bwd_dkv_kernel[(num_segs * num_tiles * info.h,)](
+    launch(
+        cmp_bwd_dkv_kernel, (num_segs * num_tiles * info.h,),
         q, k, v, do, lse2, delta, dk, dv, dk_part, dv_part, tiles, cu, cmp_cu,
         *_strides(q, k, v, do), *_strides(lse, dims=2),
         info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_tiles, num_segs, seg,
         info.window, info.scale * LOG2E, info.scale,
         G=info.group, HPP=layout.heads, TPQ=layout.tokens, NCH=layout.chunks,
         BMQ=cfg.dkv_block_m, BN=bn, DOT_PREC=prec, **geometry,
-        num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages,
+        num_warps=cfg.dkv_warps, num_stages=cfg.dkv_stages, writes=(dk, dv, dk_part, dv_part),
     )  # fmt: skip
     if num_segs > 1:
-        cmp_dkv_reduce_kernel[(num_tiles * info.h,)](
+        launch(
+            cmp_dkv_reduce_kernel, (num_tiles * info.h,),
             dk, dv, dk_part, dv_part, tiles, cu, cmp_cu, *_strides(k, v),
             info.batch, info.tq, info.q_start, info.num_blocks, info.h, num_segs, seg, info.window,
-            BN=bn, **geometry, num_warps=8,
+            BN=bn, **geometry, num_warps=8, writes=(dk, dv),
         )  # fmt: skip
     return dq, dk, dv

@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from nsa_core.checks import check_apply_rope
 from nsa_core.reference.rope import rope_angles
+from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.common.triton_inputs import check_dtype
 from nsa_kernels.rope.kernels import rope_kernel
 
@@ -53,14 +54,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
     if out.numel() == 0:
         return out
     bh, bd = tiles(heads, dim // 2)
-    rope_kernel[(batch * tokens, _cdiv(heads, bh))](
+    launch(
+        rope_kernel, (batch * tokens, _cdiv(heads, bh)),
         x, out, cos, sin,
         x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
         tokens, heads,
         HALF=dim // 2, BH=bh, BD=bd, INVERSE=inverse,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=False, writes=(out,),
     )  # fmt: skip
     return out
 

@@ -26,6 +26,7 @@ from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_select_blocks
 from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
 from nsa_kernels.common.tile_table import tile_table
+from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.common.triton_inputs import (
     MAX_HEAD_DIM,
     check_dtype,
@@ -278,7 +279,8 @@ def select_blocks_triton(
     lse_arg = lse if lse is not None else counts
     lse_strides = lse.stride() if lse is not None else (0, 0, 0)
     score_scale = dk**-0.5 if scale is None else float(scale)
-    score_topn_kernel[(num_tiles, h)](
+    launch(
+        score_topn_kernel, (num_tiles, h),
         q, k_cmp, lse_arg, indices, counts, tiles, cu, cmp_cu,
         q.stride(0), q.stride(1), q.stride(2),
         k_cmp.stride(0), k_cmp.stride(1), k_cmp.stride(2),
@@ -295,6 +297,6 @@ def select_blocks_triton(
         LOG_BT=_log2(tokens), LOG_BS=_log2(cfg.block_sel), LOG_NP=_log2(top_width),
         HAS_LSE=lse is not None, VARLEN=cu_seqlens is not None,
         USE_GATHER=cfg.shift == 1, DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        num_warps=cfg.warps, num_stages=cfg.stages, writes=(indices, counts),
     )  # fmt: skip
     return indices, counts

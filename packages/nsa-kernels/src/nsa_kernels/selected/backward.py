@@ -21,9 +21,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_core.tracing import compiling
 from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.key_rows import store_key_grads
 from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.selected import csr as block_csr
 from nsa_kernels.selected.forward import kv_descriptor
 from nsa_kernels.selected.launch import (
@@ -371,14 +373,19 @@ def backward(
     v_desc: Any = kv_descriptor(v, cfg.block_l) if kv_tma else v
     finite, _ = finite_path_launches(kv_tma, k, v)
     # The reverse index first, the dq launch next, then the one wait for the index's sizes: the
-    # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait.
-    reverse = block_csr.start_block_csr(
-        idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
-        rows_are_sets=True,
-    )  # fmt: skip
+    # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait. A traced
+    # call cannot wait for sizes: there the index and the dk/dv launches are one custom op.
+    traced = compiling()
+    reverse = None
+    if not traced:
+        reverse = block_csr.start_block_csr(
+            idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
+            rows_are_sets=True,
+        )  # fmt: skip
     grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch)
     for kv_path, strided in path_launches(kv_tma):
-        sel_bwd_dq_kernel[strided_grid(grid, q.device) if strided else grid](
+        launch(
+            sel_bwd_dq_kernel, strided_grid(grid, q.device) if strided else grid,
             q, k, v, o, do, lse, delta, dq, idx, seq_ids, cu, finite, k_desc, v_desc,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
@@ -393,12 +400,42 @@ def backward(
             SEL=sel_block, BL=cfg.block_l, NSUB=nsub, NP=pow2(info.n),
             RPP=cfg.rows_per_prog, KV_HINT=kv_hint(cfg),
             VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path, STRIDED=strided,
-            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+            num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, writes=(delta, dq),
         )  # fmt: skip
+    if reverse is None:
+        dk, dv = torch.ops.nsa.selected_dkv_backward(
+            q, k, v, do, lse, delta, idx, info.cu_seqlens, sel_block, info.q_start, info.scale,
+            cfg.describe(), prec,
+        )  # fmt: skip
+        return dq, dk, dv
     dkv_backward(
         q, k, v, do, lse, delta, dk, dv, reverse.finish(), sel_block, info.scale, cfg, prec
     )
     return dq, dk, dv
+
+
+@torch.library.custom_op("nsa::selected_dkv_backward", mutates_args=())
+def selected_dkv_backward(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, idx: Tensor,
+    cu_seqlens: Tensor | None, sel_block: int, q_start: int, scale: float, cfg: str, prec: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """dk [B, Tk, H, dk] and dv [B, Tk, H, dv] of :func:`backward`: the reverse index of ``idx``
+    (which waits for its sizes on the host) and the dk/dv launches, for traced calls. ``cfg``:
+    the call's resolved :class:`SelConfig` as text; ``delta``: what the dq launch wrote."""
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    csr = block_csr.build_block_csr(
+        idx, sel_block, k.shape[1], q_start=q_start, cu_seqlens=cu_seqlens, rows_are_sets=True
+    )
+    dkv_backward(q, k, v, do, lse, delta, dk, dv, csr, sel_block, scale, SelConfig.parse(cfg), prec)
+    return dk, dv
+
+
+@selected_dkv_backward.register_fake
+def _(
+    q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, idx: Tensor,
+    cu_seqlens: Tensor | None, sel_block: int, q_start: int, scale: float, cfg: str, prec: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    return torch.empty_like(k), torch.empty_like(v)
 
 
 def dkv_backward(

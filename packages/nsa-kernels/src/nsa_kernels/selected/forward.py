@@ -24,6 +24,7 @@ from nsa_kernels.common.local_softmax import LocalSoftmax, check_local_softmax
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.row_runs import RowRuns, as_tensor
 from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.common.two_runs import two_runs
 from nsa_kernels.selected.forced import sel_forced_kernel
 from nsa_kernels.selected.launch import (
@@ -440,7 +441,8 @@ def forward(
     sel = o if sel_out is None else sel_out
     part_strides = [x.stride(i) for x in parts for i in range(3)] + [parts[3].stride(-1)]
     for v_path, strided in path_launches(v_tma):
-        sel_fwd_kernel[strided_grid(grid, q.device) if strided else grid](
+        launch(
+            sel_fwd_kernel, strided_grid(grid, q.device) if strided else grid,
             q, k, v, o, lse, rest if v_path else idx, seq_ids, cu, finite, k_desc, v_desc,
             *parts, sel, init_o, init_lse,
             q.stride(0), q.stride(1), q.stride(2),
@@ -461,7 +463,7 @@ def forward(
             V_TMA=v_path, GATED=gated is not None, STORE_SEL=sel_out is not None,
             CMP_RUNS=cmp.runs, HAS_INIT=prologue and v_path, STRIDED=strided,
             LOCAL=local is not None,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, writes=(o, lse, sel),
         )  # fmt: skip
     return o, lse
 
@@ -492,7 +494,8 @@ def forced_blocks(
     rest = torch.empty_strided(idx.shape, idx.stride(), dtype=idx.dtype, device=idx.device)
     sel_block = info.sel_block
     block_l = min(64, pow2(sel_block))
-    sel_forced_kernel[(-(-info.rows // tb), info.h)](
+    launch(
+        sel_forced_kernel, (-(-info.rows // tb), info.h),
         q, k, v, idx, seq_ids, cu, finite, o_part, lse_part, rest,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -504,6 +507,6 @@ def forced_blocks(
         G=info.group, BG=max(pow2(info.group), 16 // tb), TB=tb, DK=info.dk, DV=info.dv,
         SEL=sel_block, BL=block_l, NSUB=-(-sel_block // block_l), NP=pow2(info.n),
         VARLEN=info.seq_ids is not None, DOT_PREC=dot_precision(q.dtype),
-        num_warps=info.cfg.forced_warps,
+        num_warps=info.cfg.forced_warps, writes=(o_part, lse_part, rest),
     )  # fmt: skip
     return o_part, lse_part, rest

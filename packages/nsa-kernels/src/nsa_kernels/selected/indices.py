@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.common.traced_launch import launch
 
 # tl.gather arrived in triton 3.3; before it, block_set_kernel finds left neighbours with a scan.
 _HAS_GATHER = tl.constexpr(hasattr(tl, "gather"))
@@ -80,7 +81,16 @@ def unique_block_rows(block_indices: torch.Tensor, num_blocks: int | None = None
     limit = torch.iinfo(torch.int32).max if num_blocks is None else num_blocks
     np_ = max(2, pow2(n))
     per_prog = max(1, 4096 // np_)
-    block_set_kernel[(-(-rows // per_prog),)](
-        block_indices.contiguous(), out, rows, n, limit, NP=np_, ROWS=per_prog
+    launch(
+        block_set_kernel,
+        (-(-rows // per_prog),),
+        block_indices.contiguous(),
+        out,
+        rows,
+        n,
+        limit,
+        NP=np_,
+        ROWS=per_prog,
+        writes=(out,),
     )
     return out

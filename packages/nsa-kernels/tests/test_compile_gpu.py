@@ -1,0 +1,80 @@
+"""torch.compile of an NSA layer on the GPU's default routes: one graph with no break, forward and
+training step equal to eager within docs/spec.md's bounds (the eager-vs-reference tolerance),
+and a second length of the same route served without a new graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testlib import BOUND, rel_err
+
+from nsa_core import NSAAttention, NSAConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.usefixtures("kernels_registered"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# The layer bench's shape: HQ=64, H=4, dk=dv=128, the paper's l, d, l', n and w; bf16.
+CONFIG = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
+HIDDEN = 2048
+
+
+def _layer(seed: int) -> NSAAttention:
+    torch.manual_seed(seed)
+    return NSAAttention(CONFIG, HIDDEN).to(device="cuda", dtype=torch.bfloat16)
+
+
+def _x(t: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(1, t, HIDDEN, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("t", [8192, 65536], ids=["8k", "64k"])
+def test_the_layer_compiles_to_one_graph_without_a_break(t: int) -> None:
+    layer = _layer(0)
+    x = _x(t, 1).requires_grad_()
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("t", [8192, 65536], ids=["8k", "64k"])
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "training step"])
+def test_the_compiled_layer_equals_eager(t: int, train: bool) -> None:
+    torch._dynamo.reset()
+    layer = _layer(0)
+    compiled = torch.compile(layer, fullgraph=True)
+    x = _x(t, 1).requires_grad_(train)
+    dy = _x(t, 2)
+    bound = BOUND[torch.bfloat16]
+    with torch.set_grad_enabled(train):
+        eager_y = layer(x)
+        if train:
+            eager_y.backward(dy)
+            eager_grads = [x.grad, *(p.grad for p in layer.parameters())]
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+        y = compiled(x)
+    assert rel_err(y, eager_y) <= bound
+    if train:
+        y.backward(dy)
+        grads = [x.grad, *(p.grad for p in layer.parameters())]
+        names = ["x", *(name for name, _ in layer.named_parameters())]
+        for name, g, g_eager in zip(names, grads, eager_grads, strict=True):
+            assert g is not None and g_eager is not None, name
+            assert rel_err(g, g_eager) <= 2 * bound, name
+
+
+def test_a_new_length_on_the_same_route_takes_no_new_graph() -> None:
+    torch._dynamo.reset()
+    layer = _layer(0)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    frames: list[int] = []
+    with torch.no_grad():
+        for t in (20480, 24576, 28672):
+            y = compiled(_x(t, 3))
+            assert rel_err(y, layer(_x(t, 3))) <= BOUND[torch.bfloat16]
+            frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert frames[0] == frames[1] == frames[2], frames
