@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nsa_core.tracing import traced
+
 if TYPE_CHECKING:
     from nsa_core.config import NSAConfig
 
@@ -22,7 +24,8 @@ class OpContext:
 
     ``seq_len`` is the number of keys of the longest sequence (tokens), ``varlen`` whether the call
     packs sequences with ``cu_seqlens``, ``q_start`` the position of the first query (dense calls
-    of the windowed ops; 0 elsewhere).
+    of the windowed ops; 0 elsewhere), ``traced`` whether torch.compile is tracing the call (its
+    tensors are fake: a backend that needs the host to read device values declines).
     """
 
     device: torch.device
@@ -35,6 +38,7 @@ class OpContext:
     requires_grad: bool
     varlen: bool
     q_start: int = 0
+    traced: bool = False
 
     @classmethod
     def for_config(
@@ -92,5 +96,6 @@ def op_context(
         head_dim_v=v.shape[3],
         requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         varlen=varlen,
+        traced=traced(q),
         q_start=q_start,
     )

@@ -23,6 +23,7 @@ from typing import Generic, TypeVar, cast
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import is_fake
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., object])
@@ -56,6 +57,13 @@ pytree.register_constant(TraceConstant)
 def compiling() -> bool:
     """Whether torch.compile is tracing this call (Dynamo, or AOTAutograd inside a region)."""
     return bool(torch.compiler.is_compiling())
+
+
+def traced(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors are being traced: torch.compile is on (:func:`compiling`), or one
+    of them is fake (Dynamo runs a region once on fake tensors to learn its outputs, and some
+    torch releases do not report that run as compiling)."""
+    return compiling() or any(is_fake(t) for t in tensors)
 
 
 def nonstrict_region(fn: _F) -> _F:

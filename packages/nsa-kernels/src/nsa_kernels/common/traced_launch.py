@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nsa_core.tracing import compiling
+from nsa_core.tracing import traced
 
 # Exact strides: the launches pass the strides they were traced with, so Inductor must hand
 # over the tensors laid out as traced (no padded or reordered strides).
@@ -39,7 +39,7 @@ def launch(
     ``writes``: every tensor among ``args`` that the kernel writes (the op's mutated inputs;
     one left out would be seen unchanged by the compiled graph).
     """
-    if not compiling():
+    if not traced(*(a for a in args if isinstance(a, Tensor))):
         kernel[tuple(grid)](*args, **meta)
         return
     # A tensor the kernel writes through two pointers (an output standing in for one it does

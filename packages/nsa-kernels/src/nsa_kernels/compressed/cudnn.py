@@ -96,6 +96,9 @@ def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
         return f"cuDNN attention needs head dims that are multiples of 8 up to 256, got {dims}"
     if ctx.varlen:
         return "packed sequences (cu_seqlens) are not folded for cuDNN"
+    if ctx.traced:
+        # Its backward keeps the runs' own autograd graphs and reads a finite flag on the host.
+        return "torch.compile is tracing the call: the cuDNN runs are not traceable"
     # A later start (chunked prefill) passes its offset diagonal as an additive bias, which
     # measured slower than the Triton kernels (docs/performance.md); called directly, the backend
     # serves it exactly.

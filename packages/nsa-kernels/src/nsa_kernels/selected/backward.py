@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from nsa_core.tracing import compiling
+from nsa_core.tracing import traced
 from nsa_kernels.common.finite_flag import finite_path_launches
 from nsa_kernels.common.key_rows import store_key_grads
 from nsa_kernels.common.tile_config import pow2
@@ -375,9 +375,8 @@ def backward(
     # The reverse index first, the dq launch next, then the one wait for the index's sizes: the
     # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait. A traced
     # call cannot wait for sizes: there the index and the dk/dv launches are one custom op.
-    traced = compiling()
     reverse = None
-    if not traced:
+    if not traced(idx):
         reverse = block_csr.start_block_csr(
             idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
             rows_are_sets=True,
