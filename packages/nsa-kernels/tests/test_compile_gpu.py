@@ -63,7 +63,8 @@ def test_the_compiled_layer_equals_eager(t: int, train: bool) -> None:
         grads = [x.grad, *(p.grad for p in layer.parameters())]
         names = ["x", *(name for name, _ in layer.named_parameters())]
         for name, g, g_eager in zip(names, grads, eager_grads, strict=True):
-            assert g is not None and g_eager is not None, name
+            assert g is not None, name
+            assert g_eager is not None, name
             assert rel_err(g, g_eager) <= 2 * bound, name
 
 
