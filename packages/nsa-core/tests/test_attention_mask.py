@@ -17,6 +17,7 @@ import torch
 
 import nsa_core.attention
 from nsa_core import NSAAttention, NSAConfig, apply_rope
+from nsa_core.core import run_attention_core
 
 LayerFactory = Callable[..., NSAAttention]
 
@@ -183,11 +184,10 @@ def test_position_ids_rotate_q_and_k(
     position_ids = default_positions(mask) + torch.tensor([[3], [100], [7], [0]])
     position_ids[~mask] = -5
     seen: list[tuple[torch.Tensor, ...]] = []
-    core = nsa_core.attention.run_attention_core
 
     def spy(*args: torch.Tensor, **kwargs: object) -> torch.Tensor:
         seen.append(args)
-        return core(*args, **kwargs)  # type: ignore[arg-type]
+        return run_attention_core(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(nsa_core.attention, "run_attention_core", spy)
     with torch.no_grad():
@@ -234,6 +234,13 @@ def test_checks_run_before_any_work(make_layer: LayerFactory, gen: torch.Generat
     with pytest.raises(ValueError, match="one contiguous run"):
         layer.prefill(x, attention_mask=mask.flip(1) | mask)
     assert calls == []
+
+
+def test_a_masked_batch_without_rows_is_refused(make_layer: LayerFactory) -> None:
+    """B == 0 holds no sequence to pack: refused by name rather than run."""
+    layer = make_layer(CFG, HIDDEN, torch.float32)
+    with pytest.raises(ValueError, match=re.escape("attention_mask [0, T] holds no rows")):
+        layer(torch.zeros(0, T, HIDDEN), attention_mask=torch.zeros(0, T, dtype=torch.bool))
 
 
 TE, VE = TypeError, ValueError
@@ -288,7 +295,7 @@ def test_bad_arguments_are_refused(
     """forward and prefill refuse the argument with the error type and a message naming it."""
     layer, x = layer_and_input(make_layer, gen)
     with pytest.raises(error, match=re.escape(fragment)):
-        layer(x, **kwargs)  # type: ignore[arg-type]
+        layer(x, **kwargs)
     if "cu_seqlens" not in kwargs:
         with pytest.raises(error, match=re.escape(fragment)):
-            layer.prefill(x, **kwargs)  # type: ignore[arg-type]
+            layer.prefill(x, **kwargs)  # type: ignore[call-overload]

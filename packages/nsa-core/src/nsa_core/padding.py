@@ -63,6 +63,8 @@ def check_attention_mask(attention_mask: object, x: torch.Tensor) -> TokenLayout
         raise ValueError(f"attention_mask {shape(mask)} must be [B, T] = {list(x.shape[:2])} of x")
     if mask.device != x.device:
         raise ValueError(f"attention_mask is on {mask.device} but x is on {x.device}")
+    if mask.shape[0] == 0:
+        raise ValueError("attention_mask [0, T] holds no rows: a padded batch needs B >= 1")
     if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
     token = mask.to(torch.bool)
