@@ -21,6 +21,7 @@ from nsa_core.ops import (
     selected_attention,
     sliding_attention,
 )
+from nsa_core.ragged_cache import RaggedNSACache
 from nsa_core.reads import expected_reads, selected_reads
 from nsa_core.reference import (
     CompressMLP,
@@ -44,6 +45,7 @@ __all__ = [
     "NSAAttention",
     "NSACache",
     "NSAConfig",
+    "RaggedNSACache",
     "Toggles",
     "apply_rope",
     "attention_core",

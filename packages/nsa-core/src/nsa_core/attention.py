@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar, overload
 
 import torch
 from torch import nn
 
 from nsa_core import ops
-from nsa_core.blocks import num_cmp_blocks
+from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.cache import NSACache
 from nsa_core.checks import (
     check_attention_args,
@@ -23,6 +23,8 @@ from nsa_core.checks import (
 from nsa_core.config import NSAConfig
 from nsa_core.core import check_heads_and_gates, run_attention_core
 from nsa_core.limits import MAX_TOKENS
+from nsa_core.padding import TokenLayout, check_attention_mask, check_position_ids
+from nsa_core.ragged_cache import RaggedNSACache
 from nsa_core.reads import expected_reads
 from nsa_core.reference.compress import CompressMLP, compress, compress_impl
 from nsa_core.reference.compressed_attention import cmp_visible
@@ -50,6 +52,15 @@ class BranchInputs:
     k: dict[str, torch.Tensor]
     v: dict[str, torch.Tensor]
     gates: torch.Tensor
+
+    def tokens(self, start: int, end: int) -> BranchInputs:
+        """The inputs of tokens [start, end) alone."""
+        return BranchInputs(
+            q=self.q[:, start:end],
+            k={b: k[:, start:end] for b, k in self.k.items()},
+            v={b: v[:, start:end] for b, v in self.v.items()},
+            gates=self.gates[:, start:end],
+        )
 
 
 @dataclass
@@ -315,7 +326,8 @@ class NSAAttention(nn.Module):
     # ----------------------------------------------------------------------------- pieces
 
     def branch_inputs(self, x: torch.Tensor, positions: torch.Tensor) -> BranchInputs:
-        """Project x [B, T, hidden] at ``positions`` [T] into q, per-branch k/v and gates."""
+        """Project x [B, T, hidden] at RoPE ``positions`` [T] or [B | 1, T] into q, per-branch
+        k/v and gates."""
         cfg = self.config
         batch, t, _ = x.shape
         hq, h = cfg.num_q_heads, cfg.num_kv_heads
@@ -377,64 +389,224 @@ class NSAAttention(nn.Module):
                 f"x {shape(x)} holds more than the {MAX_TOKENS} tokens int32 addresses"
             )
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal NSA over x [B, T, hidden] (or packed sequences with cu_seqlens, B == 1)."""
+    def _tokens_to_run(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, TokenLayout | None]:
+        """Check a call's arguments; -> the tokens to run [B', T', hidden], their cu_seqlens, their
+        RoPE positions [T'] or [B' | 1, T'], and the layout to scatter the output back with.
+
+        With a mask the real tokens run packed, one sequence per row (B' = 1); block geometry
+        follows each token's index within its own sequence, whatever its RoPE position.
+        """
         self._check_x(x)
-        if cu_seqlens is not None:
+        layout = None
+        if attention_mask is not None:
+            if cu_seqlens is not None:
+                raise ValueError(
+                    "attention_mask and cu_seqlens both mark sequences: pass one of them"
+                )
+            layout = check_attention_mask(attention_mask, x)
+        elif cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, x.shape[1], x.shape[0], x.device)
-        positions = positions_of(x.shape[1], cu_seqlens, x.device)
+        positions = None
+        if position_ids is not None:
+            positions = check_position_ids(position_ids, x, layout)
+        if layout is not None:
+            if positions is not None:
+                positions = layout.pack(positions.expand(x.shape[0], -1))
+            x, cu_seqlens = layout.pack(x), layout.cu_seqlens
+        if positions is None:
+            positions = positions_of(x.shape[1], cu_seqlens, x.device)
+        return x, cu_seqlens, positions, layout
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal NSA over x [B, T, hidden] -> [B, T, hidden].
+
+        Args:
+            cu_seqlens: int32 [S+1], packed sequences along T (B == 1).
+            attention_mask: [B, T] bool or integer 0/1 (1 = token); each row's tokens are one
+                contiguous run (left or right padding). Each row runs as its own sequence, its
+                padding's output rows are exactly 0. Not together with cu_seqlens.
+            position_ids: [B, T], [1, T] or [T] integers >= 0, the RoPE positions of the tokens.
+                Default: each sequence's tokens at 0, 1, 2, ... (a masked row's from its first
+                token).
+        """
+        x, cu_seqlens, positions, layout = self._tokens_to_run(
+            x, cu_seqlens, attention_mask, position_ids
+        )
         inp = self.branch_inputs(x, positions)
         o, _, _ = self._attend(inp, cu_seqlens)
         y: torch.Tensor = self.o_proj(o.flatten(2))
-        return y
+        return y if layout is None else layout.unpack(y)
 
-    def prefill(self, x: torch.Tensor, capacity: int = 0) -> tuple[torch.Tensor, NSACache]:
-        """forward(x) and a cache holding exactly what len(x) decode steps would leave."""
-        self._check_x(x)
+    @overload
+    def prefill(
+        self,
+        x: torch.Tensor,
+        capacity: int = 0,
+        *,
+        attention_mask: None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, NSACache]: ...
+
+    @overload
+    def prefill(
+        self,
+        x: torch.Tensor,
+        capacity: int = 0,
+        *,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, RaggedNSACache]: ...
+
+    def prefill(
+        self,
+        x: torch.Tensor,
+        capacity: int = 0,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, NSACache | RaggedNSACache]:
+        """forward(x) and a cache holding exactly what len(x) decode steps would leave.
+
+        With an attention_mask (as :meth:`forward` takes it) the cache is a
+        :class:`RaggedNSACache`: each row's sequence with its own length. ``capacity``
+        pre-allocates that many tokens per sequence.
+        """
+        x_run, cu_seqlens, positions, layout = self._tokens_to_run(
+            x, None, attention_mask, position_ids
+        )
         check_int("capacity", capacity, 0, MAX_TOKENS)
-        batch, t, _ = x.shape
+        inp = self.branch_inputs(x_run, positions)
+        o, k_cmp, v_cmp = self._attend(inp, cu_seqlens)
+        y: torch.Tensor = self.o_proj(o.flatten(2))
+        if layout is None:
+            return y, self._cache_of(inp, k_cmp, v_cmp, capacity, x.dtype)
         cfg = self.config
-        positions = torch.arange(t, device=x.device)
-        inp = self.branch_inputs(x, positions)
-        o, k_cmp, v_cmp = self._attend(inp)
-        y = self.o_proj(o.flatten(2))
+        spans = layout.cu_seqlens.tolist()
+        blocks = cmp_cu_seqlens(layout.cu_seqlens, cfg.cmp_block, cfg.cmp_stride).tolist()
+        rows = [
+            self._cache_of(
+                inp.tokens(spans[b], spans[b + 1]),
+                k_cmp[:, blocks[b] : blocks[b + 1]],
+                v_cmp[:, blocks[b] : blocks[b + 1]],
+                capacity,
+                x.dtype,
+            )
+            for b in range(layout.batch)
+        ]
+        return layout.unpack(y), RaggedNSACache(rows, list(layout.starts))
+
+    def _cache_of(
+        self,
+        inp: BranchInputs,
+        k_cmp: torch.Tensor,
+        v_cmp: torch.Tensor,
+        capacity: int,
+        dtype: torch.dtype,
+    ) -> NSACache:
+        """A cache of ``dtype`` holding the prefilled tokens of ``inp`` and their compressed
+        blocks k_cmp [B, N, H, dk], v_cmp [B, N, H, dv]: what len(inp) decode steps leave."""
+        cfg = self.config
+        batch, t = inp.q.shape[:2]
         cache = NSACache.empty(
-            cfg, batch, capacity=max(capacity, t), device=x.device, dtype=x.dtype
+            cfg, batch, capacity=max(capacity, t), device=inp.q.device, dtype=dtype
         )
         with torch.no_grad():
             cache.append_tokens(
                 inp.k["sel"], inp.v["sel"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
             )
             cache.append_blocks(k_cmp, v_cmp, consumed=k_cmp.shape[1] * cfg.cmp_stride)
-        return y, cache
+        return cache
 
-    def decode(self, x: torch.Tensor, cache: NSACache) -> tuple[torch.Tensor, DecodeStats]:
+    @overload
+    def decode(
+        self, x: torch.Tensor, cache: NSACache, *, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, DecodeStats]: ...
+
+    @overload
+    def decode(
+        self, x: torch.Tensor, cache: RaggedNSACache, *, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[DecodeStats]]: ...
+
+    def decode(
+        self,
+        x: torch.Tensor,
+        cache: NSACache | RaggedNSACache,
+        *,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, DecodeStats | list[DecodeStats]]:
         """One step: x [B, 1, hidden] is the token at position ``cache.length``; advances cache.
 
+        With a :class:`RaggedNSACache` row b's token is at that row's own length, and the
+        statistics come per row. position_ids ([B, 1], [1, 1] or [1]) overrides the RoPE
+        positions only: the blocks and the window follow the cache's lengths.
+
         Every argument is checked before the cache changes, and an error inside the step puts
-        the cache back as it was: a failed step leaves no partial token behind.
+        the cache back as it was (every row of a ragged cache): a failed step leaves no partial
+        token behind.
         """
         self._check_x(x)
         if x.shape[1] != 1:
             raise ValueError(f"decode takes one token per sequence, x {shape(x)}")
-        if not isinstance(cache, NSACache):
-            raise TypeError(f"cache must be an NSACache, got {type(cache).__name__}")
+        if not isinstance(cache, (NSACache, RaggedNSACache)):
+            raise TypeError(
+                f"cache must be an NSACache, got {type(cache).__name__} (a RaggedNSACache is "
+                "also accepted)"
+            )
         cache.check_compatible(self.config, x.shape[0], x.dtype, x.device)
-        if cache.length >= MAX_TOKENS:
-            raise ValueError(f"the cache is full: {cache.length} tokens is what int32 addresses")
-        snapshot = cache.snapshot()
+        rows = cache.rows if isinstance(cache, RaggedNSACache) else [cache]
+        for row in rows:
+            if row.length >= MAX_TOKENS:
+                raise ValueError(f"the cache is full: {row.length} tokens is what int32 addresses")
+        positions = None
+        if position_ids is not None:
+            positions = check_position_ids(position_ids, x, None)
+        snapshots = [row.snapshot() for row in rows]
         try:
-            return self._decode_step(x, cache)
+            if isinstance(cache, NSACache):
+                return self._decode_step(x, cache, positions)
+            return self._decode_rows(x, cache, positions)
         except BaseException:
-            cache.restore(snapshot)
+            for row, snapshot in zip(rows, snapshots, strict=True):
+                row.restore(snapshot)
             raise
 
-    def _decode_step(self, x: torch.Tensor, cache: NSACache) -> tuple[torch.Tensor, DecodeStats]:
-        """:meth:`decode` on arguments that passed its checks."""
+    def _decode_rows(
+        self, x: torch.Tensor, cache: RaggedNSACache, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[DecodeStats]]:
+        """:meth:`decode` of a ragged cache, row by row (the reference semantics; see
+        :class:`RaggedNSACache`). positions [B | 1, 1] or None."""
+        ys, stats = [], []
+        for b, row in enumerate(cache.rows):
+            row_positions = None
+            if positions is not None:
+                row_positions = positions[b : b + 1] if positions.shape[0] > 1 else positions
+            y, row_stats = self._decode_step(x[b : b + 1], row, row_positions)
+            ys.append(y)
+            stats.append(row_stats)
+        return torch.cat(ys, dim=0), stats
+
+    def _decode_step(
+        self, x: torch.Tensor, cache: NSACache, rope_positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, DecodeStats]:
+        """:meth:`decode` on arguments that passed its checks; RoPE at ``rope_positions``
+        [B | 1, 1] when given, else at the cache's length."""
         cfg = self.config
         t = cache.length
         positions = torch.arange(t, t + 1, device=x.device)  # no host copy: graph-capturable
-        inp = self.branch_inputs(x, positions)
+        inp = self.branch_inputs(x, positions if rope_positions is None else rope_positions)
         cache.append_tokens(
             inp.k["sel"], inp.v["sel"], inp.k["win"], inp.v["win"], inp.k["cmp"], inp.v["cmp"]
         )

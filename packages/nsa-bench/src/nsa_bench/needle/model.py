@@ -44,10 +44,20 @@ class NeedleAttention(NSAAttention):
         """The random variant's blocks for x [B, T, hidden], drawn from ``self.generator``."""
         return random_selection(self.config, batch, t, self.generator, device)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, hidden] -> [B, T, hidden], causal (no packed sequences here)."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden], causal (no packed sequences, padding or
+        positions here: every needle sequence fills its row from position 0)."""
         if cu_seqlens is not None:
             raise ValueError("the needle model takes no packed sequences")
+        if attention_mask is not None or position_ids is not None:
+            raise ValueError("the needle model takes no attention_mask or position_ids")
         if self.variant == "nsa" and self.recorded is None:
             return super().forward(x)
         cfg = self.config
