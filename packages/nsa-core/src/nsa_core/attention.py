@@ -104,16 +104,18 @@ def branch_outputs(
     q [B, Tq, HQ, dk] at positions ``q_start + r``; k_sel/v_sel hold every token from 0;
     k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
     Block scoring takes the compressed branch's log-sum-exp when its backend yields one
-    (:func:`nsa_core.ops.compressed_attention_with_lse`), detached.
+    (:func:`nsa_core.ops.compressed_attention_with_lse`), detached. The ops compute in q's dtype
+    also under ``torch.autocast``, as the attention core does.
     """
-    o_cmp, indices = _compressed_and_indices(
-        config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    o_sel = ops.selected_attention(
-        q, k_sel, v_sel, indices, config.sel_block, config.softmax_scale,
-        q_start=q_start, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
+    with torch.autocast(q.device.type, enabled=False):
+        o_cmp, indices = _compressed_and_indices(
+            config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
+        )
+        o_sel = ops.selected_attention(
+            q, k_sel, v_sel, indices, config.sel_block, config.softmax_scale,
+            q_start=q_start, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
     return o_cmp, o_sel, o_win, indices
 
 
@@ -259,6 +261,11 @@ class NSAAttention(nn.Module):
     "mlp"`` the compressed branch learns ``phi_k`` and ``phi_v``; otherwise phi is the mean.
     Each attention op goes through nsa_core's backend registry (the reference unless a faster
     backend accepts the call).
+
+    Mixed precision: under ``torch.autocast`` the learned parts (projections, gate MLP, phi, the
+    output projection) run as autocast casts them, and everything between the projections and
+    the output projection (RoPE, compression, the attention ops, the decode cache) computes in
+    :meth:`compute_dtype` (docs/spec.md, "Decode").
     """
 
     def __init__(self, config: NSAConfig, hidden_size: int, *, bias: bool = False) -> None:
@@ -344,13 +351,33 @@ class NSAAttention(nn.Module):
 
     # ----------------------------------------------------------------------------- entry points
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer computes q, k, v, the gates and attention in, and its cache holds:
+        autocast's dtype where autocast is on for the layer's device type, the layer's dtype
+        otherwise (docs/spec.md, "Decode"). A float64 layer stays float64: autocast leaves
+        float64 tensors as they are.
+        """
+        w = self.q_proj.weight
+        if w.dtype != torch.float64 and torch.is_autocast_enabled(w.device.type):
+            return torch.get_autocast_dtype(w.device.type)
+        return w.dtype
+
     def _check_x(self, x: torch.Tensor) -> None:
         check_rank("x", x, 3, "[B, T, hidden]")
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x {shape(x)} must end in hidden_size={self.hidden_size}")
         w = self.q_proj.weight
-        if x.dtype != w.dtype:
-            raise TypeError(f"x dtype {x.dtype} differs from the layer's {w.dtype}")
+        compute = self.compute_dtype()
+        if x.dtype not in (w.dtype, compute):
+            if compute == w.dtype:
+                fix = f"cast the layer (layer.to({x.dtype})) or x"
+                if x.dtype in (torch.float16, torch.bfloat16):
+                    fix += f", or run the layer under torch.autocast({w.device.type!r}, {x.dtype})"
+                raise TypeError(f"x dtype {x.dtype} differs from the layer's {w.dtype}: {fix}")
+            raise TypeError(
+                f"x dtype {x.dtype} is neither the layer's {w.dtype} nor the autocast dtype "
+                f"{compute}: under autocast x comes in one of those two"
+            )
         if x.device != w.device:
             raise ValueError(f"x is on {x.device} but the layer is on {w.device}")
         if x.shape[1] > MAX_TOKENS:
@@ -379,8 +406,9 @@ class NSAAttention(nn.Module):
         inp = self.branch_inputs(x, positions)
         o, k_cmp, v_cmp = self._attend(inp)
         y = self.o_proj(o.flatten(2))
+        # The cache holds k and v as the layer computed them (docs/spec.md, "Decode").
         cache = NSACache.empty(
-            cfg, batch, capacity=max(capacity, t), device=x.device, dtype=x.dtype
+            cfg, batch, capacity=max(capacity, t), device=x.device, dtype=self.compute_dtype()
         )
         with torch.no_grad():
             cache.append_tokens(
@@ -400,7 +428,7 @@ class NSAAttention(nn.Module):
             raise ValueError(f"decode takes one token per sequence, x {shape(x)}")
         if not isinstance(cache, NSACache):
             raise TypeError(f"cache must be an NSACache, got {type(cache).__name__}")
-        cache.check_compatible(self.config, x.shape[0], x.dtype, x.device)
+        cache.check_compatible(self.config, x.shape[0], self.compute_dtype(), x.device)
         if cache.length >= MAX_TOKENS:
             raise ValueError(f"the cache is full: {cache.length} tokens is what int32 addresses")
         snapshot = cache.snapshot()
