@@ -12,6 +12,7 @@ from nsa_core.blocks import cmp_block_overlap, cmp_cu_seqlens, num_cmp_blocks, n
 from nsa_core.cache import NSACache
 from nsa_core.config import NSAConfig
 from nsa_core.core import attention_core
+from nsa_core.functional import nsa_func, nsa_varlen_func
 from nsa_core.ops import (
     apply_rope,
     compressed_attention,
@@ -58,6 +59,8 @@ __all__ = [
     "gated_combine",
     "get_toggles",
     "nsa_attention",
+    "nsa_func",
+    "nsa_varlen_func",
     "num_cmp_blocks",
     "num_sel_blocks",
     "select_blocks",

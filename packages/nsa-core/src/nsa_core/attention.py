@@ -177,19 +177,9 @@ def _with_layer_config(
     return method
 
 
-def check_nsa_attention(
-    q: torch.Tensor,
-    k: object,
-    v: object,
-    gates: torch.Tensor,
-    config: object,
-    phi_k: object,
-    phi_v: object,
-    cu_seqlens: torch.Tensor | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Every rule of :func:`nsa_attention`; -> the per-branch keys and values."""
-    if not isinstance(config, NSAConfig):
-        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+def branch_parts(k: object, v: object) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """k and v per branch: one tensor shared by the three, or a mapping with their names (the
+    tensors themselves unchecked)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, given in (("k", k), ("v", v)):
         if isinstance(given, torch.Tensor):
@@ -201,12 +191,45 @@ def check_nsa_attention(
                 f"{name} must be a tensor or a mapping with keys {BRANCHES}, "
                 f"got {type(given).__name__}"
             )
-    ks, vs = parts["k"], parts["v"]
+    return parts["k"], parts["v"]
+
+
+def check_nsa_attention(
+    q: torch.Tensor,
+    k: object,
+    v: object,
+    gates: torch.Tensor,
+    config: object,
+    phi_k: object,
+    phi_v: object,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    chunked: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every rule of :func:`nsa_attention`; -> the per-branch keys and values.
+
+    ``chunked``: the keys may hold more tokens than q, the same Tk >= Tq in every branch, q being
+    the last Tq of them (:func:`nsa_core.functional.nsa_func`).
+    """
+    if not isinstance(config, NSAConfig):
+        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+    ks, vs = branch_parts(k, v)
     check_rank("q", q, 4, "[B, T, HQ, dk]")
+    first = BRANCHES[0]
     for b in BRANCHES:
         check_attention_args(q, ks[b], vs[b], k_name=f"k[{b!r}]", v_name=f"v[{b!r}]")
-        if ks[b].shape[1] != q.shape[1]:
+        if not chunked and ks[b].shape[1] != q.shape[1]:
             raise ValueError(f"k[{b!r}] {shape(ks[b])} must hold q's {q.shape[1]} tokens")
+        if chunked and ks[b].shape[1] != ks[first].shape[1]:
+            raise ValueError(
+                f"k[{b!r}] {shape(ks[b])} must hold as many tokens as k[{first!r}] "
+                f"{shape(ks[first])}"
+            )
+    if chunked and ks[first].shape[1] < q.shape[1]:
+        raise ValueError(
+            f"q {shape(q)} holds more tokens than k {shape(ks[first])}: the queries are the "
+            "last Tq positions of the keys, so Tq <= Tk"
+        )
     check_heads_and_gates(q, ks["sel"], vs["sel"], gates, config)
     for name, phi in (("phi_k", phi_k), ("phi_v", phi_v)):
         if phi is not None and not isinstance(phi, nn.Module):
