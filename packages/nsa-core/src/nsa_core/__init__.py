@@ -4,7 +4,7 @@ docs/spec.md fixes the semantics. The public ops (:mod:`nsa_core.ops`: the six s
 attention core that runs them all, :mod:`nsa_core.core`) validate their arguments once and run
 the backend the registry (:mod:`nsa_core.registry`) picks: faster ones plug in from nsa-kernels,
 and the reference bodies (:mod:`nsa_core.reference`) serve everything else and stay callable by
-name.
+name. :mod:`nsa_core.functional` offers the attention in flash-attn's layouts (docs/integration.md).
 """
 
 from nsa_core.attention import BranchInputs, DecodeStats, NSAAttention, nsa_attention
