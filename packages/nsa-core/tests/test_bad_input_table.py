@@ -519,7 +519,7 @@ CASES = [
     state_case("NSAAttention.decode", "x", "rank 2", VE, "x must have rank 3",
                lambda fx: decode(fx, x=rand(B, HIDDEN))),
     state_case("NSAAttention.decode", "cache", "float64 cache", TE,
-               "cache dtype torch.float64 differs from x dtype torch.float32",
+               "cache dtype torch.float64 differs from torch.float32, the dtype this step",
                lambda fx: decode(fx, cache=float64_cache(fx))),
     state_case("NSAAttention.decode", "cache", "meta cache", VE, "cache is on meta but x is on cpu",
                lambda fx: decode(fx, cache=cache_of(fx, device=META))),

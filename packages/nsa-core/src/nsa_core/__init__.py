@@ -4,7 +4,7 @@ docs/spec.md fixes the semantics. The public ops (:mod:`nsa_core.ops`: the six s
 attention core that runs them all, :mod:`nsa_core.core`) validate their arguments once and run
 the backend the registry (:mod:`nsa_core.registry`) picks: faster ones plug in from nsa-kernels,
 and the reference bodies (:mod:`nsa_core.reference`) serve everything else and stay callable by
-name.
+name. :mod:`nsa_core.functional` offers the attention in flash-attn's layouts (docs/integration.md).
 """
 
 from nsa_core.attention import BranchInputs, DecodeStats, NSAAttention, nsa_attention
@@ -12,6 +12,7 @@ from nsa_core.blocks import cmp_block_overlap, cmp_cu_seqlens, num_cmp_blocks, n
 from nsa_core.cache import NSACache
 from nsa_core.config import NSAConfig
 from nsa_core.core import attention_core
+from nsa_core.functional import nsa_func, nsa_varlen_func
 from nsa_core.ops import (
     apply_rope,
     compressed_attention,
@@ -60,6 +61,8 @@ __all__ = [
     "gated_combine",
     "get_toggles",
     "nsa_attention",
+    "nsa_func",
+    "nsa_varlen_func",
     "num_cmp_blocks",
     "num_sel_blocks",
     "select_blocks",

@@ -116,16 +116,18 @@ def branch_outputs(
     q [B, Tq, HQ, dk] at positions ``q_start + r``; k_sel/v_sel hold every token from 0;
     k_win/v_win hold tokens from position ``q_start - win_start`` on (default: from 0).
     Block scoring takes the compressed branch's log-sum-exp when its backend yields one
-    (:func:`nsa_core.ops.compressed_attention_with_lse`), detached.
+    (:func:`nsa_core.ops.compressed_attention_with_lse`), detached. The ops compute in q's dtype
+    also under ``torch.autocast``, as the attention core does.
     """
-    o_cmp, indices = _compressed_and_indices(
-        config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
-    )
-    o_sel = ops.selected_attention(
-        q, k_sel, v_sel, indices, config.sel_block, config.softmax_scale,
-        q_start=q_start, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
+    with torch.autocast(q.device.type, enabled=False):
+        o_cmp, indices = _compressed_and_indices(
+            config, q, k_cmp, v_cmp, q_start=q_start, cu_seqlens=cu_seqlens
+        )
+        o_sel = ops.selected_attention(
+            q, k_sel, v_sel, indices, config.sel_block, config.softmax_scale,
+            q_start=q_start, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        o_win = _sliding(config, q, k_win, v_win, q_start, win_start, cu_seqlens)
     return o_cmp, o_sel, o_win, indices
 
 
@@ -209,19 +211,9 @@ def _with_layer_config(
     return method
 
 
-def check_nsa_attention(
-    q: torch.Tensor,
-    k: object,
-    v: object,
-    gates: torch.Tensor,
-    config: object,
-    phi_k: object,
-    phi_v: object,
-    cu_seqlens: torch.Tensor | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Every rule of :func:`nsa_attention`; -> the per-branch keys and values."""
-    if not isinstance(config, NSAConfig):
-        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+def branch_parts(k: object, v: object) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """k and v per branch: one tensor shared by the three, or a mapping with their names (the
+    tensors themselves unchecked)."""
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, given in (("k", k), ("v", v)):
         if isinstance(given, torch.Tensor):
@@ -233,12 +225,45 @@ def check_nsa_attention(
                 f"{name} must be a tensor or a mapping with keys {BRANCHES}, "
                 f"got {type(given).__name__}"
             )
-    ks, vs = parts["k"], parts["v"]
+    return parts["k"], parts["v"]
+
+
+def check_nsa_attention(
+    q: torch.Tensor,
+    k: object,
+    v: object,
+    gates: torch.Tensor,
+    config: object,
+    phi_k: object,
+    phi_v: object,
+    cu_seqlens: torch.Tensor | None,
+    *,
+    chunked: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every rule of :func:`nsa_attention`; -> the per-branch keys and values.
+
+    ``chunked``: the keys may hold more tokens than q, the same Tk >= Tq in every branch, q being
+    the last Tq of them (:func:`nsa_core.functional.nsa_func`).
+    """
+    if not isinstance(config, NSAConfig):
+        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+    ks, vs = branch_parts(k, v)
     check_rank("q", q, 4, "[B, T, HQ, dk]")
+    first = BRANCHES[0]
     for b in BRANCHES:
         check_attention_args(q, ks[b], vs[b], k_name=f"k[{b!r}]", v_name=f"v[{b!r}]")
-        if ks[b].shape[1] != q.shape[1]:
+        if not chunked and ks[b].shape[1] != q.shape[1]:
             raise ValueError(f"k[{b!r}] {shape(ks[b])} must hold q's {q.shape[1]} tokens")
+        if chunked and ks[b].shape[1] != ks[first].shape[1]:
+            raise ValueError(
+                f"k[{b!r}] {shape(ks[b])} must hold as many tokens as k[{first!r}] "
+                f"{shape(ks[first])}"
+            )
+    if chunked and ks[first].shape[1] < q.shape[1]:
+        raise ValueError(
+            f"q {shape(q)} holds more tokens than k {shape(ks[first])}: the queries are the "
+            "last Tq positions of the keys, so Tq <= Tk"
+        )
     check_heads_and_gates(q, ks["sel"], vs["sel"], gates, config)
     for name, phi in (("phi_k", phi_k), ("phi_v", phi_v)):
         if phi is not None and not isinstance(phi, nn.Module):
@@ -293,6 +318,11 @@ class NSAAttention(nn.Module):
     "mlp"`` the compressed branch learns ``phi_k`` and ``phi_v``; otherwise phi is the mean.
     Each attention op goes through nsa_core's backend registry (the reference unless a faster
     backend accepts the call).
+
+    Mixed precision: under ``torch.autocast`` the learned parts (projections, gate MLP, phi, the
+    output projection) run as autocast casts them, and everything between the projections and
+    the output projection (RoPE, compression, the attention ops, the decode cache) computes in
+    :meth:`compute_dtype` (docs/spec.md, "Decode").
     """
 
     def __init__(self, config: NSAConfig, hidden_size: int, *, bias: bool = False) -> None:
@@ -375,13 +405,33 @@ class NSAAttention(nn.Module):
 
     # ----------------------------------------------------------------------------- entry points
 
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the layer computes q, k, v, the gates and attention in, and its cache holds:
+        autocast's dtype where autocast is on for the layer's device type, the layer's dtype
+        otherwise (docs/spec.md, "Decode"). A float64 layer stays float64: autocast leaves
+        float64 tensors as they are.
+        """
+        w = self.q_proj.weight
+        if w.dtype != torch.float64 and torch.is_autocast_enabled(w.device.type):
+            return torch.get_autocast_dtype(w.device.type)
+        return w.dtype
+
     def _check_x(self, x: torch.Tensor) -> None:
         check_rank("x", x, 3, "[B, T, hidden]")
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"x {shape(x)} must end in hidden_size={self.hidden_size}")
         w = self.q_proj.weight
-        if x.dtype != w.dtype:
-            raise TypeError(f"x dtype {x.dtype} differs from the layer's {w.dtype}")
+        compute = self.compute_dtype()
+        if x.dtype not in (w.dtype, compute):
+            if compute == w.dtype:
+                fix = f"cast the layer (layer.to({x.dtype})) or x"
+                if x.dtype in (torch.float16, torch.bfloat16):
+                    fix += f", or run the layer under torch.autocast({w.device.type!r}, {x.dtype})"
+                raise TypeError(f"x dtype {x.dtype} differs from the layer's {w.dtype}: {fix}")
+            raise TypeError(
+                f"x dtype {x.dtype} is neither the layer's {w.dtype} nor the autocast dtype "
+                f"{compute}: under autocast x comes in one of those two"
+            )
         if x.device != w.device:
             raise ValueError(f"x is on {x.device} but the layer is on {w.device}")
         if x.shape[1] > MAX_TOKENS:
@@ -492,7 +542,7 @@ class NSAAttention(nn.Module):
         o, k_cmp, v_cmp = self._attend(inp, cu_seqlens)
         y: torch.Tensor = self.o_proj(o.flatten(2))
         if layout is None:
-            return y, self._cache_of(inp, k_cmp, v_cmp, capacity, x.dtype)
+            return y, self._cache_of(inp, k_cmp, v_cmp, capacity, self.compute_dtype())
         cfg = self.config
         spans = layout.cu_seqlens.tolist()
         blocks = cmp_cu_seqlens(layout.cu_seqlens, cfg.cmp_block, cfg.cmp_stride).tolist()
@@ -502,7 +552,7 @@ class NSAAttention(nn.Module):
                 k_cmp[:, blocks[b] : blocks[b + 1]],
                 v_cmp[:, blocks[b] : blocks[b + 1]],
                 capacity,
-                x.dtype,
+                self.compute_dtype(),
             )
             for b in range(layout.batch)
         ]
@@ -517,7 +567,8 @@ class NSAAttention(nn.Module):
         dtype: torch.dtype,
     ) -> NSACache:
         """A cache of ``dtype`` holding the prefilled tokens of ``inp`` and their compressed
-        blocks k_cmp [B, N, H, dk], v_cmp [B, N, H, dv]: what len(inp) decode steps leave."""
+        blocks k_cmp [B, N, H, dk], v_cmp [B, N, H, dv]: what len(inp) decode steps leave. The
+        cache holds k and v as the layer computed them (docs/spec.md, "Decode")."""
         cfg = self.config
         batch, t = inp.q.shape[:2]
         cache = NSACache.empty(
@@ -565,7 +616,7 @@ class NSAAttention(nn.Module):
                 f"cache must be an NSACache, got {type(cache).__name__} (a RaggedNSACache is "
                 "also accepted)"
             )
-        cache.check_compatible(self.config, x.shape[0], x.dtype, x.device)
+        cache.check_compatible(self.config, x.shape[0], self.compute_dtype(), x.device)
         rows = cache.rows if isinstance(cache, RaggedNSACache) else [cache]
         for row in rows:
             if row.length >= MAX_TOKENS:

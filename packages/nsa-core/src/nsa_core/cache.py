@@ -135,14 +135,22 @@ class NSACache:
     def check_compatible(
         self, config: NSAConfig, batch: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        """Refuse a step whose layer config, batch, dtype or device is not this cache's."""
+        """Refuse a step whose layer config, batch, dtype or device is not this cache's.
+
+        ``dtype`` is the one the step computes keys and values in (the layer's
+        ``compute_dtype()``): the cache holds them in that dtype (docs/spec.md, "Decode").
+        """
         built = "cache was built for another layer config or batch size"
         if self.config != config:
             raise ValueError(f"{built}: cache.config {self.config} differs from {config}")
         if self.batch != batch:
             raise ValueError(f"{built}: cache holds batch {self.batch} but x has batch {batch}")
         if self.dtype != dtype:
-            raise TypeError(f"cache dtype {self.dtype} differs from x dtype {dtype}")
+            raise TypeError(
+                f"cache dtype {self.dtype} differs from {dtype}, the dtype this step computes "
+                "keys and values in (the autocast dtype where autocast is on, the layer's dtype "
+                "otherwise): decode under the autocast setting the cache was built with"
+            )
         if self.device != device:
             raise ValueError(f"cache is on {self.device} but x is on {device}")
 

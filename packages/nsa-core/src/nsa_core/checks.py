@@ -90,28 +90,35 @@ def check_q_start(q_start: int, tq: int, tk: int, k_name: str = "k") -> None:
 
 
 def check_cu_seqlens(
-    cu_seqlens: torch.Tensor, total: int, batch: int, device: torch.device
+    cu_seqlens: torch.Tensor,
+    total: int,
+    batch: int,
+    device: torch.device,
+    name: str = "cu_seqlens",
 ) -> None:
-    """cu_seqlens: int32 [S+1], starts at 0, non-decreasing, ends at ``total``; needs B == 1."""
+    """cu_seqlens: int32 [S+1], starts at 0, non-decreasing, ends at ``total``; needs B == 1.
+
+    ``name`` is the argument's name in the errors.
+    """
     if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be an int32 tensor, got {type(cu_seqlens).__name__}")
+        raise TypeError(f"{name} must be an int32 tensor, got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype != torch.int32:
-        raise TypeError(f"cu_seqlens must be int32, got {cu_seqlens.dtype}")
+        raise TypeError(f"{name} must be int32, got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got {shape(cu_seqlens)}")
+        raise ValueError(f"{name} must be 1-D with at least 2 entries, got {shape(cu_seqlens)}")
     if cu_seqlens.device != device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {device}")
+        raise ValueError(f"{name} is on {cu_seqlens.device} but q is on {device}")
     if batch != 1:
         raise ValueError(f"varlen inputs pack sequences along T with B == 1, got B={batch}")
     if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         return  # the values live on the device; the eager call before capture checked them
     values = cu_seqlens.tolist()
     if values[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {values[0]}")
+        raise ValueError(f"{name} must start at 0, got {values[0]}")
     if any(b < a for a, b in itertools.pairwise(values)):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {values}")
+        raise ValueError(f"{name} must be non-decreasing, got {values}")
     if values[-1] != total:
-        raise ValueError(f"cu_seqlens must end at T={total}, got {values[-1]}")
+        raise ValueError(f"{name} must end at T={total}, got {values[-1]}")
 
 
 def check_block_indices(

@@ -229,16 +229,20 @@ def attention_core(
         cu_seqlens: int32 [S+1] for packed sequences (B == 1, q_start == 0, Tk == Tw == Tq).
 
     Returns:
-        o [B, Tq, HQ, dv].
+        o [B, Tq, HQ, dv], in q's dtype also under ``torch.autocast``: the core computes in its
+        inputs' dtype with the float32 steps docs/spec.md gives half precision.
     """
     toggles = get_toggles()
     ctx = core_context(
         q, k_sel, v_sel, k_cmp, v_cmp, k_win, v_win, gates, q_start=q_start, cu_seqlens=cu_seqlens
     )
-    out: torch.Tensor = resolve_fn(CORE_OP, ctx, toggles)(
-        q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, q_start=q_start,
-        win_start=win_start, cu_seqlens=cu_seqlens, toggles=toggles,
-    )  # fmt: skip
+    # Autocast would run the reference's float32 einsums in its lower precision: off here, the
+    # inputs' dtype decides (docs/spec.md, "Decode", the compute dtype).
+    with torch.autocast(q.device.type, enabled=False):
+        out: torch.Tensor = resolve_fn(CORE_OP, ctx, toggles)(
+            q, k_cmp, v_cmp, k_sel, v_sel, k_win, v_win, gates, config, q_start=q_start,
+            win_start=win_start, cu_seqlens=cu_seqlens, toggles=toggles,
+        )  # fmt: skip
     return out
 
 

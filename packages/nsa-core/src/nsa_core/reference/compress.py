@@ -93,7 +93,9 @@ class CompressMLP(nn.Module):
             raise ValueError(
                 f"blocks {shape(blocks)} must be [B, N, l={self.cmp_block}, H, D={self.head_dim}]"
             )
-        x = blocks + self.pos[:, None, :]
+        # The position embedding joins the blocks in their dtype: under torch.autocast the add,
+        # which autocast leaves to type promotion, would lift half-precision blocks to float32.
+        x = blocks + self.pos.to(blocks.dtype)[:, None, :]
         x = x.permute(0, 1, 3, 2, 4).flatten(3)  # [B, N, H, l*D]
         out: torch.Tensor = self.fc2(nn.functional.gelu(self.fc1(x)))
         return out
