@@ -89,6 +89,8 @@ def test_refusals_name_the_argument() -> None:
         model(ids, position_ids=torch.arange(1, 11)[None], use_cache=False)
     with pytest.raises(ValueError, match="output_attentions"):
         model(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="return_dict"):
+        model(ids, return_dict=False)
     with pytest.raises(ValueError, match="attention_mask"):
         model(ids, attention_mask=torch.ones(1, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="at least one real token"):

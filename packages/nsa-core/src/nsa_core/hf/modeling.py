@@ -162,10 +162,13 @@ class NSALlamaPreTrainedModel(PreTrainedModel):
 
 
 def _check_kwargs(kwargs: dict[str, Any]) -> None:
-    """Refuse what the model would otherwise ignore: attention weights, per-layer states."""
+    """Refuse what the model would otherwise ignore: attention weights, per-layer states,
+    tuple outputs."""
     for name in ("output_attentions", "output_hidden_states"):
         if kwargs.get(name):
             raise ValueError(f"{name}=True is not supported by the NSA Llama models")
+    if kwargs.get("return_dict") is False:
+        raise ValueError("return_dict=False is not supported: the NSA Llama models return outputs")
 
 
 class NSALlamaModel(NSALlamaPreTrainedModel):
