@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import shutil
 import sys
 from collections.abc import Sequence
@@ -31,6 +32,10 @@ SRC_DIRS = tuple(f"packages/{p}/src" for p in PACKAGES)
 # Linters are pinned so that a new release cannot turn CI red on unchanged code.
 RUFF = "ruff==0.17.6"
 MYPY = "mypy==2.4.1"
+
+# The transformers releases nsa_core.hf supports, read from its one table (a stdlib-only module).
+_HF_VERSIONS = runpy.run_path(str(ROOT / "packages/nsa-core/src/nsa_core/hf/versions.py"))
+TRANSFORMERS = "transformers" + _HF_VERSIONS["supported_text"]()
 
 nox.options.sessions = ["lint", "typecheck", "tests"]
 nox.options.reuse_venv = "yes"
@@ -56,7 +61,8 @@ def _constraints_file(session: nox.Session, name: str, text: str) -> str:
 
 
 def _install_project(session: nox.Session, constraints: str) -> None:
-    """torch + triton as ``constraints`` pin them and the three packages (editable), with tests."""
+    """torch + triton as ``constraints`` pin them and the three packages (editable), with tests
+    and nsa-core's Hugging Face extra (its tests are in the reference tier)."""
     session.log("installing torch, triton and the three packages (a minute or more)")
     # Triton's interpreter (TRITON_INTERPRET=1) imports numpy, which triton does not declare.
     session.install(
@@ -68,7 +74,7 @@ def _install_project(session: nox.Session, constraints: str) -> None:
         "triton",
         "numpy",
         "-e",
-        "packages/nsa-core[test]",
+        "packages/nsa-core[test,hf]",
         "-e",
         "packages/nsa-kernels[test]",
         "-e",
@@ -243,6 +249,7 @@ def typecheck(session: nox.Session) -> None:
         "nox",
         "packaging",
         "pytest",  # ci/triton_launches.py is a pytest plugin
+        TRANSFORMERS,  # nsa_core.hf is checked against transformers' own types
         "-c",
         _constraints_file(session, "typecheck", constraints),
         "torch",
@@ -379,18 +386,20 @@ def pairing(session: nox.Session) -> None:
 
 
 # Every module must import with the package's declared dependencies; only the optional extras
-# (flash_attn, fla, matplotlib) may be missing, and the modules that need them are listed.
+# (flash_attn, fla, matplotlib, transformers) may be missing, and the modules that need them are
+# listed.
 _IMPORT_ALL = """
 import importlib, pkgutil, sys
 name = sys.argv[1]
 pkg = importlib.import_module(name)
 mods = [m.name for m in pkgutil.walk_packages(pkg.__path__, name + ".")]
 optional = []
+extras = ("flash_attn", "fla", "matplotlib", "transformers")
 for mod in mods:
     try:
         importlib.import_module(mod)
     except ModuleNotFoundError as err:
-        if (err.name or "").split(".")[0] not in ("flash_attn", "fla", "matplotlib"):
+        if (err.name or "").split(".")[0] not in extras:
             raise
         optional.append(f"{mod} (needs {err.name})")
 print(f"imported {name} and {len(mods) - len(optional)} of {len(mods)} submodules")
