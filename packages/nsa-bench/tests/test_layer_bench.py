@@ -20,7 +20,16 @@ from nsa_bench.layer.inputs import make_inputs
 from nsa_bench.layer.measure import measure
 from nsa_bench.layer.peers import Peer, bench_fa2, bench_fla, bench_sdpa, load_fla, sdpa_has_gqa
 from nsa_bench.layer.plot import write_plot
-from nsa_bench.layer.rows import METHODS, MODES, PEERS, ROW_COLUMNS, LayerShape, Row, add_ratios
+from nsa_bench.layer.rows import (
+    DEFAULT_METHODS,
+    METHODS,
+    MODES,
+    PEERS,
+    ROW_COLUMNS,
+    LayerShape,
+    Row,
+    add_ratios,
+)
 from nsa_bench.layer.steps import STEPS, StepCall, bench_steps, parse_step_backends, step_timed_call
 from nsa_bench.timing import Timer, make_timer
 
@@ -101,10 +110,10 @@ def test_rows_cover_every_method_mode_and_step(cpu_run_module: tuple[Path, str, 
     out, _, _ = cpu_run_module
     rows = _read_csv(out / "layer.csv")
     methods = {(r["method"], r["mode"]) for r in rows if r["kind"] == "method"}
-    assert methods == {(m, mode) for m in METHODS for mode in MODES}
+    assert methods == {(m, mode) for m in DEFAULT_METHODS for mode in MODES}
     steps = [r for r in rows if r["kind"] == "step"]
     assert [r["step"] for r in steps] == [s for s, _ in STEPS]
-    assert len(rows) == 2 * len(METHODS) + len(STEPS)
+    assert len(rows) == 2 * len(DEFAULT_METHODS) + len(STEPS)
     for r in rows:
         assert (r["T"], r["HQ"], r["H"], r["G"], r["dk"], r["dv"]) == (
             "128",

@@ -178,3 +178,28 @@ def test_the_fused_core_on_the_triton_kernels_matches_the_reference_core(
         grads = torch.autograd.grad(fused.sum(), inputs)
         for name, g, g_ref in zip(("q", "k", "v", "gates"), grads, grads_ref, strict=True):
             assert rel_err(g, g_ref) <= 2 * BOUND[torch.float32], name
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
+@pytest.mark.usefixtures("isolated_registry")
+def test_the_fused_core_compiles_to_one_graph_that_launches_the_same_kernels() -> None:
+    """torch.compile(fullgraph=True, dynamic shapes) of ``nsa_attention`` on the Triton rows:
+    the region runs the plan once while tracing, every launch is ``nsa::triton_launch`` and the
+    selected dk/dv backward ``nsa::selected_dkv_backward``, so outputs and gradients are the
+    eager ones bit for bit (the same kernels on the same arguments)."""
+    torch._dynamo.reset()
+    inputs = _inputs(11, 80, True)
+    _kernel_rows_on_this_device()
+    eager = nsa_attention(*inputs, CONFIG)
+    grads_eager = torch.autograd.grad(eager.sum(), inputs)
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return nsa_attention(q, k, v, g, CONFIG)
+
+    compiled = torch.compile(call, fullgraph=True, dynamic=True, backend="aot_eager")
+    out = compiled(*inputs)
+    assert torch.equal(out, eager)
+    grads = torch.autograd.grad(out.sum(), inputs)
+    for name, g, g_eager in zip(("q", "k", "v", "gates"), grads, grads_eager, strict=True):
+        assert torch.equal(g, g_eager), name
