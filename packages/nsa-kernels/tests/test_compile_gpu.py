@@ -1,6 +1,14 @@
-"""torch.compile of an NSA layer on the GPU's default routes: one graph with no break, forward and
-training step equal to eager within docs/spec.md's bounds (the eager-vs-reference tolerance),
-and a second length of the same route served without a new graph."""
+"""torch.compile of NSA on the GPU's default routes: the layer is one graph with no break; the
+compiled attention (``nsa_attention``, forward and gradients) equals eager within docs/spec.md's
+bounds (the eager-vs-reference tolerance) at 8k and 64k, as does the whole compiled layer
+(projections fused by Inductor) at 8k; a second length of the same route takes no new graph.
+
+A traced call declines cuDNN's compressed runs (nsa_kernels.compressed.cudnn), which eager calls
+take from 16k on, so the two sides of a comparison run different compressed kernels there.
+The whole layer is compared at 8k only: at 64k its Inductor-fused bf16 projections round q, k
+and the gates differently from eager's, and among 1024 blocks a row's top-16 then changes
+where scores nearly tie, which moves the output by more than any rounding bound.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,7 @@ import pytest
 import torch
 from kernel_testlib import BOUND, rel_err
 
-from nsa_core import NSAAttention, NSAConfig
+from nsa_core import NSAAttention, NSAConfig, nsa_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,14 +48,47 @@ def test_the_layer_compiles_to_one_graph_without_a_break(t: int) -> None:
     assert explained.graph_count == 1
 
 
+def _qkvg(t: int, seed: int, grad: bool) -> list[torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+        return x.requires_grad_(grad)
+
+    gates = torch.rand(1, t, 64, 3, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return [draw(1, t, 64, 128), draw(1, t, 4, 128), draw(1, t, 4, 128), gates.requires_grad_(grad)]
+
+
+def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return nsa_attention(q, k, v, g, CONFIG)
+
+
 @pytest.mark.parametrize("t", [8192, 65536], ids=["8k", "64k"])
+@pytest.mark.parametrize("train", [False, True], ids=["forward", "backward"])
+def test_the_compiled_attention_equals_eager(t: int, train: bool) -> None:
+    torch._dynamo.reset()
+    inputs = _qkvg(t, 1, train)
+    compiled = torch.compile(_core, fullgraph=True)
+    bound = BOUND[torch.bfloat16]
+    with torch.set_grad_enabled(train):
+        eager = _core(*inputs)
+        y = compiled(*inputs)
+    assert rel_err(y, eager) <= bound
+    if train:
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, inputs, dy)
+        grads_eager = torch.autograd.grad(eager, inputs, dy)
+        for name, g, g_eager in zip("qkvg", grads, grads_eager, strict=True):
+            assert rel_err(g, g_eager) <= 2 * bound, name
+
+
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "training step"])
-def test_the_compiled_layer_equals_eager(t: int, train: bool) -> None:
+def test_the_compiled_layer_equals_eager(train: bool) -> None:
     torch._dynamo.reset()
     layer = _layer(0)
     compiled = torch.compile(layer, fullgraph=True)
-    x = _x(t, 1).requires_grad_(train)
-    dy = _x(t, 2)
+    x = _x(8192, 1).requires_grad_(train)
+    dy = _x(8192, 2)
     bound = BOUND[torch.bfloat16]
     with torch.set_grad_enabled(train):
         eager_y = layer(x)
@@ -70,12 +111,11 @@ def test_the_compiled_layer_equals_eager(t: int, train: bool) -> None:
 
 def test_a_new_length_on_the_same_route_takes_no_new_graph() -> None:
     torch._dynamo.reset()
-    layer = _layer(0)
-    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    compiled = torch.compile(_core, fullgraph=True, dynamic=True)
     frames: list[int] = []
     with torch.no_grad():
         for t in (20480, 24576, 28672):
-            y = compiled(_x(t, 3))
-            assert rel_err(y, layer(_x(t, 3))) <= BOUND[torch.bfloat16]
+            inputs = _qkvg(t, 3, False)
+            assert rel_err(compiled(*inputs), _core(*inputs)) <= BOUND[torch.bfloat16]
             frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert frames[0] == frames[1] == frames[2], frames

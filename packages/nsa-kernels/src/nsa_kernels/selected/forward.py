@@ -354,7 +354,9 @@ def kv_descriptor(x: torch.Tensor, block_l: int) -> Any:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     flat = x.reshape(x.shape[0] * x.shape[1], x.shape[2] * x.shape[3])
-    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [block_l, x.shape[3]])
+    # A box is a compile-time shape: a traced (symbolic) head dim is pinned here.
+    box = [block_l, int(x.shape[3])]
+    return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box)
 
 
 @dataclass(frozen=True)
