@@ -109,11 +109,6 @@ def test_the_compiled_layer_equals_eager(train: bool) -> None:
             assert rel_err(g, g_eager) <= 2 * bound, name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="on the GPU routes each new length still takes a new graph: a guard of the kernels' "
-    "host planning pins T (not yet found); the CPU reference keeps T symbolic",
-)
 def test_a_new_length_on_the_same_route_takes_no_new_graph() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(_core, fullgraph=True, dynamic=True)

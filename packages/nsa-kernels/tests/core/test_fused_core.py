@@ -205,3 +205,25 @@ def test_the_fused_core_compiles_to_one_graph_that_launches_the_same_kernels() -
     grads = torch.autograd.grad(out.sum(), inputs)
     for name, g, g_eager in zip(("q", "k", "v", "gates"), grads, grads_eager, strict=True):
         assert rel_err(g, g_eager) <= 2 * BOUND[torch.float32], name
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
+@pytest.mark.usefixtures("isolated_registry")
+def test_new_lengths_reuse_the_compiled_fused_core() -> None:
+    """With dynamic shapes the kernels' host planning keeps T symbolic (a tile sized from T
+    only where T is below a tile): a second length, no new graph."""
+    torch._dynamo.reset()
+    _kernel_rows_on_this_device()
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return nsa_attention(q, k, v, g, CONFIG)
+
+    compiled = torch.compile(call, fullgraph=True, dynamic=True, backend="aot_eager")
+    graphs = []
+    with torch.no_grad():
+        for t in (96, 144):
+            inputs = _inputs(5, t, False)
+            assert rel_err(compiled(*inputs), call(*inputs)) <= BOUND[torch.float32]
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1], graphs

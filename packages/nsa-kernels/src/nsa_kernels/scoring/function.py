@@ -143,7 +143,9 @@ def resolve_config(
         raise ValueError("shift=1 needs tl.gather (Triton >= 3.2); use shift=2")
     heads = pow2(group)
     wide = 32 if dtype == torch.float32 else 128
-    rows = max(cfg.block_rows or min(wide, heads * pow2(max(tq, 1))), heads, 16)
+    # pow2 of the tokens only below ``wide``: a longer (possibly symbolic, under torch.compile)
+    # tq gives the same tile and must not be pinned by pow2.
+    rows = max(cfg.block_rows or min(wide, heads * pow2(min(max(tq, 1), wide))), heads, 16)
     tokens = rows // heads
     # 64 columns at dk <= 128 measured faster than 128 at every T timed
     # (docs/results/2026-11-26-h100-h200.md); at dk = 192 that alone is slower.
