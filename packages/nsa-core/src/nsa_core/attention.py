@@ -182,9 +182,13 @@ def run_apply_rope(x: torch.Tensor, positions: torch.Tensor, config: NSAConfig) 
     torch.compile, a non-strict region (:mod:`nsa_core.tracing`)."""
     if compiling():
         return _rope_region(x, positions, config.trace_constant)
+    return _rope(x, positions, config.rope_theta)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     toggles = get_toggles()
     rope = resolve_fn("apply_rope", per_head_context(x), toggles)
-    out: torch.Tensor = rope(x, positions, config.rope_theta, toggles=toggles)
+    out: torch.Tensor = rope(x, positions, theta, toggles=toggles)
     return out
 
 
@@ -192,10 +196,7 @@ def run_apply_rope(x: torch.Tensor, positions: torch.Tensor, config: NSAConfig) 
 def _rope_region(
     x: torch.Tensor, positions: torch.Tensor, config: TraceConstant[NSAConfig]
 ) -> torch.Tensor:
-    toggles = get_toggles()
-    rope = resolve_fn("apply_rope", per_head_context(x), toggles)
-    out: torch.Tensor = rope(x, positions, config.value.rope_theta, toggles=toggles)
-    return out
+    return _rope(x, positions, config.value.rope_theta)
 
 
 def _with_layer_config(
