@@ -184,7 +184,7 @@ LONG = Recipe(
 )
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="600 training steps on longer sequences: minutes")
 def test_train_smoke_long() -> None:
     """The GPU tiers' version (CUDA when available): longer sequences, a farther offset, a larger
     vocabulary, and a stricter bar."""

@@ -17,6 +17,7 @@ logger = logging.getLogger("nsa")
 
 _emitted: Counter[str] = Counter()
 _once: set[str] = set()
+_debug_once: set[str] = set()
 
 
 def _format(tag: str, fields: dict[str, object]) -> str:
@@ -32,6 +33,18 @@ def debug_log(tag: str, **fields: object) -> None:
     logger.info(_format(tag, fields))
 
 
+def debug_log_once(key: str, tag: str, **fields: object) -> None:
+    """:func:`debug_log` at most once per ``key`` (a device, say) while NSA_DEBUG_LOG is on.
+
+    ``key`` counts as seen only when the line was logged: a call made with the log off must not
+    silence the line for a later call made with it on.
+    """
+    if key in _debug_once or not get_toggles().debug_log:
+        return
+    _debug_once.add(key)
+    debug_log(tag, **fields)
+
+
 def log_once(key: str, tag: str, **fields: object) -> bool:
     """Log ``tag`` once per ``key`` at WARNING (always on); True when it was logged now."""
     if key in _once:
@@ -45,3 +58,4 @@ def reset_log_state() -> None:
     """Forget which tags were emitted (tests)."""
     _emitted.clear()
     _once.clear()
+    _debug_once.clear()

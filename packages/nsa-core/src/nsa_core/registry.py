@@ -116,6 +116,30 @@ def load_entry_points() -> None:
         debug_log("registry.entry_point", name=ep.name, value=ep.value)
 
 
+def state() -> tuple[bool, tuple[tuple[str, tuple[tuple[str, int], ...]], ...]]:
+    """Whether entry points were loaded, and each op's backends as (name, priority) rows.
+
+    Tests compare it before and after each test: a test that changes the registry and leaves it
+    changed makes every later test depend on the order the tests ran in.
+    """
+    rows = tuple((op, tuple((b.name, b.priority) for b in _backends[op])) for op in OPS)
+    return _entry_points_loaded, rows
+
+
+@contextlib.contextmanager
+def restored_on_exit() -> Iterator[None]:
+    """The registry as it is now, put back on leaving the block (even after an exception)."""
+    global _entry_points_loaded
+    saved = {op: list(rows) for op, rows in _backends.items()}
+    saved_loaded = _entry_points_loaded
+    try:
+        yield
+    finally:
+        _backends.clear()
+        _backends.update(saved)
+        _entry_points_loaded = saved_loaded
+
+
 def backends(op: str) -> list[Backend]:
     """The backends of ``op``, highest priority first (entry points loaded)."""
     load_entry_points()

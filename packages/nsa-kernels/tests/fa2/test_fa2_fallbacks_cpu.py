@@ -218,7 +218,7 @@ def test_flex_eager_over_many_tiles() -> None:
         assert rel_err(run(), ref) < FLOAT32_BOUND, name
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="compiles FlexAttention on the CPU: about a minute")
 def test_flex_compiled_on_cpu_honours_block_tables(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiled FlexAttention skips the key tiles the block tables leave out (eager does not), so
     this is the CPU check that the tables hold every visible key (about a minute of compiling)."""

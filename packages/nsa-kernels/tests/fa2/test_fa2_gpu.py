@@ -26,10 +26,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-pytest.importorskip(
-    "flash_attn", reason="flash_attn is not installed (build it: ci/build_flash_attn.sh)"
-)
-
+# Without flash_attn every test here is collected and skipped with that reason (conftest.py):
+# the tier reports what it could not run instead of collecting nothing.
 from nsa_kernels.common import flash as _flash  # noqa: E402
 from nsa_kernels.compressed.backends import backends as compressed_backends  # noqa: E402
 from nsa_kernels.compressed.fa2 import compressed_attention_fa2  # noqa: E402

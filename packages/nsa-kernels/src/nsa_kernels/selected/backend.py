@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from nsa_core.debug_log import debug_log
+from nsa_core.debug_log import debug_log_once
 from nsa_core.registry import Backend, OpContext
 from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.common.local_softmax import LocalSoftmax
@@ -144,17 +144,13 @@ def supports(ctx: OpContext, toggles: Toggles) -> str | None:
     )
 
 
-_devices_logged: set[str] = set()
-
-
 def _log_device(device: torch.device) -> None:
-    key = str(device)
-    if key in _devices_logged or device.type != "cuda":
+    if device.type != "cuda":
         return
-    _devices_logged.add(key)
-    debug_log(
+    debug_log_once(
+        f"sel.triton.device:{device}",
         "sel.triton.device",
-        device=key,
+        device=str(device),
         name=repr(torch.cuda.get_device_name(device)),
         capability="{}.{}".format(*torch.cuda.get_device_capability(device)),
     )
