@@ -15,6 +15,7 @@ import os
 import runpy
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from nox.command import CommandFailed
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from ci import cells, tiers  # noqa: E402  (needs ROOT on sys.path)
+from ci import cells, gpu_workers, tiers  # noqa: E402  (needs ROOT on sys.path)
 
 PACKAGES = ("nsa-core", "nsa-kernels", "nsa-bench")
 SRC_DIRS = tuple(f"packages/{p}/src" for p in PACKAGES)
@@ -181,27 +182,32 @@ def _run_tiers(
     python: str,
     base_env: dict[str, str],
     selected: Sequence[tiers.Tier],
-    workers: str | None,
+    workers: Sequence[str] = (),
     compile_for: Sequence[int] = (),
 ) -> None:
     """Each tier as its own pytest run with its environment; fail after all ran if any failed.
 
-    pytest's exit code 5 (no test collected) fails a tier like any other: a tier that selects
-    nothing is a broken tier, never a pass. ``compile_for``: CUDA architectures (x10) for which
-    every Triton launch of the interpreter tier is then compiled (ci/compile_triton.py).
+    ``workers``: pytest arguments of the tiers the table marks parallel (``-n N`` and, on a GPU
+    host, ``--worker-gpus``). pytest's exit code 5 (no test collected) fails a tier like any
+    other: a tier that selects nothing is a broken tier, never a pass. ``compile_for``: CUDA
+    architectures (x10) for which every Triton launch of the interpreter tier is then compiled
+    (ci/compile_triton.py). Each tier's wall time is logged, and the table of them at the end.
     """
     failed: list[str] = []
+    times: list[str] = []
     launches = Path(session.create_tmp()) / "triton-launches"
     recorded = False
     for i, tier in enumerate(selected):
         args = tier.pytest_args()
-        if workers and tier.parallel:
-            args += ["-n", workers]
+        if tier.parallel:
+            args += list(workers)
         if compile_for and tier.records_launches:
             shutil.rmtree(launches, ignore_errors=True)
             args += ["--record-triton-launches", str(launches)]
             recorded = True
         session.log(f"[tier {i + 1}/{len(selected)}] {tier.name}: {tier.title}")
+        start = time.monotonic()
+        status = "ok"
         try:
             session.run(
                 python,
@@ -214,6 +220,9 @@ def _run_tiers(
             )
         except CommandFailed:
             failed.append(tier.name)
+            status = "FAILED"
+        times.append(f"{tier.name}: {status} in {time.monotonic() - start:.0f} s")
+        session.log(f"[tier {i + 1}/{len(selected)}] {times[-1]}")
     if recorded and not failed:
         archs = [a for arch in compile_for for a in ("--arch", str(arch))]
         session.log("[compile] the interpreter tier's Triton launches, compiled for the GPU")
@@ -221,6 +230,7 @@ def _run_tiers(
             session.run(python, "ci/compile_triton.py", str(launches), *archs, external=SYSTEM)
         except CommandFailed:
             failed.append("triton-compile")
+    session.log("tiers: " + "; ".join(times))
     if failed:
         session.error(f"tiers failed: {', '.join(failed)}")
 
@@ -268,12 +278,25 @@ def tests(session: nox.Session) -> None:
     )
     found = _probe(session, python, {**env, "TRITON_INTERPRET": "1"})
     _check_cell(session, found, None if SYSTEM else cell, need_gpu=False)
-    _run_tiers(session, python, env, tiers.CPU_TIERS, "2", compile_for=(90, 89))
+    _run_tiers(session, python, env, tiers.CPU_TIERS, ["-n", "2"], compile_for=(90, 89))
 
 
 def _pair_text(cell: dict[str, Any]) -> str:
     release = cells.newest_release(cell)
     return f"torch=={release} triton{cell['releases'][release]}"
+
+
+def _workers(session: nox.Session, need_gpu: bool) -> list[str]:
+    """pytest-xdist arguments: CPU tiers share the machine's cores between two workers; GPU
+    tiers take the workers ci/gpu_workers.py sizes from the cards' memory and the host's cores,
+    spread over every visible GPU."""
+    if not need_gpu:
+        return ["-n", "2"]
+    plan = gpu_workers.plan(gpu_workers.visible_gpus(), os.cpu_count() or 1)
+    session.log(f"GPU tiers: {plan.why}")
+    if plan.workers < 1:
+        session.error("these are GPU tiers, and nvidia-smi lists no GPU here")
+    return ["-n", str(plan.workers), "--worker-gpus", ",".join(plan.gpus)]
 
 
 def _paired_session(
@@ -282,9 +305,6 @@ def _paired_session(
     """Register session ``name``: the ``selected`` tiers in an install of ``cell``'s torch and
     its paired triton, the pairing checked first."""
     need_gpu = any(t.hardware == "cuda" for t in selected)
-    # CPU tiers share the machine's cores between two pytest-xdist workers; GPU tiers run in one
-    # process each.
-    workers = None if need_gpu else "2"
     # The pairing is probed under the environment the tiers run in (TRITON_INTERPRET=1 for the
     # interpreter; the GPU tiers set none).
     probe_env = {k: v for t in selected for k, v in t.env.items()}
@@ -296,7 +316,7 @@ def _paired_session(
         python, env = _python_and_env(session, constraints)
         found = _probe(session, python, {**env, **probe_env})
         _check_cell(session, found, cell, need_gpu=need_gpu)
-        _run_tiers(session, python, env, selected, workers)
+        _run_tiers(session, python, env, selected, _workers(session, need_gpu))
 
     session_fn.__doc__ = doc
     nox.session(
@@ -341,7 +361,7 @@ def _interp_triton_session(cell: dict[str, Any]) -> None:
             f"torch {found['torch']} with torch {cell['torch']}'s triton {found['triton']}: "
             "an interpreter-only install, not a paired one"
         )
-        _run_tiers(session, python, env, [interpreter], "2")
+        _run_tiers(session, python, env, [interpreter], ["-n", "2"])
 
     which = "oldest" if cell["torch"] == cells.OLDEST_INTERPRETER_CELL else "newest"
     session_fn.__doc__ = (
@@ -365,6 +385,15 @@ def _gpu_session(cell: dict[str, Any]) -> None:
         "gpu",
         tiers.GPU_TIERS,
         f"The GPU tiers ({names}) on a CUDA machine with {_pair_text(cell)}.",
+    )
+    quick = tiers.GPU_QUICK_TIERS
+    _paired_session(
+        cell,
+        f"gpu_quick-{cell['torch']}",
+        "gpu_quick",
+        quick,
+        f"The GPU tiers but the slow one ({', '.join(t.name for t in quick)}) with "
+        f"{_pair_text(cell)}: what every labelled pull request runs.",
     )
 
 

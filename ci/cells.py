@@ -199,19 +199,26 @@ def render_pyproject(text: str) -> str:
 def gpu_matrix(labels: Sequence[str]) -> dict[str, list[dict[str, str]]]:
     """GitHub Actions ``strategy.matrix`` for the GPU workflow, chosen by the PR's labels.
 
-    ``gpu-ci-full``: every supported cell on every GPU. ``gpu-ci``: the oldest and the newest
-    supported cell on every GPU (the two ends of the range catch most API drift at a sixth of the
-    cost). Neither label: no job.
+    ``gpu-ci-full`` (a push to main passes it too): every supported cell on every GPU, each
+    running ``nox -s gpu_parity-<minor>``. ``gpu-ci``: the oldest and the newest supported cell
+    on every GPU (the two ends of the range catch most API drift at a sixth of the cost), each
+    running ``nox -s gpu_quick-<minor>``. Neither label: no job.
     """
     cells = supported()
     if LABEL_FULL in labels:
-        chosen = cells
+        chosen, session = cells, "gpu_parity"
     elif LABEL_QUICK in labels:
-        chosen = [cells[0], cells[-1]] if len(cells) > 1 else cells
+        chosen, session = ([cells[0], cells[-1]] if len(cells) > 1 else cells), "gpu_quick"
     else:
-        chosen = []
+        chosen, session = [], ""
     include = [
-        {"gpu": gpu, "torch": c["torch"], "triton": c["triton"], "python": default_python(c)}
+        {
+            "gpu": gpu,
+            "torch": c["torch"],
+            "triton": c["triton"],
+            "python": default_python(c),
+            "session": f"{session}-{c['torch']}",
+        }
         for gpu in GPUS
         for c in chosen
     ]

@@ -8,10 +8,13 @@ the three packages installed; ``bash ci/runner.sh`` picks that Python. In order:
 1. the torch/triton pairing, at once: a pair that the version table does not list prints a
    warning naming the install that fixes it, and the tiers that depend on it say so;
 2. environment metadata and the routing report;
-3. every test tier of ci/tiers.py (the CPU tiers everywhere, the GPU tiers where torch sees a
+3. ``nsa-bench demo``: one NSA layer, prefill and decode, its routing and reads;
+4. every test tier of ci/tiers.py (the CPU tiers everywhere, the GPU tiers where torch sees a
    CUDA GPU; elsewhere they are marked skipped with that reason), with progress while each runs;
-4. the benches (decode; on a GPU also selection and FA-2);
-5. ``report.md``: a FAIL line names the step's first error.
+   ``--quick`` runs each tier's smoke selection instead (a few of its tests, seconds each; the
+   whole tiers are the README's test command's job);
+5. the benches (decode; on a GPU also selection and FA-2), not with ``--quick``;
+6. ``report.md``: a FAIL line names the step's first error.
 
 Everything lands in ``artifacts/runner/<commit>/``. The exit code is non-zero when a step
 failed; later steps still run, so one report shows everything.
@@ -232,8 +235,10 @@ def run_tier(
     pairing: HostPairing,
     workers: str = "auto",
     gpu_workers: str = "0",
+    smoke: bool = False,
 ) -> StepResult:
-    """One tier of ci/tiers.py as one pytest run; the result names the first error on failure."""
+    """One tier of ci/tiers.py as one pytest run (``smoke``: its smoke selection alone); the
+    result names the first error on failure."""
     if tier.hardware == "cuda" and not has_cuda:
         return StepResult(tier.title, "SKIP", 0.0, "no CUDA device visible to torch")
     uses_interpreter = tier.env.get("TRITON_INTERPRET") == "1"
@@ -249,9 +254,10 @@ def run_tier(
     log = out / f"tests_{tier_slug(tier)}.log"
     junit.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", f"--junitxml={junit}"]
-    cmd += tier.pytest_args()
+    cmd += tier.smoke_args() if smoke else tier.pytest_args()
     n = gpu_workers if tier.hardware == "cuda" else workers
-    if tier.parallel and n not in ("", "0"):
+    # A smoke run is a few tests: starting workers would cost more than it saves.
+    if tier.parallel and n not in ("", "0") and not smoke:
         cmd += ["-n", n]
     start = time.monotonic()
     code = run_logged(cmd, log, env, progress_label=tier.name)
@@ -390,14 +396,21 @@ def run(args: argparse.Namespace) -> int:
     routing.detail = (out / "routing.txt").read_text(errors="replace").strip()
     results.append(routing)
 
+    print("[demo]", flush=True)
+    results.append(run_bench("demo", ["demo"], out))
+    print(f"    {results[-1].status} ({results[-1].seconds:.1f} s)", flush=True)
+
+    what = "smoke run" if args.quick else "tier"
     for i, tier in enumerate(tiers):
-        print(f"[tier {i + 1}/{len(tiers)}] {tier.name}: {tier.title}", flush=True)
-        result = run_tier(tier, out, has_cuda, pairing, args.workers, args.gpu_workers)
+        print(f"[{what} {i + 1}/{len(tiers)}] {tier.name}: {tier.title}", flush=True)
+        result = run_tier(
+            tier, out, has_cuda, pairing, args.workers, args.gpu_workers, smoke=args.quick
+        )
         print(f"    {result.status} ({result.seconds:.1f} s) {result.detail}", flush=True)
         results.append(result)
 
-    if not args.skip_benches:
-        results += run_benches(out, args.quick, has_cuda)
+    if not args.skip_benches and not args.quick:
+        results += run_benches(out, has_cuda)
 
     report = render_report(results, env_info, commit, out, warning)
     (out / "report.md").write_text(report)
@@ -407,9 +420,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def run_benches(out: Path, quick: bool, has_cuda: bool) -> list[StepResult]:
+def run_benches(out: Path, has_cuda: bool) -> list[StepResult]:
     results: list[StepResult] = []
-    s_list = "512,1024,2048" if quick or not has_cuda else "512,1024,2048,4096,8192"
+    s_list = "512,1024,2048" if not has_cuda else "512,1024,2048,4096,8192"
     iters = "8" if not has_cuda else "64"
     decode_csv = out / "decode.csv"
     print("[bench] decode", flush=True)
@@ -491,7 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="artifact folder (default artifacts/runner/<commit>)"
     )
-    parser.add_argument("--quick", action="store_true", help="small bench sizes (CPU hosts, CI)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the demo, the routing and a smoke run of each tier; no benches (minutes on a CPU)",
+    )
     parser.add_argument("--skip-benches", action="store_true", help="tests only")
     parser.add_argument(
         "--tiers",

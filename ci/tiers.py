@@ -46,6 +46,8 @@ class Tier:
     ``parallel``: the tier may use pytest-xdist workers.
     ``records_launches``: the tier runs Triton kernels in the interpreter; a CPU session records
     its launches (``--record-triton-launches``) for ci/compile_triton.py.
+    ``smoke``: a few of the tier's test files or test ids, chosen to touch each kind of check the
+    tier makes within seconds; the runner's ``--quick`` runs these instead of the whole tier.
     """
 
     name: str
@@ -57,6 +59,7 @@ class Tier:
     extra_args: tuple[str, ...] = ()
     parallel: bool = True
     records_launches: bool = False
+    smoke: tuple[str, ...] = ()
 
     def pytest_args(self, under: str | Sequence[str] | None = None) -> list[str]:
         """Paths, ``-m`` expression and extra arguments; ``under`` narrows to those folders
@@ -67,6 +70,10 @@ class Tier:
             targets = [under] if isinstance(under, str) else list(under)
             paths = [path for target in targets for path in narrow(self.paths, target)]
         return [*paths, "-m", self.markers, *self.extra_args]
+
+    def smoke_args(self) -> list[str]:
+        """:meth:`pytest_args` narrowed to the tier's smoke selection."""
+        return self.pytest_args(self.smoke or None)
 
 
 def narrow(paths: Sequence[str], under: str) -> list[str]:
@@ -144,17 +151,19 @@ TIERS: tuple[Tier, ...] = (
     ),
     Tier(
         "slow",
-        "Slow: grad and train smokes",
+        "Slow: compiles, grad and train smokes",
         ALL_TESTS,
         "slow",
         "cuda",
         extra_args=("--run-slow",),
-        parallel=False,
     ),
 )
 
 CPU_TIERS = tuple(t for t in TIERS if t.hardware == "cpu")
 GPU_TIERS = tuple(t for t in TIERS if t.hardware == "cuda")
+# A pull request's GPU run: every GPU tier but ``slow``, whose tests each take tens of seconds
+# (compiles, long training smokes) and run on a second label and on main.
+GPU_QUICK_TIERS = tuple(t for t in GPU_TIERS if t.name != "slow")
 
 
 def tier(name: str) -> Tier:
