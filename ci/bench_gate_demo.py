@@ -28,7 +28,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from ci.bench_gate_worker import row_spec, selected_row, time_calls  # noqa: E402
+from ci.bench_gate_worker import (  # noqa: E402
+    register_kernels,
+    row_spec,
+    selected_row,
+    time_calls,
+)
 
 SLOWED_ROW = "selected_attention forward T=65536"
 FORWARD = Path("packages/nsa-kernels/src/nsa_kernels/selected/forward.py")
@@ -40,6 +45,7 @@ def forward_ms() -> float:
     """Median ms of the gate's selected forward row on this GPU (this checkout's packages)."""
     import torch
 
+    register_kernels()
     call = selected_row(row_spec(SLOWED_ROW))
     time_calls(call, 2, 1)
     ms = statistics.median(time_calls(call, 10, 1))
@@ -95,6 +101,7 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
+    print("demo: timing the selected forward at 64k on this checkout", flush=True)
     ms = forward_ms()
     per_ms = sleep_cycles_per_ms()
     cycles = round(args.slowdown * ms * per_ms)

@@ -233,17 +233,25 @@ def check_tree(tree: Path) -> list[str]:
     return lines
 
 
+def register_kernels() -> None:
+    """The tree's kernels in nsa_core's registry, as an install's entry point puts them there.
+
+    A tree run from its sources has no entry points; without this every row would time the
+    PyTorch reference.
+    """
+    from nsa_core.registry import register_backend
+    from nsa_kernels.registration import register
+
+    register(register_backend)
+
+
 def serve(tree: Path) -> int:
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("the bench gate needs a CUDA GPU (torch sees none)")
     where = check_tree(tree)
-    from nsa_core.registry import register_backend
-    from nsa_kernels.registration import register
-
-    # A tree run from its sources has no entry points: register its kernels as an install would.
-    register(register_backend)
+    register_kernels()
     print("ready " + " ".join(where), flush=True)
     rows: dict[str, Call] = {}
     for line in sys.stdin:
