@@ -34,6 +34,24 @@ ALL_TESTS = (CORE_TESTS, KERNEL_TESTS, BENCH_TESTS)
 # Tests with none of these markers are plain CPU tests of their package.
 _MARKED = "triton or gpu or fa2 or cuda or slow"
 
+# The smoke selections: one quick test of each Triton kernel family (the interpreter tier runs
+# them on a CPU, the triton-gpu tier compiles the same tests on a GPU).
+_KERNEL_TESTS = f"{KERNEL_TESTS}/"
+TRITON_SMOKE = (
+    _KERNEL_TESTS + "selected/test_sel_kernels.py::test_forward_and_lse_match_reference"
+    "[forced_g16_empty_8]",
+    _KERNEL_TESTS + "selected/test_sel_kernels.py::test_backward_matches_reference"
+    "[forced_g16_empty_8]",
+    _KERNEL_TESTS + "compressed/test_cmp_triton_kernels.py::test_forward_and_lse_match_reference"
+    "[dk192_default_tiles]",
+    _KERNEL_TESTS + "scoring/test_scoring_kernel.py::test_matches_reference[decode_row]",
+    _KERNEL_TESTS + "sliding/test_sliding_triton_kernels.py::"
+    "test_forward_and_gradients_match_reference[dk192_default_tiles]",
+    _KERNEL_TESTS + "combine/test_combine_kernels.py::test_matches_reference",
+    _KERNEL_TESTS + "rope/test_rope_triton.py::test_equals_reference_forward_and_gradient",
+    _KERNEL_TESTS + "decode/test_decode_step.py::test_full_sequence_is_left_unchanged",
+)
+
 Hardware = Literal["cpu", "cuda"]
 
 
@@ -95,6 +113,14 @@ TIERS: tuple[Tier, ...] = (
         (CORE_TESTS,),
         f"not ({_MARKED})",
         "cpu",
+        smoke=(
+            f"{CORE_TESTS}/test_module_vs_brute.py::test_layer_forward_in_the_paper_block_geometry",
+            f"{CORE_TESTS}/test_ops_vs_brute.py::"
+            "test_selected_attention_is_one_softmax_over_the_union_of_blocks_up_to_t",
+            f"{CORE_TESTS}/test_decode.py::test_decode_equals_forward_at_every_position"
+            "[l8-d2-ls16-n3-w7-g1-avg]",
+            f"{CORE_TESTS}/test_core_op.py",
+        ),
     ),
     Tier(
         "interpreter",
@@ -104,6 +130,7 @@ TIERS: tuple[Tier, ...] = (
         "cpu",
         env={"TRITON_INTERPRET": "1"},
         records_launches=True,
+        smoke=TRITON_SMOKE,
     ),
     Tier(
         "kernels-cpu",
@@ -111,6 +138,7 @@ TIERS: tuple[Tier, ...] = (
         (KERNEL_TESTS,),
         f"not ({_MARKED})",
         "cpu",
+        smoke=(f"{KERNEL_TESTS}/test_registration.py", f"{KERNEL_TESTS}/test_pairing.py"),
     ),
     Tier(
         "bench-cpu",
@@ -118,6 +146,7 @@ TIERS: tuple[Tier, ...] = (
         (BENCH_TESTS,),
         f"not ({_MARKED})",
         "cpu",
+        smoke=(f"{BENCH_TESTS}/test_env.py", f"{BENCH_TESTS}/test_bench_gate.py"),
     ),
     Tier(
         "triton-gpu",
@@ -125,6 +154,7 @@ TIERS: tuple[Tier, ...] = (
         ALL_TESTS,
         "triton and not (gpu or fa2 or cuda or slow)",
         "cuda",
+        smoke=TRITON_SMOKE,
     ),
     Tier(
         "gpu",
@@ -132,6 +162,11 @@ TIERS: tuple[Tier, ...] = (
         ALL_TESTS,
         "gpu and not (fa2 or cuda or slow)",
         "cuda",
+        smoke=(
+            f"{KERNEL_TESTS}/selected/test_sel_gpu.py::test_varlen_bf16",
+            f"{KERNEL_TESTS}/test_default_routes_gpu.py::"
+            "test_the_core_at_16k_in_bfloat16_is_the_same_with_and_without_the_local_softmax",
+        ),
     ),
     Tier(
         "fa2",
@@ -140,6 +175,7 @@ TIERS: tuple[Tier, ...] = (
         "fa2 and not (cuda or slow)",
         "cuda",
         parallel=False,
+        smoke=(f"{KERNEL_TESTS}/fa2/test_fa2_gpu.py::test_fa2_gpu_routing_picks_fa2",),
     ),
     Tier(
         "cuda",
@@ -148,6 +184,7 @@ TIERS: tuple[Tier, ...] = (
         "cuda and not slow",
         "cuda",
         parallel=False,
+        smoke=(f"{KERNEL_TESTS}/selected/cuda/test_cuda_sel_gpu.py::test_cuda_sel_parity",),
     ),
     Tier(
         "slow",
@@ -156,6 +193,10 @@ TIERS: tuple[Tier, ...] = (
         "slow",
         "cuda",
         extra_args=("--run-slow",),
+        smoke=(
+            f"{KERNEL_TESTS}/test_compile_gpu.py::"
+            "test_the_layer_compiles_to_one_graph_without_a_break[64k]",
+        ),
     ),
 )
 

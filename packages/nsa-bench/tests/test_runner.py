@@ -52,6 +52,26 @@ def test_interpreter_tier_and_its_compiled_twin_select_the_same_tests() -> None:
     assert not compiled.env
 
 
+def test_every_tier_has_a_smoke_selection_that_collects_tests() -> None:
+    """``runner.py --quick`` runs each tier's smoke selection: every id in it must still name
+    tests (a renamed test would otherwise leave its tier's smoke run empty)."""
+    ids = sorted({test for t in tiers.TIERS for test in t.smoke})
+    assert all(t.smoke for t in tiers.TIERS)
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run([*cmd, *ids], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = [line for line in proc.stdout.splitlines() if "::" in line]
+    for test in ids:
+        assert any(line.startswith(test) for line in collected), f"{test} collects no test"
+
+
+def test_smoke_args_narrow_the_tier_to_its_selection() -> None:
+    reference = tiers.tier("reference")
+    args = reference.smoke_args()
+    assert args[: len(reference.smoke)] == list(reference.smoke)
+    assert args[len(reference.smoke) :] == ["-m", reference.markers]
+
+
 def test_narrow_to_a_folder() -> None:
     gpu = tiers.tier("gpu")
     selected = "packages/nsa-kernels/tests/selected"
