@@ -24,12 +24,19 @@ import triton.language as tl
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_select_blocks
-from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
+from nsa_kernels.common.tile_config import (
+    TileConfig,
+    check_config,
+    check_pow2_tiles,
+    pow2,
+    stages_within,
+)
 from nsa_kernels.common.tile_table import tile_table
 from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.common.triton_inputs import (
     MAX_HEAD_DIM,
     check_dtype,
+    check_triton_runs,
     dot_precision,
     max_shared_bytes,
 )
@@ -242,9 +249,11 @@ def select_blocks_triton(
             q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale, q_start=q_start,
             cu_seqlens=cu_seqlens, lse=lse,
         )  # fmt: skip
+        check_config(config, ScoreConfig)
         check_dtype(q.dtype, "block scoring")
         if dk > MAX_HEAD_DIM:
             raise ValueError(f"head dim dk={dk} exceeds {MAX_HEAD_DIM}")
+        check_triton_runs("q", q)
     indices = torch.empty(batch, tq, h, num_selected, dtype=torch.int32, device=q.device)
     counts = torch.empty(batch, tq, h, dtype=torch.int32, device=q.device)
     if tq == 0:
