@@ -9,9 +9,10 @@ upstream gradient. Arithmetic is float32 with one rounding to the output's dtype
 rounds every product and sum in a half-precision dtype, so half-precision results agree to
 rounding, float32 to a few ulps).
 
-Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
-float16, bfloat16 or float32. The branch outputs and the upstream gradient may have any strides
-in (B, T, HQ); a tensor whose dv stride is not 1 is copied first.
+Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``, in every
+dtype: the combine multiplies without ``tl.dot``), dtype float16, bfloat16 or float32. The
+branch outputs and the upstream gradient may have any strides in (B, T, HQ); a tensor whose dv
+stride is not 1 is copied first.
 """
 
 from __future__ import annotations

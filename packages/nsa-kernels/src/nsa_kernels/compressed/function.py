@@ -14,7 +14,8 @@ kernel takes to skip its own normaliser pass. The sliding branch runs the same k
 :func:`attend_with_lse` (nsa_kernels.sliding.triton_function).
 
 Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
-float16, bfloat16 or float32, dk and dv <= 256 (tiles are padded to powers of two and masked).
+float16, bfloat16 or float32 (not bfloat16 under the interpreter, whose bfloat16 ``tl.dot`` is
+wrong), dk and dv <= 256 (tiles are padded to powers of two and masked).
 float32 runs every ``tl.dot`` with ``input_precision="ieee"`` (no TF32) to meet the float32 bound
 of docs/spec.md; float16/bfloat16 multiply on tensor cores with float32 accumulation.
 """

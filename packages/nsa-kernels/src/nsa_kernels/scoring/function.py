@@ -11,7 +11,8 @@ GPU: the index contract"), checked by :mod:`nsa_kernels.scoring.contract`.
 One kernel launch, no host sync of its own (varlen tiles are built on the device), no
 intermediate of size T x N_cmp or T x Nsel: it reads q, k_cmp (and lse) and writes the indices
 and counts. Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``),
-dtype float16, bfloat16 or float32, dk <= 256. float32 runs its dots with
+dtype float16, bfloat16 or float32 (not bfloat16 under the interpreter, whose bfloat16
+``tl.dot`` is wrong), dk <= 256. float32 runs its dots with
 ``input_precision="ieee"`` (no TF32), which the contract's tolerance assumes.
 """
 

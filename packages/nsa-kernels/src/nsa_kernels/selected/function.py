@@ -9,7 +9,8 @@ The pieces: :mod:`~nsa_kernels.selected.launch` (tiles, checks, launch facts),
 :func:`selected_attention_triton` has the reference op's signature and semantics
 (``nsa_core.reference.selected_attention``); docs/selection.md gives the design and arithmetic.
 Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
-float16, bfloat16 or float32. Repeated block indices in one row are honoured as a set, as in the
+float16, bfloat16 or float32 (not bfloat16 under the interpreter, whose bfloat16 ``tl.dot`` is
+wrong). Repeated block indices in one row are honoured as a set, as in the
 reference (the kernels skip a repeat; nsa_core's ``select_blocks`` never emits one).
 
 float32 inputs run every ``tl.dot`` with ``input_precision="ieee"`` (no TF32): slower, but held to
