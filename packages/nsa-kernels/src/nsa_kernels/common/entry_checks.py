@@ -1,10 +1,12 @@
 """Argument checks the kernels' public entry points share beyond nsa-core's op rules.
 
 nsa-core's :mod:`nsa_core.checks` holds the rules of the ops (shapes, dtypes, devices, ranges);
-these are the arguments only the kernels take: their tile configs, the toggles a routing
-decision was made with, the halves of a forward and backward (o, lse, do), and the booleans and
-callables of the decode step. Each raises TypeError for a wrong kind of value and ValueError
-for a wrong value, naming the argument and the rule (docs/spec.md, "Argument rules").
+these are the arguments only the kernels take: the toggles a routing decision was made with,
+the halves of a forward and backward (o, lse, do), and the devices, dtypes, booleans and
+callables of the decode step (tile configs: :func:`~nsa_kernels.common.tile_config.check_config`;
+where Triton runs: :mod:`nsa_kernels.common.triton_inputs`). Each raises TypeError for a wrong
+kind of value and ValueError for a wrong value, naming the argument and the rule (docs/spec.md,
+"Argument rules").
 """
 
 from __future__ import annotations
