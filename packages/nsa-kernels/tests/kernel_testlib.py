@@ -8,17 +8,17 @@ routing tests hand a backend.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from nsa_core.registry import OpContext
+from nsa_kernels.common.triton_inputs import interpreter_active
 
 # The interpreter tier sets TRITON_INTERPRET=1 and runs the kernels on the CPU; elsewhere they need
 # a CUDA GPU. Tests skip with SKIP_REASON where DEVICE is None.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = interpreter_active()
 if INTERPRET:
     DEVICE: str | None = "cpu"
 elif torch.cuda.is_available():
@@ -26,6 +26,20 @@ elif torch.cuda.is_available():
 else:
     DEVICE = None
 SKIP_REASON = "needs a CUDA GPU or the Triton interpreter (run with TRITON_INTERPRET=1)"
+
+# What a kernel whose tl.dot takes bfloat16 raises under the interpreter, which multiplies such
+# operands wrongly (nsa_kernels.common.triton_inputs.BF16_DOT): there a bfloat16 case of a test
+# asserts this refusal instead of the kernel's result.
+BF16_DOT_REFUSAL = r"bfloat16 \w+ under TRITON_INTERPRET=1: Triton's interpreter multiplies"
+# The same for a kernel defined bit for bit, whose bfloat16 rounding the interpreter gets wrong
+# (BF16_ROUNDING).
+BF16_ROUNDING_REFUSAL = r"bfloat16 \w+ under TRITON_INTERPRET=1: Triton's interpreter rounds"
+
+
+def refused_here(dtype: torch.dtype) -> bool:
+    """Whether the kernels refuse ``dtype`` where these tests run (bfloat16 in the interpreter)."""
+    return INTERPRET and dtype == torch.bfloat16
+
 
 # docs/spec.md tolerances: relative error ||out - ref|| / ||ref||; gradients get twice these.
 # float32 is held to the float64 bound; half precision to its bound against float32.

@@ -10,13 +10,13 @@ that one tile holds rows that see different blocks.
 
 from __future__ import annotations
 
-import os
 import sys
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
+from kernel_testlib import DEVICE, SKIP_REASON
 
 import nsa_core.reference as ref
 from nsa_core import NSAConfig
@@ -24,14 +24,7 @@ from nsa_core.blocks import num_cmp_blocks
 
 pytest.importorskip("triton")
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.skipif(
-        DEVICE is None, reason="needs a CUDA GPU or the Triton interpreter (TRITON_INTERPRET=1)"
-    ),
-]
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 
 from nsa_kernels.compressed.function import (  # noqa: E402
     CmpConfig,

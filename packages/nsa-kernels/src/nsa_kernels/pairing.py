@@ -58,7 +58,10 @@ class Version:
 
 
 def parse_version(text: str) -> Version:
-    """Parse ``text`` (e.g. ``"2.11.0+cu130"``); raises ``ValueError`` if it is not PEP 440."""
+    """Parse ``text`` (e.g. ``"2.11.0+cu130"``); raises ``ValueError`` if it is not PEP 440,
+    ``TypeError`` if it is not a str."""
+    if not isinstance(text, str):
+        raise TypeError(f"a version must be a str, got {type(text).__name__} {text!r}")
     m = _VERSION.fullmatch(text.strip())
     if m is None:
         raise ValueError(f"{text!r} is not a version")
@@ -152,7 +155,13 @@ def pairing(torch_version: str | None, triton_version: str | None) -> Pairing:
     'mismatched'
     >>> pairing("2.11.0+cu130", "3.6.0").verdict
     'paired'
+
+    A version string that is not PEP 440 gives the verdict ``unknown``; a version that is not a
+    str (a float such as 2.11 loses its digits) raises TypeError.
     """
+    for name, value in (("torch_version", torch_version), ("triton_version", triton_version)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str or None, got {type(value).__name__} {value!r}")
     versions = (torch_version, triton_version)
     if torch_version is None:
         return _result("unknown", "torch is missing (not installed or not importable)", *versions)

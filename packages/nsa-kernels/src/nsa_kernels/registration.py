@@ -44,6 +44,10 @@ def all_backends() -> list[Backend]:
 
 
 def register(register_backend: Callable[[Backend], None]) -> None:
-    """Register every backend nsa-kernels provides."""
+    """Register every backend nsa-kernels provides with ``register_backend`` (nsa-core's
+    ``registry.register_backend``, or any callable taking one Backend)."""
+    if not callable(register_backend):
+        kind = type(register_backend).__name__
+        raise TypeError(f"register_backend must be callable (one Backend -> None), got {kind}")
     for backend in all_backends():
         register_backend(backend)

@@ -1,11 +1,14 @@
 """Triton gated combine against the nsa_core reference, forward and gradients.
 
 Runs on CPU under TRITON_INTERPRET=1 (CI) or on a CUDA GPU, on small shapes: float32 against
-the reference in float64 (1e-5, gradients 2e-5), float16 against the reference in float32 on
-the same inputs (5e-3, gradients 1e-2) (docs/spec.md, "Tolerances"); odd head dims, dv over
-one chunk, non-contiguous inputs, empty inputs; non-finite inputs give the reference's NaN/Inf
-pattern exactly (docs/spec.md, "Non-finite values": every product is taken, 0 x NaN = NaN).
-bfloat16 is checked on the GPU (test_combine_gpu.py).
+the reference in float64 (1e-5, gradients 2e-5), float16 and bfloat16 against the reference in
+float32 on the same inputs (5e-3 and 1e-2, gradients twice that) (docs/spec.md, "Tolerances");
+odd head dims, dv over one chunk, non-contiguous inputs, empty inputs; non-finite inputs give the
+reference's NaN/Inf pattern exactly (docs/spec.md, "Non-finite values": every product is taken,
+0 x NaN = NaN).
+The combine multiplies in float32 without tl.dot, so the interpreter computes bfloat16 within
+the bound too (its rounding to bfloat16 goes toward zero); the three-way sum, defined bit for bit,
+refuses bfloat16 there (test_combine_gpu.py checks it on the GPU).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import zlib
 import pytest
 import torch
 from combine_testlib import draw, leaves
-from kernel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
+from kernel_testlib import BF16_ROUNDING_REFUSAL, BOUND, DEVICE, SKIP_REASON, refused_here, rel_err
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
@@ -44,7 +47,9 @@ def _grads(out: torch.Tensor, inputs: list[torch.Tensor], do: torch.Tensor) -> l
     return list(torch.autograd.grad(out, inputs, do.to(out.dtype)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_matches_reference(name: str, dtype: torch.dtype, request: pytest.FixtureRequest) -> None:
     assert DEVICE is not None
@@ -226,19 +231,26 @@ def test_rejects_bad_arguments() -> None:
         gated_combine_triton(inputs[0], inputs[1].half(), *inputs[2:])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize("numel", [1, 4096, 2 * 4096 + 37], ids=["one", "one_block", "ragged"])
 def test_sum3_is_the_float32_sum_rounded_once(
     dtype: torch.dtype, numel: int, request: pytest.FixtureRequest
 ) -> None:
     """sum3_triton (the combine backend's fn_sum3): (a + b) + c in float32, one rounding to the
     dtype, bit for bit, over a last block that is partly masked; a non-contiguous input is read
-    by value. bfloat16 is checked on the GPU (test_combine_gpu.py)."""
+    by value. Under the interpreter, whose bfloat16 rounding goes toward zero, bfloat16 is
+    refused with the reason."""
     from nsa_kernels.combine.function import sum3_triton
 
     gen = _gen(request)
     a, b, c = (torch.randn(numel, 2, generator=gen).to(dtype).to(DEVICE) for _ in range(3))
     want = ((a.float() + b.float()) + c.float()).to(dtype)
+    if refused_here(dtype):
+        with pytest.raises(TypeError, match=BF16_ROUNDING_REFUSAL):
+            sum3_triton(a, b, c)
+        return
     assert torch.equal(sum3_triton(a, b, c), want)
     strided = torch.stack([c, c], dim=-1)[..., 0]
     assert not strided.is_contiguous()
@@ -251,5 +263,5 @@ def test_sum3_takes_one_shape_and_dtype() -> None:
     a = torch.zeros(4, 3, device=DEVICE)
     with pytest.raises(ValueError, match="one shape and dtype"):
         sum3_triton(a, a, torch.zeros(3, 4, device=DEVICE))
-    with pytest.raises(ValueError, match="one shape and dtype"):
+    with pytest.raises(TypeError, match=r"c dtype torch\.float16 differs from a dtype"):
         sum3_triton(a, a, a.half())

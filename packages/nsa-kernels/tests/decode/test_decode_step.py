@@ -275,7 +275,8 @@ def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None
 
 
 def test_half_precision(request: pytest.FixtureRequest) -> None:
-    """float16 storage, float32 softmax state (bf16 dots do not run in the interpreter).
+    """float16 storage, float32 softmax state (the interpreter's bfloat16 dots are wrong, so the
+    step refuses bfloat16 there; test_decode_gpu.py runs it on the GPU).
 
     The reference takes the state's compressed blocks, so that scores and outputs compare on
     the same (rounded) inputs: the fp16 bound of docs/spec.md and the top-n contract.

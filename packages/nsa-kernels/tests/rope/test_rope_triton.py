@@ -3,7 +3,8 @@
 Runs on CPU under TRITON_INTERPRET=1 (CI) or on a CUDA GPU, on small shapes. The kernel turns
 each channel pair by the reference's own float32 angles (``rope_angles``) with the reference's
 roundings (no fused multiply-adds), so its output and its gradient equal the reference's bit for
-bit in every dtype it takes; the reference itself is checked against a float64 brute force
+bit in every dtype it takes (under the interpreter, which rounds float32 to bfloat16 toward zero,
+it refuses bfloat16); the reference itself is checked against a float64 brute force
 (nsa-core's test_ops_vs_brute.py). Shapes: positions [T], [1, T] and [B, T], far positions, D/2
 not a power of two, many heads over several programs, strided x, empty x.
 """
@@ -14,7 +15,7 @@ import zlib
 
 import pytest
 import torch
-from kernel_testlib import DEVICE, INTERPRET, SKIP_REASON
+from kernel_testlib import BF16_ROUNDING_REFUSAL, DEVICE, SKIP_REASON, refused_here
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
@@ -59,18 +60,19 @@ def _positions(
 def test_equals_reference_forward_and_gradient(
     name: str, dtype: str, request: pytest.FixtureRequest
 ) -> None:
+    """Bit for bit; bfloat16 under the interpreter, which rounds float32 to bfloat16 toward zero
+    (a GPU and torch round to nearest even), is refused with the reason (on a GPU it runs)."""
     assert DEVICE is not None
-    if INTERPRET and dtype == "bf16":
-        pytest.skip(
-            "the interpreter rounds float32 to bfloat16 toward zero (a GPU and torch round to "
-            "nearest even); bfloat16 runs in this test on a GPU"
-        )
     gen = _gen(request)
     shape, layout, first = CASES[name]
     x = torch.randn(shape, generator=gen).to(device=DEVICE, dtype=DTYPES[dtype])
     pos = _positions(layout, shape[0], shape[1], first, gen).to(DEVICE)
     grad = torch.randn(shape, generator=gen).to(device=DEVICE, dtype=DTYPES[dtype])
     got_x, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    if refused_here(DTYPES[dtype]):
+        with pytest.raises(TypeError, match=BF16_ROUNDING_REFUSAL):
+            apply_rope_triton(got_x, pos, THETA)
+        return
     got = apply_rope_triton(got_x, pos, THETA)
     ref = apply_rope(ref_x, pos, THETA)
     assert got.dtype == x.dtype

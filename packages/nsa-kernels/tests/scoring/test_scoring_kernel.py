@@ -1,10 +1,10 @@
 """Triton block scoring + top-n vs the nsa_core reference under the index contract.
 
 Runs on CPU under TRITON_INTERPRET=1 (CI) or on a CUDA GPU, on small shapes. Inputs are float32
-(float16 in one test; the interpreter multiplies bfloat16 dots wrongly, so bfloat16 is checked
-on the GPU). Configs use small tiles so that rows span several query tiles and several
-selection tiles; the interpreter's time grows with the number of programs, so most cases take
-large row tiles.
+(float16 in one test; the interpreter multiplies bfloat16 dots wrongly, so the kernel refuses
+bfloat16 there (test_bad_input_kernels.py) and test_scoring_gpu.py checks it on the GPU).
+Configs use small tiles so that rows span several query tiles and several selection tiles; the
+interpreter's time grows with the number of programs, so most cases take large row tiles.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ inputs' dtype) serves whatever they all decline: CPU, float64, ``NSA_COMBINE_BAC
 |---|---|---|
 | 20 | ``triton_combine`` | CUDA and triton, fp16/bf16/fp32 (forward and backward, any dv) |
 
+It multiplies in float32 without ``tl.dot``, so Triton's interpreter computes it in bfloat16 too,
+within the spec's bound (its float32 to bfloat16 rounding goes toward zero:
+:data:`~nsa_kernels.common.triton_inputs.BF16_ROUNDING`).
+
 The fused core (:mod:`nsa_kernels.core`) also sums the branches' three gradients of q in one
 pass with this backend's kernels where it serves.
 """
@@ -25,7 +29,7 @@ TRITON_NAME = "triton_combine"
 
 def triton_combine_supports(ctx: OpContext, toggles: Toggles) -> str | None:
     """Why the Triton combine cannot serve ``ctx``, or None (it loops over dv: no head-dim cap)."""
-    return triton_decline_reason(ctx, max_head_dim=None)
+    return triton_decline_reason(ctx, max_head_dim=None, fault=None)
 
 
 def backends() -> list[Backend]:

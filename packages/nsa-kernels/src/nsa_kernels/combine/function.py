@@ -9,9 +9,10 @@ upstream gradient. Arithmetic is float32 with one rounding to the output's dtype
 rounds every product and sum in a half-precision dtype, so half-precision results agree to
 rounding, float32 to a few ulps).
 
-Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
-float16, bfloat16 or float32. The branch outputs and the upstream gradient may have any strides
-in (B, T, HQ); a tensor whose dv stride is not 1 is copied first.
+Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``, in every
+dtype: the combine multiplies without ``tl.dot``), dtype float16, bfloat16 or float32. The
+branch outputs and the upstream gradient may have any strides in (B, T, HQ); a tensor whose dv
+stride is not 1 is copied first.
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from nsa_core.checks import check_gated_combine
+from nsa_core.checks import check_gated_combine, check_same_place, shape
 from nsa_kernels.combine.kernels import combine_bwd_kernel, combine_fwd_kernel, sum3_kernel
 from nsa_kernels.common.row_runs import RowRuns
 from nsa_kernels.common.traced_launch import launch
-from nsa_kernels.common.triton_inputs import check_dtype
+from nsa_kernels.common.triton_inputs import (
+    BF16_ROUNDING,
+    check_dtype,
+    check_interpreter_dtype,
+    check_triton_device,
+)
 from nsa_kernels.common.two_runs import two_runs
 
 # Channels per chunk of a row and elements per program: a program holds BR x BD values of each
@@ -53,7 +59,10 @@ def _check(
     o_cmp: torch.Tensor, o_sel: torch.Tensor, o_win: torch.Tensor, gates: torch.Tensor
 ) -> None:
     check_gated_combine(o_cmp, o_sel, o_win, gates)
-    check_dtype(o_cmp.dtype, "gated combine")
+    # Multiplies in float32 without tl.dot: the interpreter computes every dtype within the
+    # spec's bound (its bfloat16 rounds toward zero), so no dtype is refused there.
+    check_dtype(o_cmp.dtype, "gated combine", "o_cmp")
+    check_triton_device("o_cmp", o_cmp.device)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -208,15 +217,25 @@ def sum3_triton(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tens
     gradients of q with it, where autograd would add them two at a time, each add reading two
     q-sized tensors and writing one).
 
-    CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), float16, bfloat16 or float32; any
+    CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), float16, bfloat16 or float32 (not
+    bfloat16 under the interpreter, whose rounding toward zero breaks the one rounding); any
     strides (a non-contiguous one is copied first). Returns a new contiguous tensor.
     """
-    if not (a.shape == b.shape == c.shape) or not (a.dtype == b.dtype == c.dtype):
-        raise ValueError(
-            f"sum3 takes three tensors of one shape and dtype, got {tuple(a.shape)} {a.dtype}, "
-            f"{tuple(b.shape)} {b.dtype}, {tuple(c.shape)} {c.dtype}"
-        )
-    check_dtype(a.dtype, "three-way sum")
+    for name, x in (("a", a), ("b", b), ("c", c)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    for name, x in (("b", b), ("c", c)):
+        if x.shape != a.shape:
+            raise ValueError(
+                f"sum3 takes three tensors of one shape and dtype: {name} {shape(x)} differs "
+                f"from a {shape(a)}"
+            )
+        check_same_place(name, x, "a", a)
+    check_dtype(a.dtype, "three-way sum", "a")
+    # The sum is defined bit for bit (float32, one rounding): the interpreter's bfloat16 rounding
+    # breaks it.
+    check_interpreter_dtype("a", a.dtype, BF16_ROUNDING)
+    check_triton_device("a", a.device)
     a, b, c = (x.contiguous() for x in (a, b, c))
     out = torch.empty_like(a)
     numel = a.numel()

@@ -11,6 +11,7 @@ from typing import Any
 
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
+from nsa_kernels.common.triton_inputs import BF16_DOT, InterpreterFault, interpreter_reason
 from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as TRITON_MAX_HEAD_DIM
 from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as TRITON_DTYPES
 
@@ -20,16 +21,22 @@ def triton_available() -> bool:
 
 
 def triton_decline_reason(
-    ctx: OpContext, max_head_dim: int | None = TRITON_MAX_HEAD_DIM
+    ctx: OpContext,
+    max_head_dim: int | None = TRITON_MAX_HEAD_DIM,
+    fault: InterpreterFault | None = BF16_DOT,
 ) -> str | None:
-    """Why a Triton kernel cannot serve ``ctx`` (device, triton, dtype, head dims up to
-    ``max_head_dim``; None: any), or None."""
+    """Why a Triton kernel cannot serve ``ctx`` (device, triton, dtype, a dtype its ``fault``
+    makes the interpreter compute wrongly where it runs, head dims up to ``max_head_dim``;
+    None: any), or None."""
     if ctx.device.type != "cuda":
         return f"Triton kernels run on CUDA (device is {ctx.device.type})"
     if not triton_available():
         return "triton is not installed"
     if ctx.dtype not in TRITON_DTYPES:
         return f"needs float16, bfloat16 or float32, got {ctx.dtype} (float64 runs the reference)"
+    interpreted = interpreter_reason(ctx.dtype, fault)
+    if interpreted is not None:
+        return interpreted
     if max_head_dim is not None and max(ctx.head_dim_qk, ctx.head_dim_v) > max_head_dim:
         return f"head dims dk={ctx.head_dim_qk}, dv={ctx.head_dim_v} exceed {max_head_dim}"
     return None

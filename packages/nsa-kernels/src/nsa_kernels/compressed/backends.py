@@ -11,7 +11,8 @@ The registry asks them from the highest priority down; the first whose ``support
 | 30 | ``fa2`` | NSA_CMP_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_CMP_FA2_MIN_LEN tokens |
 | 25 | ``triton_cmp`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 (forward and backward) |
-| | | (also yields its log-sum-exp, which block scoring reuses) |
+| | | (also yields its log-sum-exp, which block scoring reuses); not bf16 under |
+| | | ``TRITON_INTERPRET=1`` (the interpreter's bf16 ``tl.dot`` is wrong) |
 | 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA, when none of the above accepted |

@@ -14,7 +14,8 @@ kernel takes to skip its own normaliser pass. The sliding branch runs the same k
 :func:`attend_with_lse` (nsa_kernels.sliding.triton_function).
 
 Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
-float16, bfloat16 or float32, dk and dv <= 256 (tiles are padded to powers of two and masked).
+float16, bfloat16 or float32 (not bfloat16 under the interpreter, whose bfloat16 ``tl.dot`` is
+wrong), dk and dv <= 256 (tiles are padded to powers of two and masked).
 float32 runs every ``tl.dot`` with ``input_precision="ieee"`` (no TF32) to meet the float32 bound
 of docs/spec.md; float16/bfloat16 multiply on tensor cores with float32 accumulation.
 """
@@ -31,9 +32,16 @@ from torch.autograd.function import once_differentiable
 
 from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.checks import check_compressed_attention
+from nsa_kernels.common.entry_checks import check_backward_args
 from nsa_kernels.common.finite_flag import all_finite_flag
 from nsa_kernels.common.interval_launch import IntervalLaunch
-from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
+from nsa_kernels.common.tile_config import check_config
+from nsa_kernels.common.triton_inputs import (
+    check_dtype,
+    check_head_dims,
+    check_triton_runs,
+    max_shared_bytes,
+)
 from nsa_kernels.compressed.config import CmpConfig, parse_config, resolve_config
 from nsa_kernels.compressed.launch import backward, forward
 
@@ -89,15 +97,14 @@ def _prepare(
     validated: bool,
 ) -> tuple[IntervalLaunch, CmpConfig]:  # fmt: skip
     """Validate like the reference op, then the kernels' own limits (unless nsa-core
-    ``validated`` the call and its routing chose these kernels); collect the launch facts and
-    fill the zeros of ``config`` for them (:func:`resolve_config`)."""
-    dk, dv = q.shape[3], v_cmp.shape[3]
+    ``validated`` the call and its routing chose these kernels): a CmpConfig or None, a dtype
+    and device Triton runs (not bfloat16 under ``TRITON_INTERPRET=1``), head dims up to 256;
+    collect the launch facts and fill the zeros of ``config`` for them
+    (:func:`resolve_config`)."""
     if not validated:
-        check_compressed_attention(
-            q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
-        )
-        check_dtype(q.dtype, "compressed attention")
-        check_head_dims(dk, dv)
+        _check(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
+        check_triton_runs("q", q)
+    dk, dv = q.shape[3], v_cmp.shape[3]
     cmp_cu = None
     if cu_seqlens is not None:
         cmp_cu = cmp_cu_seqlens(cu_seqlens, cmp_block, cmp_stride).to(torch.int32)
@@ -106,6 +113,20 @@ def _prepare(
         cmp_block=cmp_block, cmp_stride=cmp_stride, cmp_cu=cmp_cu,
     )  # fmt: skip
     return info, resolve_config(config, dk, dv, q.dtype, shared_bytes=max_shared_bytes(q.device))
+
+
+def _check(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, cmp_block: int, cmp_stride: int,
+    scale: float | None, q_start: int, cu_seqlens: Tensor | None, config: CmpConfig | None,
+) -> None:  # fmt: skip
+    """The rules of a call's own arguments: the reference op's, then the kernels' (but whether
+    Triton runs here, ``check_triton_runs``, which a caller checks after its other arguments)."""
+    check_compressed_attention(
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start=q_start, cu_seqlens=cu_seqlens
+    )
+    check_config(config, CmpConfig)
+    check_dtype(q.dtype, "compressed attention")
+    check_head_dims(q.shape[3], v_cmp.shape[3])
 
 
 def compressed_attention_triton_with_lse(
@@ -191,10 +212,15 @@ def compressed_attention_bwd(
     cmp_block: int, cmp_stride: int, scale: float | None = None, *, q_start: int = 0,
     cu_seqlens: Tensor | None = None, config: CmpConfig | None = None, validated: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """dq, dk_cmp, dv_cmp for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse: forward);
+    """dq, dk_cmp, dv_cmp for the upstream gradient ``do [B, Tq, HQ, dv]`` (o [B, Tq, HQ, dv]
+    and lse [B, Tq, HQ] float32 from :func:`compressed_attention_fwd` of the same arguments);
     ``validated``: the forward's arguments were validated already, nothing is checked again."""
+    if not validated:
+        _check(q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config)
+        check_backward_args(do, o, lse, q, v_cmp)
+        check_triton_runs("q", q)
     info, cfg = _prepare(
-        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config, validated
+        q, k_cmp, v_cmp, cmp_block, cmp_stride, scale, q_start, cu_seqlens, config, True
     )
     k_cmp, v_cmp = k_cmp.contiguous(), v_cmp.contiguous()
     return backward(do, q.contiguous(), k_cmp, v_cmp, o, lse.contiguous(), info, cfg)

@@ -5,7 +5,8 @@ serves whatever it declines.
 
 | priority | backend | serves when |
 |---|---|---|
-| 20 | ``fused`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256, no debug hook on |
+| 20 | ``fused`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256, no debug hook on; not |
+| | | bf16 under ``TRITON_INTERPRET=1`` (the interpreter's bf16 ``tl.dot`` is wrong) |
 
 Inside, each step still runs on the backend the registry picks for it (:mod:`.plan`), so every
 step toggle keeps its meaning. The debug hooks observe the steps one by one, which the fused

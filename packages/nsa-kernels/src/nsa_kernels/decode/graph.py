@@ -13,12 +13,14 @@ from typing import TypeVar
 
 import torch
 
-from nsa_kernels.decode.state import BlockPhi, DecodeState
+from nsa_core.checks import check_int
+from nsa_kernels.decode.state import BlockPhi, DecodeState, check_phi
 from nsa_kernels.decode.step import (
     DecodeKernelConfig,
     DecodePlan,
     StepInputs,
     StepOutputs,
+    check_state,
     decode_step,
 )
 
@@ -73,10 +75,11 @@ class DecodeGraph:
         config: DecodeKernelConfig | None = None,
         warmup: int = 2,
     ) -> None:
+        check_state(state)
+        check_phi(state.config, phi_k, phi_v)
+        check_int("warmup", warmup, 1)
         if state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA state, got {state.device}")
-        if warmup < 1:
-            raise ValueError(f"warmup must be >= 1 (the first launch compiles), got {warmup}")
         self.state = state
         self.plan = DecodePlan(state, config)
         self.inputs = StepInputs.zeros(state)

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from nsa_core import NSAAttention
+from nsa_core.checks import check_int, check_rank, check_same_place, shape
 from nsa_core.reference.rope import apply_rope
+from nsa_kernels.common.entry_checks import check_bool
 from nsa_kernels.decode.graph import capture_decode_step
 from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
 from nsa_kernels.decode.step import (
@@ -29,6 +31,7 @@ from nsa_kernels.decode.step import (
     DecodePlan,
     StepInputs,
     StepOutputs,
+    check_state,
     decode_step,
 )
 
@@ -53,8 +56,10 @@ class LayerDecoder:
         graph: bool = False,
         warmup: int = 2,
     ) -> None:
-        if not isinstance(module, NSAAttention):
-            raise TypeError(f"module must be an NSAAttention, got {type(module).__name__}")
+        check_module(module)
+        check_state(state)
+        check_bool("graph", graph)
+        check_int("warmup", warmup, 1)
         if module.config != state.config:
             raise ValueError("module.config differs from the state's config")
         weight = module.q_proj.weight
@@ -65,8 +70,6 @@ class LayerDecoder:
             )
         if graph and state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA state, got {state.device}")
-        if warmup < 1:
-            raise ValueError(f"warmup must be >= 1 (the first launch compiles), got {warmup}")
         self.module = module
         self.state = state
         self.plan = DecodePlan(state, config)
@@ -91,6 +94,9 @@ class LayerDecoder:
         graph: bool = False,
     ) -> tuple[torch.Tensor, LayerDecoder]:
         """``module.prefill(x)`` (x [B, T, hidden]) and a decoder that continues from it."""
+        check_module(module)
+        check_int("capacity", capacity, 1)
+        check_bool("graph", graph)
         with torch.no_grad():
             y, cache = module.prefill(x)
         state = DecodeState.from_cache(cache, capacity)
@@ -165,9 +171,10 @@ class LayerDecoder:
 
         With a graph the results live in the graph's memory and the next step overwrites them.
         """
-        want = (self.state.batch, self.module.hidden_size)
-        if tuple(x.shape) != want:
-            raise ValueError(f"x {list(x.shape)} must be {list(want)}")
+        check_rank("x", x, 2, "[B, hidden]")
+        if x.shape != self.x.shape:
+            raise ValueError(f"x {shape(x)} must be [B, hidden] = {shape(self.x)}")
+        check_same_place("x", x, "the state", self.x)
         self.x.copy_(x)
         return self.replay()
 
@@ -177,6 +184,11 @@ class LayerDecoder:
             return self._run()
         self._graph.replay()
         return self._y, self._out
+
+
+def check_module(module: object) -> None:
+    if not isinstance(module, NSAAttention):
+        raise TypeError(f"module must be an NSAAttention, got {type(module).__name__}")
 
 
 def _linear(module: torch.nn.Module) -> torch.nn.Linear:

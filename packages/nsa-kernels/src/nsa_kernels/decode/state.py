@@ -22,12 +22,16 @@ Layout, for sequence b holding ``L_b = cache_seqlens[b]`` tokens:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
 
 from nsa_core import NSACache, NSAConfig, num_cmp_blocks, split_blocks
+from nsa_core.checks import check_int, check_rank, check_same_place, shape
+from nsa_core.limits import MAX_TOKENS
+from nsa_kernels.common.entry_checks import check_callable, check_device, check_float_dtype
 
 # phi of one block per (sequence, kv head): blocks [B, H, l, D] -> [B, H, D].
 BlockPhi = Callable[[torch.Tensor], torch.Tensor]
@@ -40,6 +44,10 @@ def block_phi(module: Callable[[torch.Tensor], torch.Tensor]) -> BlockPhi:
 
     The result maps blocks [B, H, l, D] -> [B, H, D], the form :func:`decode_step` calls.
     """
+
+    if not callable(module):
+        kind = type(module).__name__
+        raise TypeError(f"module must be callable (e.g. a CompressMLP), got {kind}")
 
     def phi(blocks: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = module(blocks.permute(0, 2, 1, 3).unsqueeze(1))  # [B, 1, l, H, D]
@@ -92,11 +100,13 @@ class DecodeState:
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> DecodeState:
-        """B sequences of length 0, room for ``capacity`` tokens each."""
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        """B sequences of length 0, room for ``capacity`` tokens each (1 <= capacity <= 2^31 - 1:
+        token positions are int32)."""
+        check_config(config)
+        batch = check_int("batch", batch, 1)
+        capacity = check_int("capacity", capacity, 1, MAX_TOKENS)
+        device = check_device("device", device)
+        dtype = check_float_dtype("dtype", dtype)
         h, dk, dv = config.num_kv_heads, config.head_dim_qk, config.head_dim_v
         # At least one row, so that kernels always get a real pointer.
         cmp_rows = max(1, num_cmp_blocks(capacity, config.cmp_block, config.cmp_stride))
@@ -126,6 +136,9 @@ class DecodeState:
     @classmethod
     def from_cache(cls, cache: NSACache, capacity: int) -> DecodeState:
         """The state of an nsa_core cache (e.g. a prefill's); every sequence has its length."""
+        if not isinstance(cache, NSACache):
+            raise TypeError(f"cache must be an NSACache, got {type(cache).__name__}")
+        capacity = check_int("capacity", capacity, 1, MAX_TOKENS)
         cfg = cache.config
         if capacity < cache.length:
             raise ValueError(f"capacity {capacity} is below the cache length {cache.length}")
@@ -166,18 +179,12 @@ class DecodeState:
             phi_k, phi_v: compression of a block for ``config.phi == "mlp"`` (see
                 :func:`block_phi`); None means the mean (``phi == "avg"``).
         """
+        check_config(config)
         check_phi(config, phi_k, phi_v)
-        ref = k["sel"]
+        ref = check_branch_tensors(config, k, v)
         batch = ref.shape[0]
-        if len(lengths) != batch:
-            raise ValueError(f"{len(lengths)} lengths for a batch of {batch}")
-        for name in BRANCHES:
-            if k[name].shape[:3] != ref.shape[:3] or v[name].shape[:3] != ref.shape[:3]:
-                raise ValueError(f"branch {name!r} K/V do not match k['sel'] {list(ref.shape)}")
-        if any(n < 0 or n > ref.shape[1] or n > capacity for n in lengths):
-            raise ValueError(
-                f"lengths {list(lengths)} must lie in [0, min(T={ref.shape[1]}, {capacity})]"
-            )
+        capacity = check_int("capacity", capacity, 1, MAX_TOKENS)
+        lengths = check_lengths(lengths, batch, min(ref.shape[1], capacity))
         state = cls.empty(config, batch, capacity, device=ref.device, dtype=ref.dtype)
         cfg = config
         for b, n in enumerate(lengths):
@@ -295,8 +302,61 @@ class DecodeState:
         return cache
 
 
+def check_config(config: object) -> None:
+    if not isinstance(config, NSAConfig):
+        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+
+
+def check_branch_tensors(
+    config: NSAConfig, k: Mapping[str, torch.Tensor], v: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """k and v map each branch ("cmp", "sel", "win") to keys [B, T, H, dk] and values
+    [B, T, H, dv] of the config's heads and head dims, one floating dtype and device; returns
+    k["sel"]."""
+    for name, kv in (("k", k), ("v", v)):
+        if not isinstance(kv, Mapping) or set(kv) != set(BRANCHES):
+            kind = sorted(kv) if isinstance(kv, Mapping) else type(kv).__name__
+            raise TypeError(f"{name} must be a mapping with keys {list(BRANCHES)}, got {kind}")
+    ref = k["sel"]
+    check_rank("k['sel']", ref, 4, "[B, T, H, dk]")
+    if not ref.is_floating_point():
+        raise TypeError(f"k['sel'] must be a floating-point tensor, got {ref.dtype}")
+    batch, tokens = ref.shape[:2]
+    h, dk, dv = config.num_kv_heads, config.head_dim_qk, config.head_dim_v
+    for name, kv, dim, layout in (("k", k, dk, "[B, T, H, dk]"), ("v", v, dv, "[B, T, H, dv]")):
+        for branch in BRANCHES:
+            where = f"{name}[{branch!r}]"
+            x = kv[branch]
+            check_rank(where, x, 4, layout)
+            if tuple(x.shape) != (batch, tokens, h, dim):
+                raise ValueError(
+                    f"{where} {shape(x)} must be {layout} = [{batch}, {tokens}, {h}, {dim}] (B and "
+                    "T of k['sel'], H and the head dim of the config)"
+                )
+            check_same_place(where, x, "k['sel']", ref)
+    return ref
+
+
+def check_lengths(lengths: object, batch: int, most: int) -> list[int]:
+    """B prefix lengths, ints in [0, most]."""
+    if not isinstance(lengths, Sequence) or isinstance(lengths, str):
+        raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
+    if len(lengths) != batch:
+        raise ValueError(f"{len(lengths)} lengths for a batch of {batch}")
+    for n in lengths:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"lengths must hold ints, got {type(n).__name__} {n!r}")
+    if any(n < 0 or n > most for n in lengths):
+        raise ValueError(
+            f"lengths {list(lengths)} must lie in [0, {most}] (the tokens given and the capacity)"
+        )
+    return [int(n) for n in lengths]
+
+
 def check_phi(config: NSAConfig, phi_k: BlockPhi | None, phi_v: BlockPhi | None) -> None:
-    """A learned phi exactly when the config asks for one (``phi == "mlp"``)."""
+    """A learned phi exactly when the config asks for one (``phi == "mlp"``), each callable."""
+    check_callable("phi_k", phi_k, "blocks [B, H, l, dk] -> [B, H, dk]")
+    check_callable("phi_v", phi_v, "blocks [B, H, l, dv] -> [B, H, dv]")
     if config.phi == "mlp" and (phi_k is None or phi_v is None):
         raise ValueError("config.phi == 'mlp' needs phi_k and phi_v (see block_phi)")
     if config.phi == "avg" and (phi_k is not None or phi_v is not None):

@@ -28,7 +28,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from nsa_core import NSAConfig
-from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM, check_dtype, dot_precision, num_sms
+from nsa_kernels.common.tile_config import check_config
+from nsa_kernels.common.triton_inputs import (
+    MAX_HEAD_DIM,
+    check_dtype,
+    check_triton_runs,
+    dot_precision,
+    num_sms,
+)
 from nsa_kernels.decode.attention_kernels import cmp_window_kernel, selected_kernel
 from nsa_kernels.decode.combine_kernels import combine_kernel
 from nsa_kernels.decode.state import BlockPhi, DecodeState, check_phi
@@ -201,6 +208,8 @@ class DecodePlan:
     """
 
     def __init__(self, state: DecodeState, config: DecodeKernelConfig | None = None) -> None:
+        check_state(state)
+        check_config(config, DecodeKernelConfig)
         cfg = state.config
         kc = config or DecodeKernelConfig()
         for name, least in (
@@ -211,7 +220,7 @@ class DecodePlan:
         ):
             _check_pow2(name, getattr(kc, name), least)
         _check_geometry(cfg)
-        check_dtype(state.dtype, "decode")
+        check_dtype(state.dtype, "decode", "state")
         self.config = cfg
         self.batch = state.batch
         self.capacity = state.capacity
@@ -313,6 +322,11 @@ class DecodePlan:
         )
 
 
+def check_state(state: object) -> None:
+    if not isinstance(state, DecodeState):
+        raise TypeError(f"state must be a DecodeState, got {type(state).__name__}")
+
+
 def _check_geometry(cfg: NSAConfig) -> None:
     if max(cfg.head_dim_qk, cfg.head_dim_v) > MAX_HEAD_DIM:
         raise ValueError(
@@ -350,13 +364,20 @@ def decode_step(
     Returns:
         :class:`StepOutputs`: o [B, HQ, dv], indices [B, H, n], reads [3, B, H].
     """
+    check_state(state)
+    if not isinstance(inputs, StepInputs):
+        raise TypeError(f"inputs must be a StepInputs, got {type(inputs).__name__}")
     cfg = state.config
     check_phi(cfg, phi_k, phi_v)
     inputs.check(state)
+    if plan is not None and not isinstance(plan, DecodePlan):
+        raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
+    if plan is not None and not plan.matches(state):
+        raise ValueError("plan was built for another state geometry (config, batch, capacity)")
+    # Last, so that a call's own mistakes show first on any device.
+    check_triton_runs("state", state.k_sel)
     if plan is None:
         plan = DecodePlan(state)
-    elif not plan.matches(state):
-        raise ValueError("plan was built for another state geometry (config, batch, capacity)")
     batch, h, hq = state.batch, cfg.num_kv_heads, cfg.num_q_heads
     dk, dv, n = cfg.head_dim_qk, cfg.head_dim_v, cfg.num_selected
     x = {f.name: getattr(inputs, f.name).contiguous() for f in fields(inputs)}

@@ -8,7 +8,8 @@ backward. One read of x and one write of the output per pass, where the referenc
 intermediates cost it about ten.
 
 Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
-float16, bfloat16 or float32 (float64 runs the reference). x may have any strides in
+float16, bfloat16 or float32 (float64 runs the reference), not bfloat16 under the interpreter
+(:data:`~nsa_kernels.common.triton_inputs.BF16_ROUNDING`). x may have any strides in
 (B, T, H); one whose D stride is not 1 is copied first.
 """
 
@@ -22,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from nsa_core.checks import check_apply_rope
 from nsa_core.reference.rope import rope_angles
 from nsa_kernels.common.traced_launch import launch
-from nsa_kernels.common.triton_inputs import check_dtype
+from nsa_kernels.common.triton_inputs import BF16_ROUNDING, check_dtype, check_triton_runs
 from nsa_kernels.rope.kernels import rope_kernel
 
 # Elements of each half a program turns (BH heads x BD channels): the pass is bound by memory.
@@ -93,7 +94,9 @@ def apply_rope_triton(
     """
     if not validated:
         check_apply_rope(x, positions, theta)
-        check_dtype(x.dtype, "rotary embedding")
+        # The rotation is defined bit for bit: the interpreter's bfloat16 rounding breaks it.
+        check_dtype(x.dtype, "rotary embedding", "x")
+        check_triton_runs("x", x, BF16_ROUNDING)
     rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
     cos, sin = rope_angles(rows, x.shape[-1], theta, x.dtype)
     out: torch.Tensor = RopeFunction.apply(x, cos.contiguous(), sin.contiguous())  # type: ignore[no-untyped-call]

@@ -8,7 +8,8 @@ within the stated tolerance.
 
 | priority | backend | serves when |
 |---|---|---|
-| 20 | ``triton_score`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 |
+| 20 | ``triton_score`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256; not bf16 under |
+| | | ``TRITON_INTERPRET=1`` (the interpreter's bf16 ``tl.dot`` is wrong) |
 """
 
 from __future__ import annotations

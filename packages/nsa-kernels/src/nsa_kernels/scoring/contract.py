@@ -14,6 +14,7 @@ Pure torch; no Triton needed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec
@@ -21,8 +22,10 @@ from typing import ParamSpec
 import torch
 
 from nsa_core.blocks import cmp_cu_seqlens, num_sel_blocks
+from nsa_core.checks import check_int, check_rank, shape
 from nsa_core.reference.common import spans
 from nsa_core.reference.selection import block_scores
+from nsa_kernels.common.entry_checks import check_bool
 
 P = ParamSpec("P")
 
@@ -119,13 +122,12 @@ def check_index_contract(
     Every row must also be well formed: distinct valid blocks (j <= t // l') in ascending
     order, then -1, the forced blocks present, and ``counts`` equal to its entries.
     """
+    _check_contract_args(
+        indices, counts, ref_indices, ref_scores, positions, sel_block, rel_tol, abs_tol,
+        exact_ties,
+    )  # fmt: skip
     batch, tq, h, n = ref_indices.shape
     rows = batch * tq * h
-    if tuple(indices.shape) != (batch, tq, h, n) or tuple(counts.shape) != (batch, tq, h):
-        raise ValueError(
-            f"kernel outputs {list(indices.shape)}, {list(counts.shape)} do not match the "
-            f"reference's {list(ref_indices.shape)}"
-        )
     if rows == 0:
         return IndexContractReport(0, 0, 0, 0, "")
     n_sel = ref_scores.shape[-1]
@@ -178,6 +180,45 @@ def check_index_contract(
         broken_rows=int(broken.sum()),
         first_broken=first,
     )
+
+
+def _check_contract_args(
+    indices: torch.Tensor, counts: torch.Tensor, ref_indices: torch.Tensor,
+    ref_scores: torch.Tensor, positions: torch.Tensor, sel_block: object, rel_tol: object,
+    abs_tol: object, exact_ties: object,
+) -> None:  # fmt: skip
+    """The rules of :func:`check_index_contract`'s arguments (docs/spec.md, "Argument rules");
+    the tensors are checked to be tensors first, whatever their annotations say."""
+    check_rank("ref_indices", ref_indices, 4, "[B, Tq, H, n]")
+    check_rank("indices", indices, 4, "[B, Tq, H, n]")
+    check_rank("counts", counts, 3, "[B, Tq, H]")
+    check_rank("ref_scores", ref_scores, 4, "[B, Tq, H, Nsel]")
+    check_rank("positions", positions, 1, "[Tq]")
+    for name, t in (("indices", indices), ("counts", counts), ("ref_indices", ref_indices),
+                    ("positions", positions)):  # fmt: skip
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got {t.dtype}")
+    if not ref_scores.is_floating_point():
+        raise TypeError(f"ref_scores must be a floating-point tensor, got {ref_scores.dtype}")
+    batch, tq, h, n = ref_indices.shape
+    if tuple(indices.shape) != (batch, tq, h, n) or tuple(counts.shape) != (batch, tq, h):
+        raise ValueError(
+            f"kernel outputs {shape(indices)}, {shape(counts)} do not match the reference's "
+            f"{shape(ref_indices)}"
+        )
+    if tuple(ref_scores.shape[:3]) != (batch, tq, h):
+        raise ValueError(
+            f"ref_scores {shape(ref_scores)} must be [B={batch}, Tq={tq}, H={h}, Nsel]"
+        )
+    if positions.shape[0] != tq:
+        raise ValueError(f"positions {shape(positions)} must hold one position per row, Tq={tq}")
+    check_int("sel_block", sel_block, 1)
+    for name, tol in (("rel_tol", rel_tol), ("abs_tol", abs_tol)):
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+            raise TypeError(f"{name} must be a float, got {type(tol).__name__} {tol!r}")
+        if not math.isfinite(tol) or tol < 0:
+            raise ValueError(f"{name} must be finite and >= 0, got {tol}")
+    check_bool("exact_ties", exact_ties)
 
 
 def _raising_on_broken_rows(

@@ -11,7 +11,8 @@ GPU: the index contract"), checked by :mod:`nsa_kernels.scoring.contract`.
 One kernel launch, no host sync of its own (varlen tiles are built on the device), no
 intermediate of size T x N_cmp or T x Nsel: it reads q, k_cmp (and lse) and writes the indices
 and counts. Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``),
-dtype float16, bfloat16 or float32, dk <= 256. float32 runs its dots with
+dtype float16, bfloat16 or float32 (not bfloat16 under the interpreter, whose bfloat16
+``tl.dot`` is wrong), dk <= 256. float32 runs its dots with
 ``input_precision="ieee"`` (no TF32), which the contract's tolerance assumes.
 """
 
@@ -24,12 +25,19 @@ import triton.language as tl
 
 from nsa_core.blocks import cmp_cu_seqlens
 from nsa_core.checks import check_select_blocks
-from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
+from nsa_kernels.common.tile_config import (
+    TileConfig,
+    check_config,
+    check_pow2_tiles,
+    pow2,
+    stages_within,
+)
 from nsa_kernels.common.tile_table import tile_table
 from nsa_kernels.common.traced_launch import launch
 from nsa_kernels.common.triton_inputs import (
     MAX_HEAD_DIM,
     check_dtype,
+    check_triton_runs,
     dot_precision,
     max_shared_bytes,
 )
@@ -242,9 +250,11 @@ def select_blocks_triton(
             q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale, q_start=q_start,
             cu_seqlens=cu_seqlens, lse=lse,
         )  # fmt: skip
+        check_config(config, ScoreConfig)
         check_dtype(q.dtype, "block scoring")
         if dk > MAX_HEAD_DIM:
             raise ValueError(f"head dim dk={dk} exceeds {MAX_HEAD_DIM}")
+        check_triton_runs("q", q)
     indices = torch.empty(batch, tq, h, num_selected, dtype=torch.int32, device=q.device)
     counts = torch.empty(batch, tq, h, dtype=torch.int32, device=q.device)
     if tq == 0:

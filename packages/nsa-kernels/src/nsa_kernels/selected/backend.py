@@ -2,7 +2,9 @@
 
 Routing (``supports`` returns the reason it declines, ``None`` when it serves):
 
-1. a CUDA device, and triton importable;
+1. a CUDA device, and triton importable; not bfloat16 under ``TRITON_INTERPRET=1``
+   (the interpreter's bfloat16 ``tl.dot`` is wrong:
+   :data:`~nsa_kernels.common.triton_inputs.BF16_DOT`);
 2. NSA_SEL_TRITON on (or NSA_SEL_TRITON_FORCE);
 3. no gradients needed, or NSA_SEL_TRITON_GRAD on;
 4. the keys' sequence length >= NSA_SEL_TRITON_MIN_LEN;
@@ -31,6 +33,7 @@ from nsa_core.toggles import Toggles, get_toggles
 from nsa_kernels.common.local_softmax import LocalSoftmax
 from nsa_kernels.common.op_calls import SelectedBackend, SelectedCall
 from nsa_kernels.common.row_runs import RowRuns
+from nsa_kernels.common.triton_inputs import BF16_DOT, interpreter_reason
 
 OP = "selected_attention"
 NAME = "triton_sel"
@@ -115,6 +118,9 @@ def decline_reason(
         return f"needs a CUDA device, got {device_type}"
     if not triton_available():
         return "triton is not importable"
+    interpreted = interpreter_reason(dtype, BF16_DOT)
+    if interpreted is not None:
+        return interpreted
     if not (toggles.sel_triton or toggles.sel_triton_force):
         return "NSA_SEL_TRITON=0"
     if requires_grad and not toggles.sel_triton_grad:

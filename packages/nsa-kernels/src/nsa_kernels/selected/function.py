@@ -9,7 +9,8 @@ The pieces: :mod:`~nsa_kernels.selected.launch` (tiles, checks, launch facts),
 :func:`selected_attention_triton` has the reference op's signature and semantics
 (``nsa_core.reference.selected_attention``); docs/selection.md gives the design and arithmetic.
 Requirements beyond the reference: CUDA tensors (or CPU under ``TRITON_INTERPRET=1``), dtype
-float16, bfloat16 or float32. Repeated block indices in one row are honoured as a set, as in the
+float16, bfloat16 or float32 (not bfloat16 under the interpreter, whose bfloat16 ``tl.dot`` is
+wrong). Repeated block indices in one row are honoured as a set, as in the
 reference (the kernels skip a repeat; nsa_core's ``select_blocks`` never emits one).
 
 float32 inputs run every ``tl.dot`` with ``input_precision="ieee"`` (no TF32): slower, but held to
@@ -28,14 +29,17 @@ from torch.autograd.function import once_differentiable
 from nsa_core.checks import check_same_place
 from nsa_core.toggles import Toggles
 from nsa_kernels.combine.function import combine_bwd
+from nsa_kernels.common.entry_checks import check_backward_args
 from nsa_kernels.common.local_softmax import LocalSoftmax
 from nsa_kernels.common.row_runs import RowRuns, check_gated_combine_runs
+from nsa_kernels.common.triton_inputs import check_triton_runs
 from nsa_kernels.selected.backward import backward
 from nsa_kernels.selected.forward import GatedSum, forward
 from nsa_kernels.selected.indices import unique_block_rows
 from nsa_kernels.selected.launch import (
     Launch,
     SelConfig,
+    check_call,
     parse_config,
     prepare,
     resolve_config,
@@ -63,6 +67,7 @@ def selected_attention_fwd(
     Arguments as :func:`selected_attention_triton`. ``lse`` is -inf on rows that see no token.
     ``local``: as :func:`selected_attention_gated_triton` takes it.
     """
+    check_local_kind(local)
     info = prepare(
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles,
         local=local is not None,
@@ -110,20 +115,21 @@ def selected_attention_gated_triton(
     Returns:
         o [B, Tq, HQ, dv] in q's dtype.
     """
-    cmp_runs = o_cmp if isinstance(o_cmp, RowRuns) else RowRuns.whole(o_cmp)
     if not validated:
         check_gated_combine_runs(o_cmp, o_win, gates)
+        check_local_kind(local)
+        check_call(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+        expected = [*q.shape[:3], v.shape[3]]
+        if list(o_cmp.shape) != expected:
+            raise ValueError(f"o_cmp {list(o_cmp.shape)} must be [B, Tq, HQ, dv] = {expected}")
+        # o_cmp and gates share o_win's dtype and device (checked above).
+        check_same_place("o_win", o_win, "q", q)
+        check_triton_runs("q", q)
+    cmp_runs = o_cmp if isinstance(o_cmp, RowRuns) else RowRuns.whole(o_cmp)
     info = prepare(
         q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles,
-        local=local is not None, validated=validated,
+        local=local is not None, validated=True,
     )  # fmt: skip
-    if not validated:
-        expected = (info.batch, info.tq, info.hq, info.dv)
-        if tuple(cmp_runs.shape) != expected:
-            raise ValueError(
-                f"o_cmp {list(cmp_runs.shape)} must be [B, Tq, HQ, dv] = {list(expected)}"
-            )
-        check_same_place("o_cmp", cmp_runs.runs[0], "q", q)
     grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (q, k, v, o_win, gates, *cmp_runs.runs)
     )
@@ -135,6 +141,13 @@ def selected_attention_gated_triton(
         return out
     parts = GatedSum(o_cmp=o_cmp, o_win=o_win, gates=gates)
     return forward(*_operands(q, k, v, block_indices, info), info, parts, local=local)[0]
+
+
+def check_local_kind(local: object) -> None:
+    """``local`` is None or a :class:`LocalSoftmax` (its shapes are checked against the call's
+    output where the forward takes it)."""
+    if local is not None and not isinstance(local, LocalSoftmax):
+        raise TypeError(f"local must be a LocalSoftmax or None, got {type(local).__name__}")
 
 
 class GatedSelectedFunction(torch.autograd.Function):
@@ -187,8 +200,15 @@ def selected_attention_bwd(
     cu_seqlens: Tensor | None = None, config: SelConfig | None = None,
     toggles: Toggles | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """dq, dk, dv for the upstream gradient ``do [B, Tq, HQ, dv]`` (o, lse from the forward)."""
-    info = prepare(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    """dq, dk, dv for the upstream gradient ``do [B, Tq, HQ, dv]`` (o [B, Tq, HQ, dv] and
+    lse [B, Tq, HQ] float32 from :func:`selected_attention_fwd` of the same arguments)."""
+    check_call(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+    check_backward_args(do, o, lse, q, v)
+    check_triton_runs("q", q)
+    info = prepare(
+        q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles,
+        validated=True,
+    )  # fmt: skip
     q, k, v, idx = _operands(q, k, v, block_indices, info)
     return backward(do, q, k, v, o, lse, idx, info)
 

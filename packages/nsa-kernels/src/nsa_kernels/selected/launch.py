@@ -14,17 +14,24 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nsa_core.checks import (
-    check_attention_args,
-    check_block_indices,
-    check_cu_seqlens,
-    check_q_start,
-)
+from nsa_core.checks import check_selected_attention
 from nsa_core.toggles import Toggles, get_toggles
-from nsa_kernels.common.tile_config import TileConfig, check_pow2_tiles, pow2, stages_within
+from nsa_kernels.common.entry_checks import check_toggles
+from nsa_kernels.common.tile_config import (
+    TileConfig,
+    check_config,
+    check_pow2_tiles,
+    pow2,
+    stages_within,
+)
 from nsa_kernels.common.triton_inputs import MAX_HEAD_DIM as MAX_HEAD_DIM
 from nsa_kernels.common.triton_inputs import SUPPORTED_DTYPES as SUPPORTED_DTYPES
-from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
+from nsa_kernels.common.triton_inputs import (
+    check_dtype,
+    check_head_dims,
+    check_triton_runs,
+    max_shared_bytes,
+)
 from nsa_kernels.common.triton_inputs import dot_precision as dot_precision
 from nsa_kernels.common.triton_inputs import num_sms as num_sms
 
@@ -263,35 +270,26 @@ def prepare(
     cu_seqlens int32 [S+1] or None; ``config`` and ``local`` as :func:`resolve_config` takes
     them. ``validated``: nsa-core validated the call already (its ops, the attention core), so
     nothing is checked again and nothing is read back from the device.
+
+    Unvalidated calls get the reference op's rules (nsa_core's ``check_selected_attention``),
+    then the kernels' own: a SelConfig and Toggles (or None), a dtype and device Triton runs
+    (not bfloat16 under ``TRITON_INTERPRET=1``), head dims up to 256. The range of the indices is
+    read only where NSA_SEL_CHECK_INDICES asks (a device sync); without it, out-of-range entries
+    become -1 on the device (``unique_block_rows``), so the kernels never address keys outside
+    the sequence.
     """
+    if not validated:
+        check_call(q, k, v, block_indices, sel_block, scale, q_start, cu_seqlens, config, toggles)
+        check_triton_runs("q", q)
     batch, tq, hq, dk = q.shape
     h, dv = k.shape[2], v.shape[3]
-    if not validated:
-        check_attention_args(q, k, v)
-        if sel_block < 1:
-            raise ValueError(f"sel_block must be >= 1, got {sel_block}")
-        check_dtype(q.dtype, "selected attention")
-        check_head_dims(dk, dv)
     seq_ids = None
     if cu_seqlens is not None:
-        if not validated:
-            check_cu_seqlens(cu_seqlens, tq, batch, q.device)
-            if q_start != 0 or k.shape[1] != tq:
-                raise ValueError(
-                    "varlen selected_attention needs q_start == 0 and k with q's tokens"
-                )
         num_blocks = -(-max(tq, 1) // sel_block)
         rows = torch.arange(tq, device=q.device, dtype=torch.int32)
         seq_ids = torch.searchsorted(cu_seqlens[1:], rows, right=True).to(torch.int32)
     else:
-        if not validated:
-            check_q_start(q_start, tq, k.shape[1])
         num_blocks = -(-k.shape[1] // sel_block)
-    if not validated:
-        # The range check costs a device sync; without it, out-of-range entries become -1 on
-        # the device (unique_block_rows), so the kernels never address keys outside the sequence.
-        strict = (get_toggles() if toggles is None else toggles).sel_check_indices
-        check_block_indices(block_indices, batch, tq, h, num_blocks, q.device, check_range=strict)
     return Launch(
         sel_block=sel_block,
         cfg=resolve_config(
@@ -320,6 +318,31 @@ def prepare(
         seq_ids=seq_ids,
         cu_seqlens=cu_seqlens,
     )
+
+
+def check_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_indices: torch.Tensor,
+    sel_block: int,
+    scale: float | None,
+    q_start: int,
+    cu_seqlens: torch.Tensor | None,
+    config: SelConfig | None,
+    toggles: Toggles | None,
+) -> None:
+    """The rules of a call's own arguments (:func:`prepare`'s, but whether Triton runs here:
+    ``check_triton_runs``, which a caller checks after any arguments of its own)."""
+    check_toggles(toggles)
+    strict = (get_toggles() if toggles is None else toggles).sel_check_indices
+    check_selected_attention(
+        q, k, v, block_indices, sel_block, scale, q_start=q_start, cu_seqlens=cu_seqlens,
+        check_range=strict,
+    )  # fmt: skip
+    check_config(config, SelConfig)
+    check_dtype(q.dtype, "selected attention")
+    check_head_dims(q.shape[3], v.shape[3])
 
 
 def varlen_args(info: Launch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,18 +11,16 @@ gives row n the packed range ``K[cu[n]:cu[n+1]]`` (an empty range gives 0). One 
 
 # No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
 # annotation as a runtime argument, so `B: tl.constexpr` would stop being a constant.
-import itertools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from nsa_core.checks import check_cu_seqlens, check_int, check_rank, check_same_place, check_scale
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.common.tile_config import pow2
+from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, check_triton_runs
 from nsa_kernels.selected.row_walk import LOG2E
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _tile(x: int) -> int:
@@ -30,22 +28,34 @@ def _tile(x: int) -> int:
     return max(16, pow2(x))
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_rank: int) -> None:
-    if q.dim() != 3 or k.dim() != k_rank or v.dim() != k_rank:
-        raise ValueError(
-            f"expected Q [N, H, D] and K, V of rank {k_rank}; got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(
-            f"Q, K, V must share one dtype of {_DTYPES}; got {q.dtype, k.dtype, v.dtype}"
-        )
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, scale: object, block_l: object, *, varlen: bool
+) -> None:
+    """q [N, H, D]; k [N, L, D] and v [N, L, Dv] (dense) or k [TotalL, D] and v [TotalL, Dv]
+    (varlen); H, D, Dv >= 1 with D, Dv <= 256; one dtype Triton runs, one device; scale None or
+    a finite float > 0; block_l a power of two >= 16 (a tl.dot extent)."""
+    check_rank("q", q, 3, "[N, H, D]")
+    k_layout, v_layout = ("[TotalL, D]", "[TotalL, Dv]") if varlen else ("[N, L, D]", "[N, L, Dv]")
+    check_rank("k", k, 2 if varlen else 3, k_layout)
+    check_rank("v", v, 2 if varlen else 3, v_layout)
+    for what, size, name, t in (("heads H", q.shape[1], "q", q), ("head dim D", q.shape[2], "q", q),
+                                ("head dim Dv", v.shape[-1], "v", v)):  # fmt: skip
+        if size < 1:
+            raise ValueError(f"{what} must be >= 1, got {size} ({name} {list(t.shape)})")
     if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"K's head dim {k.shape[-1]} differs from Q's {q.shape[-1]}")
+        raise ValueError(f"k's head dim {k.shape[-1]} differs from q's {q.shape[-1]}")
     if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"K {tuple(k.shape)} and V {tuple(v.shape)} differ in keys")
-    if not (q.device == k.device == v.device):
-        raise ValueError("Q, K and V must be on one device")
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} differ in keys")
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} rows, q has {q.shape[0]}")
+    check_same_place("k", k, "q", q)
+    check_same_place("v", v, "q", q)
+    check_dtype(q.dtype, "selection (quick)")
+    check_head_dims(q.shape[2], v.shape[-1])
+    check_scale(scale)
+    tile = check_int("block_l", block_l, 16)
+    if tile & (tile - 1):
+        raise ValueError(f"block_l must be a power of two >= 16, got {tile}")
 
 
 @triton.jit
@@ -167,9 +177,8 @@ def sel_attn_fwd_dense(
         scale: softmax scale, default D ** -0.5.
         block_l: keys per tile (power of two >= 16).
     """
-    _check(q, k, v, 3)
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"K has {k.shape[0]} rows, Q has {q.shape[0]}")
+    _check(q, k, v, scale, block_l, varlen=False)
+    check_triton_runs("q", q)
     if k.shape[1] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
     return _launch(q, k, v, None, scale, block_l)
@@ -187,17 +196,12 @@ def sel_attn_fwd_varlen(
         scale: softmax scale, default D ** -0.5.
         block_l: keys per tile (power of two >= 16).
     """
-    _check(q, k, v, 2)
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.shape != (q.shape[0] + 1,):
+    _check(q, k, v, scale, block_l, varlen=True)
+    check_cu_seqlens(cu_seqlens, k.shape[0], 1, q.device)
+    if cu_seqlens.numel() != q.shape[0] + 1:
         raise ValueError(
-            f"cu_seqlens must be int32 [N+1={q.shape[0] + 1}], got {cu_seqlens.dtype} "
-            f"{tuple(cu_seqlens.shape)}"
+            f"cu_seqlens must hold N+1={q.shape[0] + 1} entries (one range per row of q), got "
+            f"{cu_seqlens.numel()}"
         )
-    bounds = cu_seqlens.tolist()
-    if (
-        bounds[0] != 0
-        or bounds[-1] != k.shape[0]
-        or any(b < a for a, b in itertools.pairwise(bounds))
-    ):
-        raise ValueError(f"cu_seqlens must rise from 0 to TotalL={k.shape[0]}, got {bounds}")
-    return _launch(q, k, v, cu_seqlens.to(q.device), scale, block_l)
+    check_triton_runs("q", q)
+    return _launch(q, k, v, cu_seqlens, scale, block_l)

@@ -7,7 +7,8 @@ serves the call; whatever all of them decline falls to nsa-core's reference (pri
 |---|---|---|
 | 30 | ``fa2`` | NSA_WIN_FA2 (default on), flash_attn on CUDA sm80+, fp16/bf16, |
 | | | head dims <= 256, at least NSA_WIN_FA2_MIN_LEN tokens |
-| 25 | ``triton_win`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256 |
+| 25 | ``triton_win`` | CUDA and triton, fp16/bf16/fp32, head dims <= 256; not bf16 under |
+| | | ``TRITON_INTERPRET=1`` (the interpreter's bf16 ``tl.dot`` is wrong) |
 | 20 | ``flex`` | CUDA, G a power |
 | | | of two, at least ``FLEX_MIN_LEN`` tokens |
 | 10 | ``sdpa`` | CUDA, when none of the above accepted |

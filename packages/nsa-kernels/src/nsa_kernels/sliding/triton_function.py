@@ -12,11 +12,17 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from nsa_core.checks import check_sliding_attention
+from nsa_core.checks import check_int, check_sliding_attention
 from nsa_kernels.common.forward_outputs import forward_outputs
 from nsa_kernels.common.interval_launch import IntervalLaunch
 from nsa_kernels.common.local_softmax import LocalSoftmax, check_holds_local_keys
-from nsa_kernels.common.triton_inputs import check_dtype, check_head_dims, max_shared_bytes
+from nsa_kernels.common.tile_config import check_config
+from nsa_kernels.common.triton_inputs import (
+    check_dtype,
+    check_head_dims,
+    check_triton_runs,
+    max_shared_bytes,
+)
 from nsa_kernels.compressed.config import CmpConfig, resolve_config
 from nsa_kernels.compressed.function import attend_with_lse
 
@@ -71,12 +77,13 @@ def sliding_attention_triton_with_local(
         softmax (no gradient).
     """
     if not validated:
-        if sel_block < 1:
-            raise ValueError(f"sel_block must be >= 1, got {sel_block}")
+        _check(q, k, v, window, scale, q_start, cu_seqlens, config)
+        check_int("sel_block", sel_block, 1)
         check_holds_local_keys(window, sel_block, k.shape[1])
+        check_triton_runs("q", q)
     info, cfg = _prepare(
         q, k, v, window, scale, q_start, cu_seqlens, config, local_block=sel_block,
-        validated=validated,
+        validated=True,
     )  # fmt: skip
     local = forward_outputs(q, info.batch, info.tq, info.hq, info.dv)
     o, _ = attend_with_lse(q, k, v, info, cfg, local)
@@ -88,12 +95,13 @@ def _prepare(
     cu_seqlens: Tensor | None, config: CmpConfig | None, *, local_block: int, validated: bool,
 ) -> tuple[IntervalLaunch, CmpConfig]:  # fmt: skip
     """Validate like the reference op, then the kernels' limits (unless nsa-core ``validated``
-    the call and its routing chose these kernels); the launch facts and tiles."""
-    dk, dv = q.shape[3], v.shape[3]
+    the call and its routing chose these kernels): a CmpConfig or None, a dtype and device
+    Triton runs (not bfloat16 under ``TRITON_INTERPRET=1``), head dims up to 256; the launch
+    facts and tiles."""
     if not validated:
-        check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
-        check_dtype(q.dtype, "sliding attention")
-        check_head_dims(dk, dv)
+        _check(q, k, v, window, scale, q_start, cu_seqlens, config)
+        check_triton_runs("q", q)
+    dk, dv = q.shape[3], v.shape[3]
     # One block per token (the packed keys are the packed tokens); a window as long as the keys
     # bounds nothing, so the plain causal kernels serve it.
     info = IntervalLaunch.of_call(
@@ -103,6 +111,17 @@ def _prepare(
     shared = max_shared_bytes(q.device)
     cfg = resolve_config(config, dk, dv, q.dtype, windowed=info.windowed, shared_bytes=shared)
     return info, cfg
+
+
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, window: int, scale: float | None, q_start: int,
+    cu_seqlens: Tensor | None, config: CmpConfig | None,
+) -> None:  # fmt: skip
+    """The reference op's rules, then the kernels' own."""
+    check_sliding_attention(q, k, v, window, scale, q_start=q_start, cu_seqlens=cu_seqlens)
+    check_config(config, CmpConfig)
+    check_dtype(q.dtype, "sliding attention")
+    check_head_dims(q.shape[3], v.shape[3])
 
 
 __all__ = ["sliding_attention_triton", "sliding_attention_triton_with_local"]
