@@ -14,6 +14,7 @@ Triton refuses CPU tensors without it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -336,6 +337,14 @@ def describe(value: object) -> str:
         return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}@{value.device.type}"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # By field, so that a dataclass of tensors is named by dtypes and shapes, not by values:
+        # pytest-xdist workers must all collect the same ids.
+        fields = ", ".join(f"{f.name}={describe(getattr(value, f.name))}"
+                           for f in dataclasses.fields(value))  # fmt: skip
+        return f"{type(value).__name__}({fields})"
+    if callable(value) and not isinstance(value, type):
+        return getattr(value, "__qualname__", type(value).__name__)  # never its address
     return str(value)
 
 
