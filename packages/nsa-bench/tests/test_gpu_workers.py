@@ -58,10 +58,14 @@ def test_second(request):
 
 def test_each_xdist_worker_sees_one_gpu_of_the_list(tmp_path: Path) -> None:
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, PROBE_OUT=str(out), PYTHONPATH=str(ROOT))
+    # The root conftest.py loads as a plugin; --confcutdir keeps pytest from also loading it as
+    # a conftest where tmp_path lies inside the checkout (nox puts its temporary folder there).
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest"]
+    cmd += ["-c", str(tmp_path / "pytest.ini"), "--confcutdir", str(tmp_path)]
     cmd += ["-n", "3", "--worker-gpus", "5,7", str(tmp_path / "test_probe.py")]
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
