@@ -9,6 +9,9 @@
   torch's global numerics flags) is checked around every test: a test that leaves it changed
   fails, and the state is put back, so no test depends on which tests ran before it in its
   process.
+- A test that leaves more than ``ci.gpu_workers.RELEASE_GIB`` of CUDA memory reserved hands the
+  cached blocks back to the card, so the workers sharing a GPU are not starved by blocks that
+  one of them no longer uses.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from ci.gpu_workers import RELEASE_GIB
 
 # --record-triton-launches DIR: the interpreter tier writes its launches for ci/compile_triton.py.
 pytest_plugins = ("ci.triton_launches",)
@@ -123,3 +128,12 @@ def shared_state_unchanged(installed_backends: None) -> Iterator[None]:
         _restore(before)
         details = "; ".join(f"{k}: {before[k]!r} -> {after[k]!r}" for k in changed)
         pytest.fail(f"the test left shared state changed ({details})", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def cuda_cache_released() -> Iterator[None]:
+    """Return a worker's cached CUDA blocks to the card after a test that left many reserved."""
+    yield
+    initialized: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    if initialized and torch.cuda.memory_reserved() > RELEASE_GIB * 2**30:
+        torch.cuda.empty_cache()

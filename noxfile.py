@@ -391,7 +391,7 @@ def _gpu_session(cell: dict[str, Any]) -> None:
         cell,
         f"gpu_quick-{cell['torch']}",
         "gpu_quick",
-        quick,
+        tiers.GPU_QUICK_RUNS,
         f"The GPU tiers but the slow one ({', '.join(t.name for t in quick)}) with "
         f"{_pair_text(cell)}: what every labelled pull request runs.",
     )

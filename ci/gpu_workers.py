@@ -1,14 +1,18 @@
 """How many pytest-xdist workers a GPU tier runs on this host, and which GPUs they share.
 
-    python3 ci/gpu_workers.py            # "8 0" : workers, then the GPU list for --worker-gpus
+    python3 ci/gpu_workers.py            # "16 0": workers, then the GPU list for --worker-gpus
     python3 ci/gpu_workers.py --explain  # the same, with the card memory and cores behind it
 
-Each GPU takes as many workers as its memory holds at ``GIB_PER_WORKER`` each (the largest GPU
-tests, the 64k forward+backward of the layer, peak near 17 GiB; most need far less), and the
-host's cores are shared among all workers, because a worker spends much of its time compiling
-Triton kernels on the CPU. The workers spread over every visible GPU (the root conftest.py pins
-worker k to the (k mod n)-th GPU of the list). Stdlib only: it reads ``nvidia-smi``, never CUDA,
-so the tiers' processes start with no CUDA context taken by this script.
+Each GPU takes as many workers as its memory holds at ``GIB_PER_WORKER`` each, and each worker
+takes ``CORES_PER_WORKER`` of the host's cores. Most GPU tests peak under 2 GiB; the few that
+peak near 17 GiB (the 64k forward+backward of the layer, in the slow tier) are too few to meet
+more than two or three at once, and a worker hands its cached blocks back to the card after a
+test that left more than ``RELEASE_GIB`` reserved (the root conftest.py), so a card is not held
+by blocks a worker no longer uses. One core a worker: it runs torch on one thread (the test
+conftests set it) and compiles Triton kernels on one core. The workers spread over every visible
+GPU (the root conftest.py pins worker k to the (k mod n)-th GPU of the list). Stdlib only: it
+reads ``nvidia-smi``, never CUDA, so the tiers' processes start with no CUDA context taken by
+this script.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-GIB_PER_WORKER = 16
-CORES_PER_WORKER = 2
+GIB_PER_WORKER = 8
+CORES_PER_WORKER = 1
+RELEASE_GIB = 4
 
 
 @dataclass(frozen=True)

@@ -202,9 +202,6 @@ TIERS: tuple[Tier, ...] = (
 
 CPU_TIERS = tuple(t for t in TIERS if t.hardware == "cpu")
 GPU_TIERS = tuple(t for t in TIERS if t.hardware == "cuda")
-# A pull request's GPU run: every GPU tier but ``slow``, whose tests each take tens of seconds
-# (compiles, long training smokes) and run on a second label and on main.
-GPU_QUICK_TIERS = tuple(t for t in GPU_TIERS if t.name != "slow")
 
 
 def tier(name: str) -> Tier:
@@ -212,6 +209,52 @@ def tier(name: str) -> Tier:
         if t.name == name:
             return t
     raise KeyError(f"no tier {name!r} (tiers: {', '.join(t.name for t in TIERS)})")
+
+
+def merged(name: str, title: str, parts: Sequence[Tier]) -> Tier:
+    """One pytest run of ``parts``: their markers joined with ``or``.
+
+    The parts must share paths, hardware, environment and extra arguments and all be parallel,
+    so that the run selects exactly their tests under the conditions each was defined with.
+    One run saves a collection per part and lets a single worker pool drain every test, where
+    the tail of one part would otherwise leave workers idle before the next part starts.
+    """
+    first = parts[0]
+    for part in parts[1:]:
+        same = (part.paths, part.hardware, dict(part.env), part.extra_args) == (
+            first.paths,
+            first.hardware,
+            dict(first.env),
+            first.extra_args,
+        )
+        if not same:
+            raise ValueError(f"tiers {first.name} and {part.name} differ beyond their markers")
+    if not all(part.parallel for part in parts):
+        raise ValueError("only parallel tiers merge into one run")
+    return Tier(
+        name,
+        title,
+        first.paths,
+        " or ".join(f"({part.markers})" for part in parts),
+        first.hardware,
+        env=first.env,
+        extra_args=first.extra_args,
+        smoke=tuple(test for part in parts for test in part.smoke),
+    )
+
+
+# A pull request's GPU run: every GPU tier but ``slow``, whose tests each take tens of seconds
+# (compiles, long training smokes) and run on a second label and on main. Its two parallel
+# tiers run as one pytest run (see ``merged``).
+GPU_QUICK_TIERS = tuple(t for t in GPU_TIERS if t.name != "slow")
+GPU_QUICK_RUNS = (
+    merged(
+        "triton-gpu+gpu",
+        "Triton kernels compiled and GPU parity (GPU)",
+        [tier("triton-gpu"), tier("gpu")],
+    ),
+    *(t for t in GPU_QUICK_TIERS if t.name not in ("triton-gpu", "gpu")),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

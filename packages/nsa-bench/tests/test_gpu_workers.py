@@ -19,18 +19,21 @@ RTX4090 = Gpu("0", "NVIDIA GeForce RTX 4090", 24564)
 
 
 def test_a_card_takes_as_many_workers_as_its_memory_holds() -> None:
-    assert GIB_PER_WORKER == 16
-    assert plan([H200], cores=16).workers == 8  # 140 GiB / 16
-    assert plan([H100], cores=64).workers == 4  # 79 GiB / 16
-    assert plan([RTX4090], cores=16).workers == 1  # never fewer than one per card
+    assert GIB_PER_WORKER == 8
+    assert plan([H200], cores=64).workers == 17  # 140 GiB / 8
+    assert plan([H100], cores=64).workers == 9  # 79 GiB / 8
+    assert plan([RTX4090], cores=16).workers == 2  # 23 GiB / 8
+    small = Gpu("0", "NVIDIA GeForce RTX 2060", 6144)
+    assert plan([small], cores=16).workers == 1  # never fewer than one per card
 
 
 def test_the_cores_cap_the_workers_and_every_gpu_is_listed() -> None:
     two = plan([H200, Gpu("1", "NVIDIA H200", 143771)], cores=16)
-    assert two.workers == 8  # 16 by memory, 8 by 16 cores at 2 each
+    assert two.workers == 16  # 34 by memory, 16 by 16 cores at 1 each
     assert two.gpus == ("0", "1")
-    assert "8 by 16 cores" in two.why
-    assert plan([H200], cores=2).workers == 1
+    assert "16 by 16 cores" in two.why
+    assert plan([H200], cores=2).workers == 2
+    assert plan([H200], cores=1).workers == 1
 
 
 def test_no_gpu_means_no_workers() -> None:

@@ -52,6 +52,25 @@ def test_interpreter_tier_and_its_compiled_twin_select_the_same_tests() -> None:
     assert not compiled.env
 
 
+def test_the_quick_gpu_runs_select_every_gpu_tier_but_slow_once() -> None:
+    """gpu_quick's runs (two tiers merged into one pytest run) select, for every marking, the
+    tests of the GPU tiers other than ``slow``: each in exactly one run, none of ``slow``'s."""
+    assert [r.name for r in tiers.GPU_QUICK_RUNS] == ["triton-gpu+gpu", "fa2", "cuda"]
+    quick = [t for t in tiers.GPU_TIERS if t.name != "slow"]
+    for k in range(len(MARKERS) + 1):
+        for marks in itertools.combinations(MARKERS, k):
+            runs = [r.name for r in tiers.GPU_QUICK_RUNS if _selects(r.markers, set(marks))]
+            wanted = [t.name for t in quick if _selects(t.markers, set(marks))]
+            assert len(runs) == len(wanted) <= 1, (marks, runs, wanted)
+
+
+def test_only_tiers_alike_but_for_their_markers_merge() -> None:
+    with pytest.raises(ValueError, match="differ beyond their markers"):
+        tiers.merged("x", "x", [tiers.tier("interpreter"), tiers.tier("triton-gpu")])
+    with pytest.raises(ValueError, match="only parallel tiers"):
+        tiers.merged("x", "x", [tiers.tier("gpu"), tiers.tier("fa2")])
+
+
 def test_every_tier_has_a_smoke_selection_that_collects_tests() -> None:
     """``runner.py --quick`` runs each tier's smoke selection: every id in it must still name
     tests (a renamed test would otherwise leave its tier's smoke run empty)."""
