@@ -28,6 +28,6 @@ t0=$(date +%s)
 NSA_NOX_SYSTEM_PACKAGES=1 PYTHONUNBUFFERED=1 python3 -m nox -s "$session" "$@" >"$log" 2>&1
 rc=$?
 dt=$(( $(date +%s) - t0 ))
-grep -E "GPU tiers:|\] [a-z0-9-]+: (ok|FAILED) in|^nox > tiers:|passed|failed|error" "$log" | tail -20
+grep -E "GPU tiers:|] [a-z0-9+-]+: (ok|FAILED) in|^nox > tiers:|passed|failed|error" "$log" | tail -20
 echo "nox -s $session: exit $rc in $dt s ($(( dt / 60 )) min $(( dt % 60 )) s); log $log"
 exit $rc
