@@ -235,7 +235,8 @@ def nsa_config(flags: Mapping[str, str], **fields: Any) -> NSAConfig:
     except (TypeError, ValueError) as exc:
         text = str(exc).replace("NSAConfig.", "")
         for field_name, flag in flags.items():
-            text = re.sub(rf"\b{field_name}\b", lambda _, flag=flag: flag, text)
+            # Backslashes doubled: the flag's text is taken as is, never as a group reference.
+            text = re.sub(rf"\b{field_name}\b", flag.replace("\\", "\\\\"), text)
         raise UsageError(text) from None
 
 
