@@ -48,6 +48,7 @@ BAD_INPUTS: dict[str, list[Row]] = {
         (["--methods", "reference", "--seqlens", "8k,-64"], "argument --seqlens: '-64' is not a"),
         (["--methods", "reference", "--heads", "6"], "--heads (6) must be a multiple of --kv-h"),
         (["--methods", "reference", "--cmp-stride", "24"], "--cmp-block (32) must be a multiple"),
+        (["--configs", "block_m=16;tile=8"], "--configs: unknown CmpConfig field 'tile'", INTERP),
         (["--T", "512"], "unrecognized arguments: --T 512"),
     ],
     "cp": [
@@ -120,6 +121,7 @@ BAD_INPUTS: dict[str, list[Row]] = {
         # Under Triton's interpreter the run gets past the GPU check to the geometry's.
         (["--cmp-stride", "24"], "--cmp-block (32) must be a multiple of --cmp-stride", INTERP),
         (["--heads", "6"], "--heads (6) must be a multiple of --kv-heads (4)", INTERP),
+        (["--config", "warps=four"], "--config: ScoreConfig field 'warps' needs an int", INTERP),
         (["--l_sel", "64"], "unrecognized arguments: --l_sel 64"),
     ],
     "sel": [
@@ -127,6 +129,7 @@ BAD_INPUTS: dict[str, list[Row]] = {
         (["--pass", "bwd"], "argument --pass: unknown 'bwd'; choose from fwd, fwd_bwd"),
         (["--prefill"], "--mode prefill needs a CUDA GPU (torch sees none)"),
         (["--prefill", "--mode", "rows"], "--prefill contradicts --mode rows"),
+        (["--configs", "block_l=64"], "--configs: read in prefill mode only"),
         (["--probe"], "--probe: read in prefill mode only (--mode prefill)"),
         (["--query-rows", "0"], "argument --query-rows: '0' is not a positive integer"),
         (["--heads", "6", "--kv-heads", "4"], "--heads (6) must be a multiple of --kv-heads (4)"),

@@ -212,6 +212,16 @@ def require_multiple(value: int, flag: str, divisor: int, divisor_flag: str) -> 
         raise UsageError(f"{flag} ({value}) must be a multiple of {divisor_flag} ({divisor})")
 
 
+def check_tile_configs(flag: str, parse: Callable[[str], object], texts: Sequence[str]) -> None:
+    """Each tile-config string of ``flag`` parses (``parse`` raises ValueError naming the field
+    it does not know or the value that is not a count), else UsageError."""
+    for text in texts:
+        try:
+            parse(text)
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+
+
 def why_no_cuda(device: str | None = None) -> str:
     """Why a run that needs a CUDA GPU has none: torch sees none, or ``--device`` chose the CPU."""
     if not torch.cuda.is_available():

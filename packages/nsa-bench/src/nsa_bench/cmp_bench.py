@@ -269,7 +269,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """The methods of the branch timed, heads that group, a stride that divides the block (the
-    compressed branch), and a device each method runs on."""
+    compressed branch), a device each method runs on, and tile configs CmpConfig knows."""
     known = WINDOW_METHODS if args.window else METHODS
     unknown = [m for m in args.methods if m not in known]
     if unknown:
@@ -291,6 +291,10 @@ def check_arguments(args: argparse.Namespace) -> None:
                 f"--methods triton needs a CUDA GPU ({why}), or TRITON_INTERPRET=1 to run "
                 "Triton's interpreter on CPU"
             )
+    if "triton" in args.methods and args.configs:
+        from nsa_kernels.compressed.function import parse_config
+
+        cli_args.check_tile_configs("--configs", parse_config, args.configs.split(";"))
 
 
 def run(args: argparse.Namespace) -> int:

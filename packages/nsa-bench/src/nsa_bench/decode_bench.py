@@ -45,7 +45,7 @@ import torch
 
 from nsa_bench.cli_args import (
     HEAD_FLAGS,
-    UsageError,
+    check_tile_configs,
     nsa_config,
     positive_int,
     positive_ints,
@@ -307,10 +307,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     """The heads and head dims make an NSA config and ``--config`` names known fields (the CLI
     runs this after its CUDA check: the config's type comes with the Triton kernels)."""
     nsa_config_of(args)
-    try:
-        parse_kernel_config(args.config)
-    except ValueError as exc:
-        raise UsageError(f"--config: {exc}") from None
+    check_tile_configs("--config", parse_kernel_config, [args.config])
 
 
 CSV_COLUMNS = (

@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_arguments(args: argparse.Namespace) -> None:
     """The kernel's device, and the rules of block scoring: heads that group, a stride that
-    divides both block lengths."""
+    divides both block lengths; a tile config ScoreConfig knows."""
     if torch.device(args.device).type == "cpu" and not cli_args.triton_interpreted():
         raise cli_args.UsageError(
             f"the Triton scoring kernel needs a CUDA GPU ({cli_args.why_no_cuda(args.device)}), "
@@ -126,6 +126,10 @@ def check_arguments(args: argparse.Namespace) -> None:
     cli_args.require_multiple(args.heads, "--heads", args.kv_heads, "--kv-heads")
     cli_args.require_multiple(args.cmp_block, "--cmp-block", args.cmp_stride, "--cmp-stride")
     cli_args.require_multiple(args.sel_block, "--sel-block", args.cmp_stride, "--cmp-stride")
+    if args.config:
+        from nsa_kernels.scoring.function import parse_config
+
+        cli_args.check_tile_configs("--config", parse_config, [args.config])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,6 +52,7 @@ from nsa_bench.cli_args import (
     add_do_bench_args,
     add_seed_arg,
     add_selection_args,
+    check_tile_configs,
     comma_list,
     existing_file,
     names,
@@ -543,11 +544,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if mode == "prefill" and args.configs:
         from nsa_kernels.selected.function import parse_config
 
-        for text in args.configs.split(";"):
-            try:
-                parse_config(text)
-            except ValueError as exc:
-                raise UsageError(f"--configs: {exc}") from None
+        check_tile_configs("--configs", parse_config, [c for c in args.configs.split(";") if c])
 
 
 def _env() -> dict[str, str]:
