@@ -27,7 +27,7 @@ fi
 
 if [[ "${SWEEP:-0}" == 1 ]]; then
   echo "== bench: decode sweep B=1 S=64k" >&2
-  timeout "${SWEEP_TIMEOUT:-200}" python3 -m nsa_bench.cli decode --B 1 --S 65536 --sweep \
+  timeout "${SWEEP_TIMEOUT:-200}" python3 -m nsa_bench.cli decode --batch-sizes 1 --seqlens 65536 --sweep \
     --sweep-chunks --no-layer --profile --iters 30 --repeats 3 --out "$OUT/sweep" >"$OUT/sweep.log" 2>&1
   echo "bench decode sweep: exit $?" | tee -a "$OUT/summary.txt"
   grep -E '"sweep"' "$OUT/sweep.log" | python3 -c "

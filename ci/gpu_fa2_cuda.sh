@@ -113,7 +113,7 @@ bench_once() {  # name, extra args...
   shift
   local start=$SECONDS rc
   timeout "$PHASE_TIMEOUT" "$PYTHON" -m nsa_bench.cli fa2 --csv "$LOGS/$name.csv" \
-    --T "$BENCH_T" "$@" >"$LOGS/$name.txt" 2>"$LOGS/$name.log"
+    --seqlens "$BENCH_T" "$@" >"$LOGS/$name.txt" 2>"$LOGS/$name.log"
   rc=$?
   local status=ok
   ((rc == 0)) || status=FAIL
@@ -128,8 +128,8 @@ phase_bench() {
   if ((build_state == 2)); then
     record bench WARN "flash-attn is still compiling: these timings are not quotable" 0
   fi
-  bench_once fa2_bench_fwd --D "$BENCH_D" --modes fwd --methods fa2,flex,sdpa
-  bench_once fa2_bench_fwd_bwd --D 128 --modes fwd_bwd --methods fa2,sdpa
+  bench_once fa2_bench_fwd --head-dims "$BENCH_D" --modes fwd --methods fa2,flex,sdpa
+  bench_once fa2_bench_fwd_bwd --head-dims 128 --modes fwd_bwd --methods fa2,sdpa
 }
 
 PHASES=("$@")

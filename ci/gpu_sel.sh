@@ -94,14 +94,14 @@ fi
 
 if [[ "$SEL_ROWS" == 1 ]]; then
   start=$SECONDS
-  timeout 240 "$PYTHON" -m nsa_bench.cli sel --mode rows --N 1024 --H 8 --D 128 --Dv 128 \
-    --L_list 64,128,256,512,1024,2048,4096 --dist many --iters 20 --warmup 5 \
+  timeout 240 "$PYTHON" -m nsa_bench.cli sel --mode rows --query-rows 1024 --heads 8 --dk 128 --dv 128 \
+    --seqlens 64,128,256,512,1024,2048,4096 --dist many --iters 20 --warmup 5 \
     --methods "$SEL_ROWS_METHODS" --csv "$OUT/sel_rows.csv" >"$OUT/sel_rows.txt" 2>>"$OUT/bench.log"
   echo "rows bench: rc=$? in $((SECONDS - start)) s; $(tail -n 1 "$OUT/sel_rows.txt")"
 fi
 
 start=$SECONDS
-timeout 420 "$PYTHON" -m nsa_bench.cli sel --prefill --T "$SEL_T" --groups "$SEL_GROUPS" \
+timeout 420 "$PYTHON" -m nsa_bench.cli sel --prefill --seqlens "$SEL_T" --groups "$SEL_GROUPS" \
   --configs "$SEL_CONFIGS" --csv "$OUT/sel_prefill.csv" --json "$OUT/sel_prefill.json" \
   ${SEL_BENCH_ARGS---probe} >"$OUT/sel_prefill.txt" 2>>"$OUT/bench.log"
 bench_rc=$?
@@ -110,7 +110,7 @@ echo "prefill bench: rc=$bench_rc in $((SECONDS - start)) s"
 
 if [[ -n "$SEL_CUDA_T" ]]; then
   start=$SECONDS
-  timeout 180 "$PYTHON" -m nsa_bench.cli sel --prefill --T "$SEL_CUDA_T" --pass fwd \
+  timeout 180 "$PYTHON" -m nsa_bench.cli sel --prefill --seqlens "$SEL_CUDA_T" --pass fwd \
     --methods triton,cuda,fla --csv "$OUT/sel_cuda.csv" >"$OUT/sel_cuda.txt" 2>>"$OUT/bench.log"
   echo "cuda-beside-triton bench: rc=$? in $((SECONDS - start)) s"
 fi

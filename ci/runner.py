@@ -426,15 +426,15 @@ def run_benches(out: Path, has_cuda: bool) -> list[StepResult]:
     iters = "8" if not has_cuda else "64"
     decode_csv = out / "decode.csv"
     print("[bench] decode", flush=True)
-    decode_args = ["decode-module", "--S_list", s_list, "--iters", iters, "--warmup", "2"]
+    decode_args = ["decode-module", "--seqlens", s_list, "--iters", iters, "--warmup", "2"]
     results.append(run_bench("decode", [*decode_args, "--csv", str(decode_csv)], out))
     results.append(run_bench("decode_summary", ["summarize", str(decode_csv)], out))
     if has_cuda:
         print("[bench] sel", flush=True)
-        sel_args = ["sel", "--L_list", "64,128,256,512,1024", "--iters", "20"]
+        sel_args = ["sel", "--seqlens", "64,128,256,512,1024", "--iters", "20"]
         results.append(run_bench("sel", [*sel_args, "--csv", str(out / "sel.csv")], out))
         print("[bench] fa2", flush=True)
-        fa2_args = ["fa2", "--T", "1024,4096,16384", "--D", "128"]
+        fa2_args = ["fa2", "--seqlens", "1024,4096,16384", "--head-dims", "128"]
         results.append(run_bench("fa2", [*fa2_args, "--csv", str(out / "fa2.csv")], out))
     else:
         for name in ("sel", "fa2"):

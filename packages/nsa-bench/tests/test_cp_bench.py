@@ -47,8 +47,8 @@ def test_cli_lists_cp() -> None:
     assert COMMANDS["cp"][0] == "nsa_bench.cp_bench"
     args = build_parser().parse_args(["cp"])
     assert (args.world_sizes, args.seqlens, args.layout) == (
-        "1,2,4,8",
-        "128k,256k,512k,1m",
+        [1, 2, 4, 8],
+        [128 << 10, 256 << 10, 512 << 10, 1 << 20],
         "zigzag",
     )
 

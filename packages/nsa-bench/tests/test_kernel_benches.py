@@ -16,6 +16,7 @@ import torch
 
 from nsa_bench import cmp_bench, decode_bench, score_bench
 from nsa_bench.cli import COMMANDS, build_parser
+from nsa_bench.cli_args import UsageError
 from nsa_core.reference.compressed_attention import compressed_attention
 
 RUNS_TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -26,10 +27,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_cli_lists_the_kernel_benches() -> None:
-    assert {"cmp", "score", "decode", "decode-fused", "decode-module"} <= set(COMMANDS)
-    assert COMMANDS["decode-fused"][0] == COMMANDS["decode"][0]  # the deprecated name
-    args = build_parser().parse_args(["decode", "--B", "2", "--S", "128", "--no-graph"])
-    assert (args.B, args.S, args.command, args.graph) == ("2", "128", "decode", False)
+    assert {"cmp", "score", "decode", "decode-module"} <= set(COMMANDS)
+    assert COMMANDS["decode"].needs_cuda
+    argv = ["decode", "--batch-sizes", "2,4", "--seqlens", "128,1k", "--no-graph"]
+    args = build_parser().parse_args(argv)
+    assert (args.batch_sizes, args.seqlens, args.command, args.graph) == (
+        [2, 4],
+        [128, 1024],
+        "decode",
+        False,
+    )
     assert build_parser().parse_args(["decode"]).graph is True
 
 
@@ -77,9 +84,10 @@ def test_sdpa_peer_matches_the_reference_where_rows_see_a_block() -> None:
 
 
 def _cmp_argv(out: Path, methods: str, *extra: str) -> list[str]:
-    return ["cmp", "--T", "40,64", "--hq", "4", "--h", "2", "--dk", "16", "--dv", "16",
-            "--l", "8", "--d", "4", "--dtype", "fp32", "--methods", methods, "--iters", "1",
-            "--warmup", "0", "--device", DEVICE, "--csv", str(out), *extra]  # fmt: skip
+    return ["cmp", "--seqlens", "40,64", "--heads", "4", "--kv-heads", "2", "--dk", "16",
+            "--dv", "16", "--cmp-block", "8", "--cmp-stride", "4", "--dtype", "fp32",
+            "--methods", methods, "--iters", "1", "--warmup", "0", "--device", DEVICE,
+            "--csv", str(out), *extra]  # fmt: skip
 
 
 def test_cmp_peers_on_cpu_write_csv(tmp_path: Path) -> None:
@@ -111,20 +119,16 @@ def test_cmp_window_times_the_sliding_branch_on_cpu(tmp_path: Path) -> None:
     ]
     assert all(float(r["fwd_ms"]) > 0 and float(r["fwd_bwd_ms"]) > 0 for r in rows)
     args = build_parser().parse_args(_cmp_argv(out, "sdpa", "--window", "16"))
-    assert cmp_bench.run(args) == 2  # the compressed branch's SDPA peer has no sliding form
-
-
-def test_cmp_refuses_unknown_methods(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["cmp", "--methods", "triton,flash"])
-    assert cmp_bench.run(args) == 2
-    assert "unknown methods ['flash']" in capsys.readouterr().out
+    # The compressed branch's SDPA peer has no sliding form.
+    with pytest.raises(UsageError, match="sdpa cannot time the sliding branch"):
+        cmp_bench.check_arguments(args)
 
 
 @pytest.mark.triton
 @NEEDS_TRITON
 def test_cmp_triton_tiny(tmp_path: Path) -> None:
     out = tmp_path / "cmp.csv"
-    argv = _cmp_argv(out, "triton", "--T", "40", "--configs", "block_m=16;block_m=32")
+    argv = _cmp_argv(out, "triton", "--seqlens", "40", "--configs", "block_m=16;block_m=32")
     assert cmp_bench.run(build_parser().parse_args(argv)) == 0
     rows = list(csv.DictReader(out.open()))
     assert [r["method"] for r in rows] == ["triton", "triton"]
@@ -137,7 +141,7 @@ def test_cmp_triton_tiny(tmp_path: Path) -> None:
 @NEEDS_TRITON
 def test_cmp_window_triton_tiny(tmp_path: Path) -> None:
     out = tmp_path / "cmp.csv"
-    argv = _cmp_argv(out, "triton", "--T", "40", "--window", "8", "--configs", "block_m=16")
+    argv = _cmp_argv(out, "triton", "--seqlens", "40", "--window", "8", "--configs", "block_m=16")
     assert cmp_bench.run(build_parser().parse_args(argv)) == 0
     rows = list(csv.DictReader(out.open()))
     assert [(r["method"], r["blocks"]) for r in rows] == [("triton", "40")]
@@ -160,7 +164,7 @@ def test_cmp_sweep_reports_a_config_the_gpu_cannot_hold_and_goes_on(
 
     monkeypatch.setattr(cmp_bench, "time_triton", time_triton)
     out = tmp_path / "cmp.csv"
-    argv = _cmp_argv(out, "triton", "--T", "40", "--configs", "block_n=128;block_m=32")
+    argv = _cmp_argv(out, "triton", "--seqlens", "40", "--configs", "block_n=128;block_m=32")
     assert cmp_bench.run(build_parser().parse_args(argv)) == 0
     assert [r["config"] for r in csv.DictReader(out.open())] == ["block_m=32"]
     printed = capsys.readouterr().out
@@ -171,7 +175,8 @@ def test_cmp_sweep_reports_a_config_the_gpu_cannot_hold_and_goes_on(
 @NEEDS_TRITON
 def test_score_triton_tiny(tmp_path: Path) -> None:
     out = tmp_path / "score.csv"
-    argv = ["score", "--T", "96", "--hq", "2", "--h", "1", "--dk", "16", "--n", "2",
+    argv = ["score", "--seqlens", "96", "--heads", "2", "--kv-heads", "1", "--dk", "16",
+            "--num-selected", "2",
             "--dtype", "fp32", "--iters", "1", "--warmup", "0", "--device", DEVICE,
             "--csv", str(out)]  # fmt: skip
     assert score_bench.run(build_parser().parse_args(argv)) == 0
@@ -210,15 +215,6 @@ def test_decode_targets_judge_the_measured_rows() -> None:
         "B32_S64k_speedup>=6.0": None,
         "B1_S64k_speedup>=2.0": None,
     }
-
-
-def test_decode_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
-    if torch.cuda.is_available():
-        pytest.skip("checks the CPU refusal; this machine has a GPU")
-    assert decode_bench.run(build_parser().parse_args(["decode"])) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().out
-    with pytest.warns(DeprecationWarning, match="use `nsa-bench decode`"):
-        assert decode_bench.run(build_parser().parse_args(["decode-fused"])) == 2
 
 
 def test_decode_markdown_and_failed_rows() -> None:

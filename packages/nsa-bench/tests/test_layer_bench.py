@@ -14,7 +14,7 @@ import torch
 
 from nsa_bench.cases import failure_status
 from nsa_bench.cli import build_parser
-from nsa_bench.cli_args import parse_length, parse_names, parse_pairs
+from nsa_bench.cli_args import names, pairs, seqlen
 from nsa_bench.layer import cli as layer_cli
 from nsa_bench.layer.inputs import make_inputs
 from nsa_bench.layer.measure import measure
@@ -408,17 +408,17 @@ def test_step_backends_are_parsed_and_checked() -> None:
 
 
 def test_parsers() -> None:
-    assert [parse_length(x) for x in ("8k", "128K", "256", "1m")] == [
+    assert [seqlen(x) for x in ("8k", "128K", "256", "1m")] == [
         8192,
         131072,
         256,
         1 << 20,
     ]
-    assert parse_pairs("128/128, 192/128") == [(128, 128), (192, 128)]
+    assert pairs("128/128, 192/128") == [(128, 128), (192, 128)]
     with pytest.raises(Exception, match="not A/B"):
-        parse_pairs("128")
-    with pytest.raises(Exception, match="unknown"):
-        parse_names("nsa_core,xformers", METHODS)
+        pairs("128")
+    with pytest.raises(Exception, match="unknown 'xformers'"):
+        names(METHODS)("nsa_core,xformers")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -292,7 +292,9 @@ def test_runs_of_one_variant_each_merge_into_one_report(
         main(["needle", f"--out={merged}", "--merge", str(tmp_path / "nsa"), str(tmp_path / "nsa")])
 
 
-def test_sel_bench_takes_an_indices_file() -> None:
-    args = build_parser().parse_args(["sel", "--prefill", "--indices", "sel.pt"])
-    assert args.indices == "sel.pt"
+def test_sel_bench_takes_an_indices_file(tmp_path: Path) -> None:
+    indices = tmp_path / "sel.pt"
+    indices.write_bytes(b"")  # the parser checks that the file exists, not what it holds
+    args = build_parser().parse_args(["sel", "--prefill", "--indices", str(indices)])
+    assert args.indices == str(indices)
     assert build_parser().parse_args(["sel", "--prefill"]).indices is None

@@ -104,9 +104,10 @@ def test_cli_rows_mode_on_cpu_writes_csv(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "sel.csv"
-    argv = ["sel", "--N", "16", "--H", "2", "--D", "16", "--Dv", "16", "--L_list", "64,128",
-            "--sel-block", "16", "--n", "4", "--dist", "mixed", "--methods", "sdpa,reference",
-            "--iters", "1", "--warmup", "0", "--csv", str(out)]  # fmt: skip
+    argv = ["sel", "--query-rows", "16", "--heads", "2", "--dk", "16", "--dv", "16",
+            "--seqlens", "64,128", "--sel-block", "16", "--num-selected", "4", "--dist", "mixed",
+            "--methods", "sdpa,reference", "--iters", "1", "--warmup", "0",
+            "--csv", str(out)]  # fmt: skip
     args = build_parser().parse_args(argv)
     assert sel_bench.run(args) == 0
     rows = list(csv.DictReader(out.open()))
@@ -121,9 +122,10 @@ def test_cli_rows_mode_on_cpu_writes_csv(
 
 def test_mode_seeds_is_the_deprecated_name_of_rows(tmp_path: Path) -> None:
     out = tmp_path / "sel.csv"
-    argv = ["sel", "--mode", "seeds", "--N", "8", "--H", "2", "--D", "16", "--Dv", "16",
-            "--L_list", "64", "--sel-block", "16", "--n", "2", "--methods", "reference",
-            "--iters", "1", "--warmup", "0", "--csv", str(out)]  # fmt: skip
+    argv = ["sel", "--mode", "seeds", "--query-rows", "8", "--heads", "2", "--dk", "16",
+            "--dv", "16", "--seqlens", "64", "--sel-block", "16", "--num-selected", "2",
+            "--methods", "reference", "--iters", "1", "--warmup", "0",
+            "--csv", str(out)]  # fmt: skip
     args = build_parser().parse_args(argv)
     with pytest.warns(DeprecationWarning, match="--mode seeds is deprecated; use --mode rows"):
         assert sel_bench.run(args) == 0
@@ -136,13 +138,6 @@ def test_mode_resolution() -> None:
     assert sel_bench.resolve_mode("prefill", False) == "prefill"
     with pytest.raises(ValueError, match="--prefill contradicts --mode rows"):
         sel_bench.resolve_mode("rows", True)
-
-
-def test_prefill_needs_cuda() -> None:
-    if torch.cuda.is_available():
-        pytest.skip("checks the CPU refusal; this machine has a GPU")
-    args = build_parser().parse_args(["sel", "--prefill"])
-    assert sel_bench.run(args) == 2
 
 
 def test_forward_only_methods_report_their_backward_as_not_applicable() -> None:

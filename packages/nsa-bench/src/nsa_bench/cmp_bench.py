@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 METHODS = ("triton", "reference", "sdpa")
 WINDOW_METHODS = ("triton", "reference", "flex")
+ALL_METHODS = ("triton", "reference", "sdpa", "flex")
 # Forward + backward matmuls: 2 forward (q.k, p.v), 5 backward (q.k again, do.v, p^T.do,
 # ds.k, ds^T.q).
 FWD_BWD_FLOP_FACTOR = 3.5
@@ -109,18 +110,18 @@ def sdpa_chunked(
 def make_problem(args: argparse.Namespace, seq_len: int, device: torch.device) -> CmpProblem:
     dtype = DTYPES[args.dtype]
     gen = torch.Generator(device=device).manual_seed(args.seed + seq_len)
-    blocks = seq_len if args.window else num_cmp_blocks(seq_len, args.l, args.d)
+    blocks = seq_len if args.window else num_cmp_blocks(seq_len, args.cmp_block, args.cmp_stride)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, generator=gen).to(dtype)
 
     return CmpProblem(
-        q=randn(args.B, seq_len, args.hq, args.dk),
-        k=randn(args.B, blocks, args.h, args.dk),
-        v=randn(args.B, blocks, args.h, args.dv),
-        do=randn(args.B, seq_len, args.hq, args.dv),
-        cmp_block=args.l,
-        cmp_stride=args.d,
+        q=randn(args.batch, seq_len, args.heads, args.dk),
+        k=randn(args.batch, blocks, args.kv_heads, args.dk),
+        v=randn(args.batch, blocks, args.kv_heads, args.dv),
+        do=randn(args.batch, seq_len, args.heads, args.dv),
+        cmp_block=args.cmp_block,
+        cmp_stride=args.cmp_stride,
         window=args.window,
     )
 
@@ -236,21 +237,28 @@ def time_peer(method: str, p: CmpProblem, timer: Timer) -> tuple[float, float]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_kernel_shape_args(parser)
-    parser.add_argument("--dv", type=int, default=128, help="value head dim")
+    parser.add_argument("--dv", type=cli_args.positive_int, default=128, help="value head dim")
     cli_args.add_compression_args(parser)
     cli_args.add_dtype_arg(parser)
     parser.add_argument(
-        "--methods", default="triton", help=f"comma-separated, of {', '.join(METHODS)}"
+        "--methods",
+        type=cli_args.names(ALL_METHODS),
+        default="triton",
+        help=f"comma-separated, of {', '.join(METHODS)} (with --window: "
+        f"{', '.join(WINDOW_METHODS)})",
     )
     parser.add_argument("--configs", default="", help='CmpConfig strings separated by ";"')
     parser.add_argument(
         "--window",
-        type=int,
+        type=cli_args.non_negative_int,
         default=0,
-        help="time the sliding branch with this window instead (methods triton, flex, reference)",
+        help="time the sliding branch with this window instead (0: the compressed branch)",
     )
     parser.add_argument(
-        "--baseline-max-t", type=int, default=16384, help="longest T for reference and sdpa"
+        "--baseline-max-t",
+        type=cli_args.seqlen,
+        default=16384,
+        help="longest T for reference and sdpa",
     )
     cli_args.add_kernel_timing_args(parser)
     cli_args.add_device_arg(
@@ -259,27 +267,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_seed_arg(parser)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The methods of the branch timed, heads that group, a stride that divides the block (the
+    compressed branch), a device each method runs on, and tile configs CmpConfig knows."""
+    known = WINDOW_METHODS if args.window else METHODS
+    unknown = [m for m in args.methods if m not in known]
+    if unknown:
+        branch = "the sliding branch (--window)" if args.window else "the compressed branch"
+        raise cli_args.UsageError(
+            f"--methods: {', '.join(unknown)} cannot time {branch}; choose from {', '.join(known)}"
+        )
+    cli_args.require_multiple(args.heads, "--heads", args.kv_heads, "--kv-heads")
+    if not args.window:
+        cli_args.require_multiple(args.cmp_block, "--cmp-block", args.cmp_stride, "--cmp-stride")
+    if torch.device(args.device).type == "cpu":
+        # FlexAttention's backward runs on CUDA only; Triton's kernels on CUDA, or on CPU
+        # tensors under Triton's interpreter (TRITON_INTERPRET=1).
+        why = cli_args.why_no_cuda(args.device)
+        if "flex" in args.methods:
+            raise cli_args.UsageError(f"--methods flex needs a CUDA GPU ({why})")
+        if "triton" in args.methods and not cli_args.triton_interpreted():
+            raise cli_args.UsageError(
+                f"--methods triton needs a CUDA GPU ({why}), or TRITON_INTERPRET=1 to run "
+                "Triton's interpreter on CPU"
+            )
+    if "triton" in args.methods and args.configs:
+        from nsa_kernels.compressed.function import parse_config
+
+        cli_args.check_tile_configs("--configs", parse_config, args.configs.split(";"))
+
+
 def run(args: argparse.Namespace) -> int:
     from nsa_kernels.compressed.function import attention_flops
 
-    methods = [m for m in args.methods.split(",") if m]
-    known = WINDOW_METHODS if args.window else METHODS
-    unknown = sorted(set(methods) - set(known))
-    if unknown:
-        print(f"unknown methods {unknown}; known: {', '.join(known)}")
-        return 2
+    methods = args.methods
     device = torch.device(args.device)
 
     def timer(fn: Callable[[], object]) -> float:
         return median_ms(fn, iters=args.iters, warmup=args.warmup, device=device)
 
     rows: list[CmpRow] = []
-    for seq_len in cli_args.parse_ints(args.T):
+    for seq_len in args.seqlens:
         p = make_problem(args, seq_len, device)
         if args.window:
-            flops = window_flops(args.B, seq_len, args.hq, args.dk, args.dv, args.window)
+            flops = window_flops(args.batch, seq_len, args.heads, args.dk, args.dv, args.window)
         else:
-            flops = attention_flops(args.B, seq_len, args.hq, args.dk, args.dv, args.l, args.d)
+            flops = attention_flops(
+                args.batch, seq_len, args.heads, args.dk, args.dv, args.cmp_block, args.cmp_stride
+            )
         timed: list[tuple[str, str, float, float, float]] = []
         for method in methods:
             if method == "triton":

@@ -49,12 +49,21 @@ from torch.multiprocessing.spawn import spawn
 
 from nsa_bench.cases import DTYPES, MIB, Shape, failure_status, free_memory, row_columns
 from nsa_bench.cli_args import (
+    BLOCK_FLAGS,
     add_layer_blocks_args,
     add_layer_heads_args,
     add_seed_arg,
+    block_geometry,
     blocks_config,
-    parse_length,
-    parse_pairs,
+    device_name,
+    names,
+    non_negative_int,
+    nsa_config,
+    pair,
+    positive_float,
+    positive_int,
+    positive_ints,
+    seqlens,
 )
 from nsa_bench.env import collect_columns
 from nsa_bench.tables import finite_or_dash, write_env_tables
@@ -421,13 +430,19 @@ def _progress(row: Row) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--world-sizes", default="1,2,4,8", help="ranks per run, comma-separated (spawned here)"
+        "--world-sizes",
+        type=positive_ints,
+        default="1,2,4,8",
+        help="ranks per run, comma-separated (spawned here)",
     )
     parser.add_argument(
-        "--seqlens", default="128k,256k,512k,1m", help="lengths T (131072, 128k or 1m)"
+        "--seqlens",
+        type=seqlens,
+        default="128k,256k,512k,1m",
+        help="lengths T (131072, 128k or 1m)",
     )
     add_layer_heads_args(parser)
-    parser.add_argument("--head-dims", default="192/128", help="dk/dv")
+    parser.add_argument("--head-dims", type=pair, default="192/128", help="dk/dv")
     add_layer_blocks_args(parser)
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default=None, help="bf16 on CUDA, fp32 on CPU by default"
@@ -435,34 +450,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="how T is split")
     parser.add_argument(
         "--sel-exchanges",
+        type=names(SEL_EXCHANGES),
         default="all_gather",
         help=f"selected-branch K/V exchanges to time, comma-separated: {', '.join(SEL_EXCHANGES)}",
     )
     parser.add_argument(
-        "--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu"
+        "--device",
+        type=device_name,
+        choices=("cuda", "cpu"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="NCCL ranks on cuda, gloo ranks on cpu",
     )
-    parser.add_argument("--iters", type=int, default=5, help="timed steps per row")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--iters", type=positive_int, default=5, help="timed steps per row")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="untimed steps first")
     parser.add_argument(
-        "--comm-iters", type=int, default=2, help="more steps with the exchanges timed apart"
+        "--comm-iters",
+        type=non_negative_int,
+        default=2,
+        help="more steps with the exchanges timed apart (0: none)",
     )
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
+    parser.add_argument(
+        "--timeout-s", type=positive_float, default=600.0, help="collective timeout"
+    )
     add_seed_arg(parser)
     parser.add_argument("--out", default="artifacts/bench/cp/", help="output folder")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The heads, head dims and block geometry make an NSA config."""
+    (hq, h), (dk, dv) = args.heads, args.head_dims
+    nsa_config(
+        {"num_q_heads": "--heads HQ", "num_kv_heads": "--heads H", **BLOCK_FLAGS}
+        | {"head_dim_qk": "--head-dims dk", "head_dim_v": "--head-dims dv"},
+        num_q_heads=hq,
+        num_kv_heads=h,
+        head_dim_qk=dk,
+        head_dim_v=dv,
+        **block_geometry(args),
+    )
+
+
 def settings(args: argparse.Namespace) -> Settings:
-    """The run's settings from the command line (validated)."""
-    ((hq, h),) = parse_pairs(args.heads)
-    ((dk, dv),) = parse_pairs(args.head_dims)
-    names = [x.strip() for x in args.sel_exchanges.split(",") if x.strip()]
-    exchanges = tuple(x for x in SEL_EXCHANGES if x in names)
-    if not exchanges or len(exchanges) != len(set(names)):
-        raise argparse.ArgumentTypeError(f"--sel-exchanges: choose from {SEL_EXCHANGES}")
+    """The run's settings from the parsed flags."""
+    hq, h = args.heads
+    dk, dv = args.head_dims
+    # The exchanges in the order of SEL_EXCHANGES, each once.
+    exchanges = tuple(x for x in SEL_EXCHANGES if x in args.sel_exchanges)
     layout = next(x for x in LAYOUTS if x == args.layout)
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
-    lengths = sorted(parse_length(x) for x in args.seqlens.split(",") if x.strip())
-    shapes = tuple(Shape(args.batch, t, hq, h, dk, dv, dtype) for t in lengths)
+    shapes = tuple(Shape(args.batch, t, hq, h, dk, dv, dtype) for t in sorted(args.seqlens))
     config = blocks_config(args, (hq, h), (dk, dv))
     given = {name: getattr(args, name) for name in SETTINGS_AS_GIVEN}
     return Settings(shapes, config, layout=layout, sel_exchanges=exchanges, **given)
@@ -483,9 +519,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return _run_under_torchrun(s, out)
-    worlds = [int(x) for x in args.world_sizes.split(",") if x.strip()]
     rows: list[Row] = []
-    for world in worlds:
+    for world in args.world_sizes:
         _log(f"[cp] world size {world}: {', '.join(str(shape.seq_len) for shape in s.shapes)}")
         rows += run_world(s, world)
         _finish(rows, out)

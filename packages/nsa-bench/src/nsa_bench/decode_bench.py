@@ -1,8 +1,8 @@
 """``nsa-bench decode``: NSA decode at real shapes, the fused step and the whole layer step.
 
-For every batch B (``--B``, default 1, 8, 32) and context length S (``--S``, default 4k to 128k),
-at HQ=64, H=4, dk=dv=128, bf16 by default, the B sequences hold S random tokens and every timed
-call advances them by one token, as decoding does:
+For every batch B (``--batch-sizes``, default 1, 8, 32) and context length S (``--seqlens``,
+default 4k to 128k), at HQ=64, H=4, dk=dv=128, bf16 by default, the B sequences hold S random
+tokens and every timed call advances them by one token, as decoding does:
 
 - ``ms_step``: the attention step alone, nsa-kernels' fused ``decode_step`` (append, compress,
   score, top-n, three branches, gated combine) on q/K/V/gates already projected;
@@ -36,7 +36,6 @@ import itertools
 import json
 import statistics
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
@@ -44,6 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nsa_bench.cli_args import (
+    HEAD_FLAGS,
+    check_tile_configs,
+    nsa_config,
+    positive_int,
+    positive_ints,
+    seqlens,
+)
 from nsa_bench.env import collect
 from nsa_bench.timing import warm_then_capture
 from nsa_core import NSAAttention, NSAConfig, expected_reads, num_cmp_blocks
@@ -251,16 +258,24 @@ def nsa_layer_ms(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--B", default="1,8,32", help="batch sizes (comma-separated)")
-    parser.add_argument("--S", default="4096,16384,65536,131072", help="context lengths")
-    parser.add_argument("--HQ", type=int, default=64, help="query heads")
-    parser.add_argument("--H", type=int, default=4, help="kv heads")
-    parser.add_argument("--dk", type=int, default=128, help="query/key head dim")
-    parser.add_argument("--dv", type=int, default=128, help="value head dim")
-    parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the layer step")
+    parser.add_argument(
+        "--batch-sizes", type=positive_ints, default="1,8,32", help="batch sizes B, comma-separated"
+    )
+    parser.add_argument(
+        "--seqlens", type=seqlens, default="4k,16k,64k,128k", help="context lengths S (8192 or 8k)"
+    )
+    parser.add_argument("--heads", type=positive_int, default=64, help="query heads HQ")
+    parser.add_argument("--kv-heads", type=positive_int, default=4, help="kv heads H")
+    parser.add_argument("--dk", type=positive_int, default=128, help="query/key head dim")
+    parser.add_argument("--dv", type=positive_int, default=128, help="value head dim")
+    parser.add_argument(
+        "--hidden", type=positive_int, default=2048, help="hidden size of the layer step"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--iters", type=int, default=100, help="steps per timing")
-    parser.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
+    parser.add_argument("--iters", type=positive_int, default=100, help="steps per timing")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="timings; the median is kept"
+    )
     parser.add_argument(
         "--graph",
         action=argparse.BooleanOptionalAction,
@@ -276,6 +291,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense baselines")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer steps")
     parser.add_argument("--out", default="artifacts/bench/decode", help="output folder")
+
+
+def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
+    return nsa_config(
+        HEAD_FLAGS,
+        num_q_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim_qk=args.dk,
+        head_dim_v=args.dv,
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The heads and head dims make an NSA config and ``--config`` names known fields (the CLI
+    runs this after its CUDA check: the config's type comes with the Triton kernels)."""
+    nsa_config_of(args)
+    check_tile_configs("--config", parse_kernel_config, [args.config])
 
 
 CSV_COLUMNS = (
@@ -365,22 +397,11 @@ def measure_case(
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.command == "decode-fused":
-        warnings.warn(
-            "`nsa-bench decode-fused` is deprecated; use `nsa-bench decode`",
-            DeprecationWarning,
-            stacklevel=1,
-        )
-    if not torch.cuda.is_available():
-        print("the decode bench needs a CUDA GPU; none is visible to torch")
-        return 2
-    cfg = NSAConfig(
-        num_q_heads=args.HQ, num_kv_heads=args.H, head_dim_qk=args.dk, head_dim_v=args.dv
-    )
+    cfg = nsa_config_of(args)
     base = parse_kernel_config(args.config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cases = [(int(b), int(s)) for b in args.B.split(",") for s in args.S.split(",")]
+    cases = [(b, s) for b in args.batch_sizes for s in args.seqlens]
     rows: list[dict[str, Any]] = []
     for i, (batch, length) in enumerate(cases, 1):
         _progress(f"case {i}/{len(cases)}: B={batch} S={length}")
@@ -406,7 +427,9 @@ def write_outputs(rows: list[dict[str, Any]], args: argparse.Namespace, out: Pat
         writer.writerows(rows)
     meta = {
         "env": collect(nvidia_smi=None),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool))},
+        "args": {
+            k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, list))
+        },
         "rows": rows,
         "targets": targets(rows),
     }

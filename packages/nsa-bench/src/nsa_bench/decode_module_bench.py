@@ -22,7 +22,19 @@ from pathlib import Path
 
 import torch
 
-from nsa_bench.cli_args import add_batch_arg, add_compression_args, add_device_arg, add_seed_arg
+from nsa_bench.cli_args import (
+    BLOCK_FLAGS,
+    HEAD_FLAGS,
+    add_batch_arg,
+    add_device_arg,
+    add_layer_blocks_args,
+    add_seed_arg,
+    block_geometry,
+    non_negative_int,
+    nsa_config,
+    positive_int,
+    seqlens,
+)
 from nsa_bench.timing import graph_median_ms, median_ms
 from nsa_core import NSAAttention, NSACache, NSAConfig, select_blocks
 from nsa_core.registry import OpContext, resolve
@@ -33,21 +45,20 @@ CSV_COLUMNS = ("S", "ms_total", "ms_cmp", "ms_sel", "ms_win", "reads_actual", "r
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_batch_arg(parser)
-    parser.add_argument("--dim", type=int, default=256, help="hidden size")
-    parser.add_argument("--heads", type=int, default=8, help="query heads HQ")
-    parser.add_argument("--groups", type=int, default=2, help="kv heads H")
-    parser.add_argument("--dk", type=int, default=32)
-    parser.add_argument("--dv", type=int, default=32)
-    add_compression_args(parser)
-    parser.add_argument("--l_sel", type=int, default=64, help="selection block length")
-    parser.add_argument("--n_sel", type=int, default=16, help="selected blocks per query")
-    parser.add_argument("--w", type=int, default=512, help="sliding window")
-    parser.add_argument("--S_list", default="512,1024,2048,4096", help="context lengths")
-    parser.add_argument("--iters", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--dim", type=positive_int, default=256, help="hidden size")
+    parser.add_argument("--heads", type=positive_int, default=8, help="query heads HQ")
+    parser.add_argument("--kv-heads", type=positive_int, default=2, help="kv heads H")
+    parser.add_argument("--dk", type=positive_int, default=32, help="query/key head dim")
+    parser.add_argument("--dv", type=positive_int, default=32, help="value head dim")
+    add_layer_blocks_args(parser)
+    parser.add_argument(
+        "--seqlens", type=seqlens, default="512,1024,2048,4096", help="context lengths S"
+    )
+    parser.add_argument("--iters", type=positive_int, default=64, help="timed steps")
+    parser.add_argument("--warmup", type=non_negative_int, default=8, help="warm-up steps")
     parser.add_argument("--csv", default="decode.csv", help="output CSV (JSON beside it)")
     parser.add_argument(
-        "--branch_force_mode",
+        "--branch-force-mode",
         choices=("isolated", "env"),
         default="isolated",
         help="how branch timings are taken: each branch's op alone on the step's cache state "
@@ -57,6 +68,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_device_arg(parser)
     parser.add_argument("--no-graph", action="store_true", help="time eagerly even on CUDA")
     add_seed_arg(parser)
+
+
+def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
+    return nsa_config(
+        {**HEAD_FLAGS, **BLOCK_FLAGS},
+        num_q_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim_qk=args.dk,
+        head_dim_v=args.dv,
+        **block_geometry(args),
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    nsa_config_of(args)
 
 
 def _returning(fn: Callable[[], object]) -> Callable[[], Callable[[], object]]:
@@ -78,7 +104,7 @@ def bench_one(
 ) -> dict[str, float | int]:
     """Time the decode step at position ``s`` after a prefill of ``s`` tokens."""
     cfg = layer.config
-    x = torch.randn(args.B, s + 1, args.dim, device=device, dtype=dtype)
+    x = torch.randn(args.batch, s + 1, args.dim, device=device, dtype=dtype)
     x_t = x[:, s : s + 1]
     with torch.no_grad():
         _, cache = layer.prefill(x[:, :s], capacity=s + 1)
@@ -207,27 +233,16 @@ def run(args: argparse.Namespace) -> int:
         if args.dtype
         else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     )
-    config = NSAConfig(
-        num_q_heads=args.heads,
-        num_kv_heads=args.groups,
-        head_dim_qk=args.dk,
-        head_dim_v=args.dv,
-        cmp_block=args.l,
-        cmp_stride=args.d,
-        sel_block=args.l_sel,
-        num_selected=args.n_sel,
-        window=args.w,
-    )
+    config = nsa_config_of(args)
     layer = NSAAttention(config, args.dim).to(device=device, dtype=dtype).eval()
-    s_list = [int(v) for v in args.S_list.split(",") if v.strip()]
     rows = []
-    print(f"decode bench on {device} ({dtype}), B={args.B}, {config}", flush=True)
+    print(f"decode bench on {device} ({dtype}), B={args.batch}, {config}", flush=True)
     print(
         f"{'S':>7} {'total':>9} {'cmp':>8} {'sel':>8} {'win':>8} {'dense':>8} "
         f"{'reads':>7} {'formula':>7}  (ms, medians of {args.iters})",
         flush=True,
     )
-    for s in s_list:
+    for s in args.seqlens:
         row = bench_one(layer, s, args, device, dtype)
         rows.append(row)
         print(

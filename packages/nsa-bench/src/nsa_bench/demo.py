@@ -7,34 +7,52 @@ import time
 
 import torch
 
-from nsa_bench.cli_args import add_device_arg, add_seed_arg
+from nsa_bench.cli_args import (
+    HEAD_FLAGS,
+    add_device_arg,
+    add_seed_arg,
+    nsa_config,
+    positive_int,
+    seqlen,
+)
 from nsa_core import NSAAttention, NSAConfig
 from nsa_core.registry import OpContext, routing_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", type=int, default=1024, help="prompt tokens (default 1024)")
-    parser.add_argument("--steps", type=int, default=64, help="decode steps after the prompt")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=16, help="query heads HQ")
-    parser.add_argument("--groups", type=int, default=4, help="kv heads H")
-    parser.add_argument("--dk", type=int, default=32)
-    parser.add_argument("--dv", type=int, default=32)
+    parser.add_argument("--prefill", type=seqlen, default=1024, help="prompt tokens (default 1024)")
+    parser.add_argument(
+        "--steps", type=positive_int, default=64, help="decode steps after the prompt"
+    )
+    parser.add_argument("--hidden", type=positive_int, default=256, help="hidden size")
+    parser.add_argument("--heads", type=positive_int, default=16, help="query heads HQ")
+    parser.add_argument("--kv-heads", type=positive_int, default=4, help="kv heads H")
+    parser.add_argument("--dk", type=positive_int, default=32, help="query/key head dim")
+    parser.add_argument("--dv", type=positive_int, default=32, help="value head dim")
     add_device_arg(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     add_seed_arg(parser)
+
+
+def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
+    return nsa_config(
+        HEAD_FLAGS,
+        num_q_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim_qk=args.dk,
+        head_dim_v=args.dv,
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    nsa_config_of(args)  # heads that do not group, an odd dk: refused before anything is built
 
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    config = NSAConfig(
-        num_q_heads=args.heads,
-        num_kv_heads=args.groups,
-        head_dim_qk=args.dk,
-        head_dim_v=args.dv,
-    )
+    config = nsa_config_of(args)
     layer = NSAAttention(config, args.hidden).to(device=device, dtype=dtype).eval()
     total = args.prefill + args.steps
     x = torch.randn(1, total, args.hidden, device=device, dtype=dtype)

@@ -26,8 +26,19 @@ from typing import Any
 
 import torch
 
-from nsa_bench.cli_args import add_batch_arg, add_device_arg, add_seed_arg, parse_ints
-from nsa_bench.cli_args import parse_names as _names
+from nsa_bench.cli_args import (
+    add_batch_arg,
+    add_compression_args,
+    add_device_arg,
+    add_do_bench_args,
+    add_seed_arg,
+    names,
+    positive_float,
+    positive_int,
+    positive_ints,
+    require_multiple,
+    seqlens,
+)
 from nsa_bench.env import collect
 from nsa_bench.timing import clear_grads, do_bench_median_ms, median_ms
 from nsa_core.blocks import num_cmp_blocks
@@ -59,22 +70,31 @@ CSV_COLUMNS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--branches", default="sliding,compressed", help="sliding,compressed")
-    parser.add_argument("--T", default="256,512,1024,2048,4096,8192,16384", help="lengths")
-    parser.add_argument("--D", default="64,128", help="head dims (dk = dv) to sweep")
+    parser.add_argument(
+        "--branches", type=names(BRANCHES), default="sliding,compressed", help="sliding,compressed"
+    )
+    parser.add_argument(
+        "--seqlens",
+        type=seqlens,
+        default="256,512,1024,2048,4096,8192,16384",
+        help="lengths T (8192 or 8k), comma-separated",
+    )
+    parser.add_argument(
+        "--head-dims", type=positive_ints, default="64,128", help="head dims D (dk = dv) to sweep"
+    )
     add_batch_arg(parser)
-    parser.add_argument("--heads", type=int, default=64, help="query heads HQ")
-    parser.add_argument("--kv-heads", type=int, default=4, help="kv heads H")
-    parser.add_argument("--window", type=int, default=512, help="sliding window w")
-    parser.add_argument("--cmp-block", type=int, default=32, help="compression block l")
-    parser.add_argument("--cmp-stride", type=int, default=16, help="compression stride d")
-    parser.add_argument("--methods", default="fa2,flex,sdpa", help="fa2,flex,sdpa,reference")
-    parser.add_argument("--modes", default="fwd,fwd_bwd", help="fwd,fwd_bwd")
+    parser.add_argument("--heads", type=positive_int, default=64, help="query heads HQ")
+    parser.add_argument("--kv-heads", type=positive_int, default=4, help="kv heads H")
+    parser.add_argument("--window", type=positive_int, default=512, help="sliding window w")
+    add_compression_args(parser)
+    parser.add_argument(
+        "--methods", type=names(METHODS), default="fa2,flex,sdpa", help="fa2,flex,sdpa,reference"
+    )
+    parser.add_argument("--modes", type=names(MODES), default="fwd,fwd_bwd", help="fwd,fwd_bwd")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     add_device_arg(parser)
-    parser.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
-    parser.add_argument("--min-speedup", type=float, default=1.2, help="cutoff rule")
+    add_do_bench_args(parser)
+    parser.add_argument("--min-speedup", type=positive_float, default=1.2, help="cutoff rule")
     parser.add_argument("--csv", default="fa2_bench.csv", help="output CSV path")
     add_seed_arg(parser)
 
@@ -170,7 +190,11 @@ def make_call(
 
 
 def time_ms(
-    call: Callable[[], Any], grads: list[torch.Tensor], device: torch.device, warmup: int, rep: int
+    call: Callable[[], Any],
+    grads: list[torch.Tensor],
+    device: torch.device,
+    warmup: float,
+    rep: float,
 ) -> float:
     """Median milliseconds of ``call``: triton's do_bench on CUDA, the host clock elsewhere."""
     if device.type == "cuda":
@@ -200,8 +224,8 @@ def measure(
     methods: Sequence[str],
     device: torch.device,
     *,
-    warmup: int,
-    rep: int,
+    warmup: float,
+    rep: float,
     seed: int,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
@@ -319,17 +343,23 @@ def summary_table(rows: list[dict[str, Any]], methods: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Heads that group and, where the compressed branch is timed, a stride dividing the block
+    (otherwise every row would only report the same refusal)."""
+    require_multiple(args.heads, "--heads", args.kv_heads, "--kv-heads")
+    if "compressed" in args.branches:
+        require_multiple(args.cmp_block, "--cmp-block", args.cmp_stride, "--cmp-stride")
+
+
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
-    branches = _names(args.branches, BRANCHES)
-    methods = _names(args.methods, METHODS)
-    modes = _names(args.modes, MODES)
+    branches, methods, modes = args.branches, args.methods, args.modes
     cases = [
         Case(
             branch,
             mode,
             DTYPES[args.dtype],
-            args.B,
+            args.batch,
             length,
             args.heads,
             args.kv_heads,
@@ -340,15 +370,15 @@ def run(args: argparse.Namespace) -> int:
         )
         for branch in branches
         for mode in modes
-        for d in parse_ints(args.D)
-        for length in parse_ints(args.T)
+        for d in args.head_dims
+        for length in args.seqlens
     ]
     rows = measure(
         cases,
         methods,
         device,
-        warmup=args.warmup,
-        rep=args.rep,
+        warmup=args.warmup_ms,
+        rep=args.rep_ms,
         seed=args.seed,
         log=lambda line: print(line, file=sys.stderr, flush=True),
     )

@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from nsa_bench.cli_args import HEAD_FLAGS, nsa_config, positive_int, seqlen
 from nsa_core import NSAConfig
 from nsa_core.registry import OpContext, routing_report
 from nsa_core.toggles import get_toggles
@@ -13,11 +14,29 @@ from nsa_kernels.pairing import installed_pairing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seq-len", type=int, default=8192, help="tokens of the context")
-    parser.add_argument("--heads", type=int, default=64, help="query heads HQ")
-    parser.add_argument("--groups", type=int, default=4, help="kv heads H")
-    parser.add_argument("--dk", type=int, default=128)
-    parser.add_argument("--dv", type=int, default=128)
+    parser.add_argument(
+        "--seq-len", type=seqlen, default=8192, help="tokens of the context (8192 or 8k)"
+    )
+    parser.add_argument("--heads", type=positive_int, default=64, help="query heads HQ")
+    parser.add_argument("--kv-heads", type=positive_int, default=4, help="kv heads H")
+    parser.add_argument("--dk", type=positive_int, default=128, help="query/key head dim")
+    parser.add_argument("--dv", type=positive_int, default=128, help="value head dim")
+
+
+def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
+    """The heads and head dims of the flags; the block geometry keeps its defaults (only the
+    heads and head dims reach the routing rules)."""
+    return nsa_config(
+        HEAD_FLAGS,
+        num_q_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim_qk=args.dk,
+        head_dim_v=args.dv,
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    nsa_config_of(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,10 +48,7 @@ def run(args: argparse.Namespace) -> int:
         devices.insert(0, torch.device("cuda"))
         major, minor = torch.cuda.get_device_capability()
         print(f"device: {torch.cuda.get_device_name()} (sm_{major}{minor})")
-    # Only the heads and head dims reach the routing rules; the block geometry keeps its defaults.
-    config = NSAConfig(
-        num_q_heads=args.heads, num_kv_heads=args.groups, head_dim_qk=args.dk, head_dim_v=args.dv
-    )
+    config = nsa_config_of(args)
     for device in devices:
         dtypes = (torch.bfloat16, torch.float32) if device.type == "cuda" else (torch.float32,)
         for dtype in dtypes:
@@ -47,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 mode = "train" if requires_grad else "inference"
                 print(
                     f"\n[{device.type} {str(dtype).removeprefix('torch.')} {mode}, "
-                    f"T={args.seq_len}, HQ={args.heads}, H={args.groups}, "
+                    f"T={args.seq_len}, HQ={args.heads}, H={args.kv_heads}, "
                     f"dk={args.dk}, dv={args.dv}]"
                 )
                 print(routing_report(ctx))

@@ -77,19 +77,21 @@ def bench_one(args: argparse.Namespace, seq_len: int, with_lse: bool) -> ScoreRo
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    q = torch.randn(args.B, seq_len, args.hq, args.dk, device=device, generator=gen).to(dtype)
-    num = num_cmp_blocks(seq_len, args.l, args.d)
-    k_cmp = torch.randn(args.B, num, args.h, args.dk, device=device, generator=gen).to(dtype)
-    lse = compressed_lse(q, k_cmp, args.l, args.d) if with_lse else None
+    batch, hq, h, dk = args.batch, args.heads, args.kv_heads, args.dk
+    block, stride = args.cmp_block, args.cmp_stride
+    q = torch.randn(batch, seq_len, hq, dk, device=device, generator=gen).to(dtype)
+    num = num_cmp_blocks(seq_len, block, stride)
+    k_cmp = torch.randn(batch, num, h, dk, device=device, generator=gen).to(dtype)
+    lse = compressed_lse(q, k_cmp, block, stride) if with_lse else None
     config = parse_config(args.config) if args.config else None
 
     def call() -> object:
         return select_blocks_triton(
-            q, k_cmp, args.l, args.d, args.l_sel, args.n, lse=lse, config=config
+            q, k_cmp, block, stride, args.sel_block, args.num_selected, lse=lse, config=config
         )
 
     ms = median_ms(call, iters=args.iters, warmup=args.warmup, device=device)
-    work = 2.0 * args.B * args.hq * args.dk * visible_pairs(seq_len, args.l, args.d)
+    work = 2.0 * batch * hq * dk * visible_pairs(seq_len, block, stride)
     passes = 1 if with_lse else 2
     return ScoreRow(seq_len, with_lse, ms, work / 1e12, work * passes / (ms * 1e-3) / 1e12)
 
@@ -97,8 +99,7 @@ def bench_one(args: argparse.Namespace, seq_len: int, with_lse: bool) -> ScoreRo
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_kernel_shape_args(parser)
     cli_args.add_compression_args(parser)
-    parser.add_argument("--l_sel", type=int, default=64, help="selection block length l'")
-    parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
+    cli_args.add_selection_args(parser)
     cli_args.add_dtype_arg(parser)
     parser.add_argument(
         "--lse",
@@ -114,10 +115,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cli_args.add_seed_arg(parser)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """The kernel's device, and the rules of block scoring: heads that group, a stride that
+    divides both block lengths; a tile config ScoreConfig knows."""
+    if torch.device(args.device).type == "cpu" and not cli_args.triton_interpreted():
+        raise cli_args.UsageError(
+            f"the Triton scoring kernel needs a CUDA GPU ({cli_args.why_no_cuda(args.device)}), "
+            "or TRITON_INTERPRET=1 to run Triton's interpreter on CPU"
+        )
+    cli_args.require_multiple(args.heads, "--heads", args.kv_heads, "--kv-heads")
+    cli_args.require_multiple(args.cmp_block, "--cmp-block", args.cmp_stride, "--cmp-stride")
+    cli_args.require_multiple(args.sel_block, "--sel-block", args.cmp_stride, "--cmp-stride")
+    if args.config:
+        from nsa_kernels.scoring.function import parse_config
+
+        cli_args.check_tile_configs("--config", parse_config, [args.config])
+
+
 def run(args: argparse.Namespace) -> int:
     modes = {"both": (True, False), "given": (True,), "computed": (False,)}[args.lse]
     rows = []
-    for seq_len in cli_args.parse_ints(args.T):
+    for seq_len in args.seqlens:
         for with_lse in modes:
             row = bench_one(args, seq_len, with_lse)
             rows.append(row)

@@ -2,18 +2,19 @@
 
 Two modes (``--mode``).
 
-Rows mode (default, ``--mode rows``): N query rows at the end of a sequence of L keys, H query
-heads sharing one kv head (``--kv-heads``), each row selecting ``min(n, blocks)`` blocks of l'
-keys drawn by ``--dist`` (few: one contiguous run ending at the row's own block; many: scattered
-distinct blocks; mixed: half of each). Methods: ``triton`` (this package), ``sdpa`` (the packed
-peer: gather each row's selected keys, one SDPA call), ``reference`` (nsa_core's op, the
-registered fallback), and on request ``cuda`` (the experimental CUDA C++ kernel of
-nsa_kernels.selected.cuda, forward only). Per L it reports the speedup of Triton over the faster
-fallback, and recommends ``NSA_SEL_TRITON_MIN_LEN``: the smallest L from which Triton is at
-least ``--min-speedup`` (1.2x) faster at that L and every larger one, rounded up to a power of
-two. ``--mode seeds``, the earlier name of this mode, still works and warns.
+Rows mode (default, ``--mode rows``): N query rows (``--query-rows``) at the end of a sequence of
+L keys (``--seqlens``), HQ=8 query heads sharing one kv head by default, each row selecting
+``min(n, blocks)`` blocks of l' keys drawn by ``--dist`` (few: one contiguous run ending at the
+row's own block; many: scattered distinct blocks; mixed: half of each). Methods: ``triton`` (this
+package), ``sdpa`` (the packed peer: gather each row's selected keys, one SDPA call),
+``reference`` (nsa_core's op, the registered fallback), and on request ``cuda`` (the
+experimental CUDA C++ kernel of nsa_kernels.selected.cuda, forward only). Per L it reports the
+speedup of Triton over the faster fallback, and recommends ``NSA_SEL_TRITON_MIN_LEN``: the
+smallest L from which Triton is at least ``--min-speedup`` (1.2x) faster at that L and every
+larger one, rounded up to a power of two. ``--mode seeds``, the earlier name of this mode, still
+works and warns.
 
-Prefill mode (``--mode prefill`` or ``--prefill``): B=1, T in ``--T`` (8k..64k), HQ=64, H=4,
+Prefill mode (``--mode prefill`` or ``--prefill``): B=1, T in ``--seqlens`` (8k..64k), HQ=64, H=4,
 dk=dv=128, n=16, l'=64, bf16 (all configurable), forward and forward+backward,
 ``triton.testing.do_bench`` medians, with fla-core's selection kernel (``ParallelNSAFunction``,
 i.e. ``parallel_nsa`` without compression or window) given the same block indices as a peer when
@@ -46,11 +47,30 @@ import torch
 from torch import Tensor
 
 from nsa_bench.cases import DTYPES, Shape, row_columns
-from nsa_bench.cli_args import add_do_bench_args, add_seed_arg, parse_ints
+from nsa_bench.cli_args import (
+    UsageError,
+    add_do_bench_args,
+    add_seed_arg,
+    add_selection_args,
+    check_tile_configs,
+    comma_list,
+    existing_file,
+    names,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    require_multiple,
+    seqlens,
+    why_no_cuda,
+)
 from nsa_bench.sel_stats import indices_for_bench
 from nsa_bench.timing import make_timer
 
 ROWS_METHODS = ("triton", "sdpa", "reference")
+# Every method either mode can time (``_call``): the rows mode's, its opt-in ``cuda``, and the
+# fla-core peer of the prefill mode.
+METHODS = (*ROWS_METHODS, "cuda", "fla")
+PASSES = ("fwd", "fwd_bwd")
 MODES = ("rows", "prefill")
 # Earlier name of the rows mode, still accepted (with a DeprecationWarning) for one release.
 DEPRECATED_MODES = {"seeds": "rows"}
@@ -380,6 +400,26 @@ def recommend_min_l(rows: Sequence[Row], min_speedup: float) -> int | None:
 # CLI
 
 
+# Defaults that differ by mode, (rows, prefill): the flags of these names default to None and
+# take the value of the mode that runs.
+MODE_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "heads": (8, 64),
+    "kv_heads": (1, 4),
+    "seqlens": ((64, 128, 256, 512, 1024), (8192, 16384, 32768, 65536)),
+    "dtype": ("fp16", "bf16"),
+    "methods": (ROWS_METHODS, ("triton", "fla")),
+    "passes": (("fwd",), PASSES),
+}
+# Flags that only the prefill mode reads, by dest: given in rows mode they are refused, not
+# ignored.
+PREFILL_ONLY = {
+    "groups": "--groups",
+    "configs": "--configs",
+    "probe": "--probe",
+    "indices": "--indices",
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mode",
@@ -388,15 +428,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="rows (default): N query rows at the end of L keys; prefill: long prefill "
         "(as --prefill); 'seeds' is the earlier name of rows, deprecated",
     )
-    parser.add_argument("--N", type=int, default=1024, help="query rows (rows mode)")
-    parser.add_argument("--H", type=int, default=8, help="query heads (rows mode)")
-    parser.add_argument("--kv-heads", type=int, default=1, help="kv heads (rows mode)")
-    parser.add_argument("--D", type=int, default=128, help="dk")
-    parser.add_argument("--Dv", type=int, default=128, help="dv")
     parser.add_argument(
-        "--L_list",
-        default="64,128,256,512,1024",
-        help="sequence lengths L (keys) to sweep (rows mode)",
+        "--query-rows", type=positive_int, default=1024, help="query rows N (rows mode)"
+    )
+    parser.add_argument(
+        "--heads",
+        type=positive_int,
+        default=None,
+        help="query heads HQ (default 8 rows, 64 prefill)",
+    )
+    parser.add_argument(
+        "--kv-heads", type=positive_int, default=None, help="kv heads H (default 1 rows, 4 prefill)"
+    )
+    parser.add_argument("--dk", type=positive_int, default=128, help="query/key head dim")
+    parser.add_argument("--dv", type=positive_int, default=128, help="value head dim")
+    parser.add_argument(
+        "--seqlens",
+        type=seqlens,
+        default=None,
+        help="lengths: keys L (rows mode, default 64..1024) or prefill T (default 8k..64k)",
     )
     parser.add_argument(
         "--dist",
@@ -404,8 +454,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("few", "many", "mixed", "nsa"),
         help="block distribution (rows mode)",
     )
-    parser.add_argument("--n", type=int, default=16, help="selected blocks per query")
-    parser.add_argument("--sel-block", type=int, default=64, help="l'")
+    add_selection_args(parser)
     parser.add_argument(
         "--dtype",
         default=None,
@@ -414,25 +463,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--methods",
+        type=names(METHODS),
         default=None,
         help="rows: triton,sdpa,reference (default), cuda; prefill: triton,fla (default), cuda",
     )
     parser.add_argument(
         "--pass",
         dest="passes",
+        type=names(PASSES),
         default=None,
         help="fwd,fwd_bwd (default: fwd in rows mode, both in prefill)",
     )
-    parser.add_argument("--iters", type=int, default=50, help="timed runs (rows mode)")
-    parser.add_argument("--warmup", type=int, default=10, help="warm-up runs (rows mode)")
-    parser.add_argument("--min-speedup", type=float, default=1.2, help="threshold rule")
-    parser.add_argument("--prefill", action="store_true", help="long-prefill mode (--mode prefill)")
-    parser.add_argument("--T", default="8192,16384,32768,65536", help="prefill lengths")
-    parser.add_argument("--heads", type=int, default=64, help="prefill query heads HQ")
-    parser.add_argument("--prefill-kv-heads", type=int, default=4, help="prefill kv heads H")
-    parser.add_argument("--groups", default="", help="G sweep at the largest T, e.g. 1,2,4,8")
+    parser.add_argument("--iters", type=positive_int, default=50, help="timed runs (rows mode)")
     parser.add_argument(
-        "--configs", default="", help="';'-separated SelConfig strings timed at the largest T"
+        "--warmup", type=non_negative_int, default=10, help="warm-up runs (rows mode)"
+    )
+    parser.add_argument("--min-speedup", type=positive_float, default=1.2, help="threshold rule")
+    parser.add_argument("--prefill", action="store_true", help="long-prefill mode (--mode prefill)")
+    parser.add_argument(
+        "--groups",
+        type=comma_list(positive_int, empty_ok=True),
+        default="",
+        help="prefill: G sweep at the largest T, e.g. 1,2,4,8",
+    )
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="prefill: ';'-separated SelConfig strings timed at the largest T",
     )
     parser.add_argument(
         "--probe",
@@ -441,6 +498,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--indices",
+        type=existing_file,
         default=None,
         help="prefill: block indices from FILE (nsa_bench.sel_stats, e.g. `nsa-bench needle`'s "
         "sel_indices_T<T>_layer<i>.pt) instead of random ones; kv heads cycled, T up to the file's",
@@ -457,6 +515,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write JSON rows to PATH")
 
 
+def with_mode_defaults(args: argparse.Namespace, mode: str) -> argparse.Namespace:
+    """``args`` with the :data:`MODE_DEFAULTS` of ``mode`` where a flag was not given."""
+    values = vars(args).copy()
+    for dest, defaults in MODE_DEFAULTS.items():
+        if values[dest] is None:
+            values[dest] = defaults[MODES.index(mode)]
+    return argparse.Namespace(**values)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """One mode, its flags only, a CUDA GPU for prefill, heads that group, and prefill's tile
+    configs known to SelConfig."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # run() gives the warning
+        try:
+            mode = resolve_mode(args.mode, args.prefill)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    if mode == "rows":
+        given = [flag for dest, flag in PREFILL_ONLY.items() if getattr(args, dest)]
+        if given:
+            raise UsageError(f"{', '.join(given)}: read in prefill mode only (--mode prefill)")
+    elif not torch.cuda.is_available():
+        raise UsageError(f"--mode prefill needs a CUDA GPU ({why_no_cuda()})")
+    full = with_mode_defaults(args, mode)
+    require_multiple(full.heads, "--heads", full.kv_heads, "--kv-heads")
+    if mode == "prefill" and args.configs:
+        from nsa_kernels.selected.function import parse_config
+
+        check_tile_configs("--configs", parse_config, [c for c in args.configs.split(";") if c])
+
+
 def _env() -> dict[str, str]:
     try:
         from nsa_bench.env import collect_columns
@@ -466,15 +556,13 @@ def _env() -> dict[str, str]:
 
 
 def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
-    dtype = args.dtype or "fp16"
-    methods = (args.methods or ",".join(ROWS_METHODS)).split(",")
-    passes = (args.passes or "fwd").split(",")
+    dtype, methods, passes = args.dtype, args.methods, args.passes
     bench = _timer(args, device)
     rows: list[Row] = []
-    for length in parse_ints(args.L_list):
-        tq = min(args.N, length)
-        n = min(args.n, -(-length // args.sel_block))
-        shape = Shape(1, length, args.H, args.kv_heads, args.D, args.Dv, dtype)
+    for length in args.seqlens:
+        tq = min(args.query_rows, length)
+        n = min(args.num_selected, -(-length // args.sel_block))
+        shape = Shape(1, length, args.heads, args.kv_heads, args.dk, args.dv, dtype)
         p = make_problem(shape, tq, n, args.sel_block, device, args.dist, args.seed)
         visible = visible_keys(p.idx, p.sel_block, p.q_start, length)
         blocks = int((p.idx >= 0).sum())
@@ -498,23 +586,21 @@ def _rows(args: argparse.Namespace, device: torch.device) -> list[Row]:
 def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
     from nsa_kernels.selected.function import parse_config
 
-    dtype = args.dtype or "bf16"
-    methods = (args.methods or "triton,fla").split(",")
-    passes = (args.passes or "fwd,fwd_bwd").split(",")
+    dtype, methods, passes = args.dtype, args.methods, args.passes
     bench = _timer(args, device)
     fla_fn, fla_info = load_fla() if "fla" in methods else (None, "not requested")
     print(f"# fla peer: {fla_info}", file=sys.stderr)
-    lengths = parse_ints(args.T)
-    h = args.prefill_kv_heads
+    lengths = args.seqlens
+    h = args.kv_heads
     runs: list[tuple[str, int, int, str]] = [("prefill", t, args.heads, "") for t in lengths]
-    runs += [("groups", max(lengths), g * h, "") for g in parse_ints(args.groups)]
+    runs += [("groups", max(lengths), g * h, "") for g in args.groups]
     runs += [("configs", max(lengths), args.heads, c) for c in args.configs.split(";") if c]
     rows: list[Row] = []
 
     def prefill_problem(t: int, hq: int) -> Problem:
         """B = 1, Tq = Tk = t, hq query heads over the h kv heads, NSA's index rows."""
-        shape = Shape(1, t, hq, h, args.D, args.Dv, dtype)
-        return make_problem(shape, t, args.n, args.sel_block, device, "nsa", args.seed)
+        shape = Shape(1, t, hq, h, args.dk, args.dv, dtype)
+        return make_problem(shape, t, args.num_selected, args.sel_block, device, "nsa", args.seed)
 
     cache: dict[tuple[int, int], Problem] = {}
     for mode, t, hq, cfg_text in runs:
@@ -525,7 +611,7 @@ def _prefill(args: argparse.Namespace, device: torch.device) -> list[Row]:
             cache[key] = prefill_problem(t, hq)
             if args.indices:
                 # Real selections from a trained model in place of the random ones.
-                real = indices_for_bench(args.indices, t, h, args.n, args.sel_block)
+                real = indices_for_bench(args.indices, t, h, args.num_selected, args.sel_block)
                 cache[key].idx = real.to(device)
         p = cache[key]
         visible = visible_keys(p.idx, p.sel_block, 0, t)
@@ -623,16 +709,10 @@ def resolve_mode(mode: str | None, prefill: bool) -> str:
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        mode = resolve_mode(args.mode, args.prefill)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    mode = resolve_mode(args.mode, args.prefill)
+    args = with_mode_defaults(args, mode)
     # The timers and the recommendation read the flag; the mode sets it.
     args.prefill = mode == "prefill"
-    if args.prefill and device.type != "cuda":
-        print("prefill mode needs a CUDA GPU", file=sys.stderr)
-        return 2
     rows = _prefill(args, device) if args.prefill else _rows(args, device)
     _write(rows, _env(), args)
     print(format_table(rows))

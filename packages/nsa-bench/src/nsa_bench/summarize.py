@@ -7,9 +7,28 @@ import csv
 import json
 from pathlib import Path
 
+from nsa_bench.cli_args import UsageError, existing_file
+from nsa_bench.decode_module_bench import CSV_COLUMNS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("csv", help="a CSV written by `nsa-bench decode-module`")
+    parser.add_argument(
+        "csv", type=existing_file, help="a CSV written by `nsa-bench decode-module`"
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """The CSV's header holds every column the summary reads (another CSV is refused here)."""
+    try:
+        with open(args.csv, newline="") as f:
+            header = next(csv.reader(f), [])
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"csv: cannot read {args.csv!r} as text: {exc}") from None
+    missing = [c for c in CSV_COLUMNS if c not in header]
+    if missing:
+        raise UsageError(
+            f"csv: {args.csv!r} is not a decode-module CSV: no column {', '.join(missing)}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

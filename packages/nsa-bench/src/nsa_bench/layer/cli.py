@@ -12,6 +12,7 @@ import torch
 
 from nsa_bench.cases import free_memory
 from nsa_bench.cli_args import (
+    BLOCK_FLAGS,
     add_device_arg,
     add_do_bench_args,
     add_dtype_arg,
@@ -19,9 +20,13 @@ from nsa_bench.cli_args import (
     add_layer_heads_args,
     add_seed_arg,
     block_geometry,
-    parse_length,
-    parse_names,
-    parse_pairs,
+    existing_file,
+    names,
+    non_negative_int,
+    nsa_config,
+    pairs,
+    positive_int,
+    seqlens,
 )
 from nsa_bench.env import collect_columns
 from nsa_bench.layer.inputs import make_inputs
@@ -54,18 +59,24 @@ from nsa_bench.timing import make_timer
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--seqlens", default="8k,16k,32k,64k,128k", help="lengths T (8192 or 8k), comma-separated"
+        "--seqlens",
+        type=seqlens,
+        default="8k,16k,32k,64k,128k",
+        help="lengths T (8192 or 8k), comma-separated",
     )
     add_layer_heads_args(parser)
     parser.add_argument(
-        "--head-dims", default="128/128,192/128", help="dk/dv pairs, comma-separated"
+        "--head-dims", type=pairs, default="128/128,192/128", help="dk/dv pairs, comma-separated"
     )
     add_layer_blocks_args(parser)
-    parser.add_argument("--hidden-size", type=int, default=2048, help="nsa_module's hidden size")
+    parser.add_argument(
+        "--hidden-size", type=positive_int, default=2048, help="nsa_module's hidden size"
+    )
     add_dtype_arg(parser)
-    parser.add_argument("--modes", default="fwd,fwdbwd", help="fwd,fwdbwd")
+    parser.add_argument("--modes", type=names(MODES), default="fwd,fwdbwd", help="fwd,fwdbwd")
     parser.add_argument(
         "--methods",
+        type=names(METHODS),
         default=",".join(DEFAULT_METHODS),
         help=f"from {','.join(METHODS)} (the *_compiled ones run under torch.compile)",
     )
@@ -74,11 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step-modes",
+        type=names(MODES),
         default="fwd",
         help="modes of the per-step breakdown: fwd, fwdbwd or fwd,fwdbwd",
     )
     parser.add_argument(
         "--step-backends",
+        type=parse_step_backends,
         default="",
         help="extra step rows with a backend pinned, e.g. sliding=triton_win (STEP@BACKEND)",
     )
@@ -86,15 +99,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--merge",
         nargs="+",
+        type=existing_file,
         default=None,
         metavar="CSV",
         help="time nothing: rebuild every output from these layer.csv files",
     )
     add_device_arg(parser)
     add_do_bench_args(parser)
-    parser.add_argument("--iters", type=int, default=3, help="timed runs on CPU")
-    parser.add_argument("--warmup", type=int, default=1, help="warm-up runs on CPU")
+    parser.add_argument("--iters", type=positive_int, default=3, help="timed runs on CPU")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="warm-up runs on CPU")
     add_seed_arg(parser)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Each dk/dv pair with the heads and the block geometry makes an NSA config (checked here,
+    before the first case is timed)."""
+    if args.merge:
+        return  # times nothing: the shape flags are not used
+    hq, h = args.heads
+    flags = {"num_q_heads": "--heads HQ", "num_kv_heads": "--heads H", **BLOCK_FLAGS}
+    for dk, dv in args.head_dims:
+        flags |= {"head_dim_qk": f"--head-dims dk ({dk}/{dv})", "head_dim_v": "--head-dims dv"}
+        nsa_config(
+            flags,
+            num_q_heads=hq,
+            num_kv_heads=h,
+            head_dim_qk=dk,
+            head_dim_v=dv,
+            **block_geometry(args),
+        )
 
 
 def _log(text: str) -> None:
@@ -114,16 +147,9 @@ def _progress(row: Row) -> None:
 def sweep(args: argparse.Namespace, out: Path) -> list[Row]:
     """Time every (head dims, T, mode, method) and the core's steps; outputs after every case."""
     device = torch.device(args.device)
-    heads = parse_pairs(args.heads)
-    if len(heads) != 1:
-        raise argparse.ArgumentTypeError(f"--heads takes one HQ/H pair, got {args.heads!r}")
-    hq, h = heads[0]
-    head_dims = parse_pairs(args.head_dims)
-    lengths = [parse_length(x) for x in args.seqlens.split(",") if x.strip()]
-    modes = parse_names(args.modes, MODES)
-    step_modes = parse_names(args.step_modes, MODES)
-    pins = parse_step_backends(args.step_backends)
-    methods = parse_names(args.methods, METHODS)
+    hq, h = args.heads
+    head_dims, modes, methods = args.head_dims, args.modes, args.methods
+    step_modes, pins = args.step_modes, args.step_backends
     timer = make_timer(
         device,
         use_do_bench=device.type == "cuda",
@@ -139,7 +165,7 @@ def sweep(args: argparse.Namespace, out: Path) -> list[Row]:
     env = collect_columns()
     rows: list[Row] = []
     for dk, dv in head_dims:
-        for length in lengths:
+        for length in args.seqlens:
             shape = LayerShape(
                 args.batch, length, hq, h, dk, dv, args.dtype, **block_geometry(args)
             )

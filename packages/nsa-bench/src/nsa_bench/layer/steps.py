@@ -97,7 +97,7 @@ def parse_step_backends(text: str) -> list[tuple[str, str]]:
         step, sep, backend = item.partition("=")
         if not sep or not backend or step not in dict(STEPS):
             raise argparse.ArgumentTypeError(
-                f"--step-backends takes STEP=BACKEND pairs with STEP one of "
+                f"takes STEP=BACKEND pairs with STEP one of "
                 f"{', '.join(s for s, _ in STEPS)}; got {item!r}"
             )
         if dict(STEPS)[step] not in BACKEND_TOGGLE:

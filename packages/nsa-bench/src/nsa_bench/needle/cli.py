@@ -7,57 +7,147 @@ import argparse
 import dataclasses
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nsa_bench.cli_args import parse_floats, parse_ints
+from nsa_bench.cli_args import (
+    BLOCK_FLAGS,
+    UsageError,
+    block_geometry,
+    comma_list,
+    device_name,
+    existing_dir,
+    fraction,
+    names,
+    non_negative_float,
+    non_negative_int,
+    nsa_config,
+    positive_float,
+    positive_int,
+    seed,
+    seqlen,
+    seqlens,
+)
 from nsa_bench.needle.evaluate import Cell, evaluate, selection_statistics
 from nsa_bench.needle.model import VARIANTS, NeedleModel
 from nsa_bench.needle.report import device_names, merge_runs, report, write_outputs
 from nsa_bench.needle.settings import NeedleSettings, use_autocast
+from nsa_bench.needle.task import needle_span
 from nsa_bench.needle.train import TrainBudget, load_checkpoint, save_checkpoint, train
 from nsa_bench.sel_stats import SelStats
 from nsa_core.registry import OpContext, routing_report
 
+# NeedleSettings fields that may be 0 besides the seed (every other number is a size, a count or
+# a rate: > 0).
+ZERO_OK = ("warmup_steps",)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder (checkpoints, tables, PNGs)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="models to train/evaluate")
-    parser.add_argument("--budget-s", type=float, default=90.0, help="training seconds per model")
-    parser.add_argument("--steps", type=int, default=100_000, help="training step cap per model")
+    parser.add_argument(
+        "--variants",
+        type=names(VARIANTS),
+        default=",".join(VARIANTS),
+        help="models to train/evaluate",
+    )
+    parser.add_argument(
+        "--budget-s", type=positive_float, default=90.0, help="training seconds per model"
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=100_000, help="training step cap per model"
+    )
     parser.add_argument("--eval-only", action="store_true", help="load --ckpt, skip training")
-    parser.add_argument("--ckpt", default=None, help="folder of <variant>.pt (with --eval-only)")
+    parser.add_argument(
+        "--ckpt", type=existing_dir, default=None, help="folder of <variant>.pt (with --eval-only)"
+    )
     parser.add_argument(
         "--merge",
         nargs="+",
+        type=existing_dir,
         default=None,
         metavar="DIR",
         help="write --out's tables from the needle.json of runs that trained the variants apart "
         "(one per GPU, say); trains nothing",
     )
-    parser.add_argument("--lengths", default="2048,4096,8192,16384", help="evaluation lengths")
-    parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths in [0, 1]")
-    parser.add_argument("--samples", type=int, default=32, help="sequences per (length, depth)")
-    parser.add_argument("--eval-batch", type=int, default=16, help="sequences per eval forward")
+    parser.add_argument(
+        "--lengths", type=seqlens, default="2048,4096,8192,16384", help="evaluation lengths"
+    )
+    parser.add_argument(
+        "--depths",
+        type=comma_list(fraction),
+        default="0.1,0.3,0.5,0.7,0.9",
+        help="needle depths in [0, 1]",
+    )
+    parser.add_argument(
+        "--samples", type=positive_int, default=32, help="sequences per (length, depth)"
+    )
+    parser.add_argument(
+        "--eval-batch", type=positive_int, default=16, help="sequences per eval forward"
+    )
     parser.add_argument(
         "--stats-lens",
+        type=comma_list(seqlen, empty_ok=True),
         default="16384,65536",
         help="lengths of the held-out sequences for the selection statistics ('': none)",
     )
-    parser.add_argument("--stats-batch", type=int, default=1, help="sequences for the statistics")
-    parser.add_argument("--log-every-s", type=float, default=5.0, help="progress line period")
-    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument(
+        "--stats-batch", type=positive_int, default=1, help="sequences for the statistics"
+    )
+    parser.add_argument(
+        "--log-every-s", type=non_negative_float, default=5.0, help="progress line period"
+    )
+    parser.add_argument(
+        "--device",
+        type=device_name,
+        default=None,
+        help="default: cuda when available, else cpu",
+    )
     defaults = NeedleSettings()
     for f in dataclasses.fields(NeedleSettings):
         value = getattr(defaults, f.name)
+        if f.name == "seed":
+            kind: Callable[[str], Any] = seed
+        elif isinstance(value, float):
+            kind = positive_float
+        else:
+            kind = non_negative_int if f.name in ZERO_OK else positive_int
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=type(value),
+            type=kind,
             default=value,
             help=f"model/task/training setting (default {value})",
         )
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """--eval-only has its checkpoints; a model to train has settings that make an NSA config
+    and lengths that hold a needle beyond its windows."""
+    if args.merge:
+        return  # trains nothing: the settings come from the merged runs
+    if args.eval_only:
+        if not args.ckpt:
+            raise UsageError("--eval-only needs --ckpt DIR")
+        return  # the settings come from the checkpoints
+    heads = {"num_q_heads": "--heads", "num_kv_heads": "--kv-heads"}
+    dims = {"head_dim_qk": "--head-dim", "head_dim_v": "--head-dim"}
+    nsa_config(
+        heads | dims | BLOCK_FLAGS,
+        num_q_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim_qk=args.head_dim,
+        head_dim_v=args.head_dim,
+        **block_geometry(args),
+    )
+    settings = settings_from_args(args)
+    for flag, values in (("--train-len", [args.train_len]), ("--lengths", args.lengths)):
+        for seq_len in values:
+            try:
+                needle_span(settings.task(), seq_len, settings.reach, settings.sel_block)
+            except ValueError as exc:
+                raise UsageError(f"{flag}: {exc}") from None
 
 
 def settings_from_args(args: argparse.Namespace) -> NeedleSettings:
@@ -73,13 +163,8 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
-    if args.eval_only and not args.ckpt:
-        raise SystemExit("--eval-only needs --ckpt DIR")
-    lengths, depths = parse_ints(args.lengths), parse_floats(args.depths)
+    variants = args.variants
+    lengths, depths = args.lengths, args.depths
     cells: list[Cell] = []
     trained: dict[str, dict[str, Any]] = {}
     settings = settings_from_args(args)
@@ -143,7 +228,7 @@ def _one_variant(
     )
     stats: list[SelStats] = []
     if variant == "nsa":
-        stats = _statistics(model, settings, device, parse_ints(args.stats_lens), args, out)
+        stats = _statistics(model, settings, device, args.stats_lens, args, out)
     return settings, info, cells, stats
 
 
