@@ -234,11 +234,13 @@ def test_block_indices_device() -> None:
 
 
 def test_block_indices_out_of_range_varlen() -> None:
-    """Varlen indices are local to each sequence: block 2 does not exist in T=8 with l'=4."""
+    """Varlen indices are local to each sequence: sequence 0 (3 tokens, l'=4) has one block, so
+    block 1, which the packed T=8 would hold, is out of its range."""
     idx = valid_indices()
-    idx[0, 0, 0, 2] = N_BLOCKS
+    idx[0, 0, 0, 2] = 1
     cu = torch.tensor([0, 3, T], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"block_indices must lie in \[-1, 2\)"):
+    message = r"block_indices must lie in \[-1, 1\) in sequence 0 \(tokens \[0, 3\).*got 1 at token 0"
+    with pytest.raises(ValueError, match=message):
         call_op("selected_attention", block_indices=idx, cu_seqlens=cu)
 
 

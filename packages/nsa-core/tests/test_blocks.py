@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nsa_core import cmp_block_overlap, num_cmp_blocks, num_sel_blocks
-from nsa_core.blocks import cmp_block_band
+from nsa_core.block_math import cmp_block_band
 
 
 @pytest.mark.parametrize(
