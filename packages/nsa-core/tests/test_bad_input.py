@@ -239,7 +239,7 @@ def test_block_indices_out_of_range_varlen() -> None:
     idx = valid_indices()
     idx[0, 0, 0, 2] = 1
     cu = torch.tensor([0, 3, T], dtype=torch.int32)
-    message = r"block_indices must lie in \[-1, 1\) in sequence 0 \(tokens \[0, 3\).*got 1 at token 0"
+    message = r"must lie in \[-1, 1\) in sequence 0 \(tokens \[0, 3\).*got 1 at token 0"
     with pytest.raises(ValueError, match=message):
         call_op("selected_attention", block_indices=idx, cu_seqlens=cu)
 
