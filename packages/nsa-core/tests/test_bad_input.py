@@ -3,6 +3,7 @@ visible give finite outputs and gradients, never NaN."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
@@ -35,12 +36,14 @@ from nsa_core import (
     compress,
     compressed_attention,
     gated_combine,
+    reference,
     select_blocks,
     selected_attention,
     sliding_attention,
     split_blocks,
     topn_blocks,
 )
+from nsa_core.reference.common import query_chunk
 
 
 def call_op(op: str, **over: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -233,13 +236,73 @@ def test_block_indices_device() -> None:
         call_op("selected_attention", block_indices=idx)
 
 
-def test_block_indices_out_of_range_varlen() -> None:
-    """Varlen indices are local to each sequence: block 2 does not exist in T=8 with l'=4."""
-    idx = valid_indices()
-    idx[0, 0, 0, 2] = N_BLOCKS
-    cu = torch.tensor([0, 3, T], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"block_indices must lie in \[-1, 2\)"):
-        call_op("selected_attention", block_indices=idx, cu_seqlens=cu)
+VARLEN_CU = [0, 3, 3, T]  # sequences of 3, 0 and 5 tokens: 1, 0 and 2 blocks of l'=4
+
+
+def varlen_indices() -> torch.Tensor:
+    """[1, T, H, n] for VARLEN_CU: each row's block 0 and its current block, in its sequence."""
+    local = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4])  # each token's position in its sequence
+    idx = torch.full((B, T, H, N_SEL), -1, dtype=torch.int32)
+    idx[..., 0] = 0
+    idx[..., 1] = (local // L_SEL).view(1, T, 1).to(torch.int32)
+    return idx
+
+
+@pytest.mark.parametrize(
+    ("token", "value", "message"),
+    [
+        # Block 1 exists in the packed T=8 but not in sequence 0 (3 tokens).
+        (2, 1, r"must lie in \[-1, 1\) in sequence 0 \(tokens \[0, 3\) .*got 1 at token 2"),
+        # Sequence 2 follows an empty sequence: its rows are checked against its 2 blocks.
+        (3, 2, r"must lie in \[-1, 2\) in sequence 2 \(tokens \[3, 8\) .*got 2 at token 3"),
+        (7, -2, r"must lie in \[-1, 2\) in sequence 2 \(tokens \[3, 8\) .*got -2 at token 7"),
+    ],
+)
+@pytest.mark.parametrize("entry", ["ops", "reference"])
+def test_varlen_block_indices_are_checked_per_sequence(
+    entry: str, token: int, value: int, message: str
+) -> None:
+    """Varlen indices count the blocks of their own sequence (docs/spec.md, "Argument rules"):
+    each row's entries lie in [-1, ceil(L_s / l')), not in the packed T's range."""
+    fn = selected_attention if entry == "ops" else reference.selected_attention
+    idx = varlen_indices()
+    idx[0, token, 1, 2] = value
+    cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
+    with pytest.raises(ValueError, match=message + r", kv head 1"):
+        fn(rand(B, T, HQ, DK), rand(B, T, H, DK), rand(B, T, H, DV), idx, L_SEL, cu_seqlens=cu)
+
+
+def test_varlen_block_index_valid_in_its_sequence_is_accepted() -> None:
+    """Block 1 of sequence 2 (tokens [3, 8)) is accepted in its rows, and each sequence's rows
+    equal a call on that sequence alone."""
+    q = rand(B, T, HQ, DK, dtype=torch.float64)
+    k = rand(B, T, H, DK, dtype=torch.float64)
+    v = rand(B, T, H, DV, dtype=torch.float64)
+    idx = varlen_indices()
+    idx[0, 3, :, 2] = 1  # position 0 of sequence 2: block 1 lies in its future, selects nothing
+    cu = torch.tensor(VARLEN_CU, dtype=torch.int32)
+    out = selected_attention(q, k, v, idx, L_SEL, cu_seqlens=cu)
+    for start, end in itertools.pairwise(VARLEN_CU):
+        alone = selected_attention(
+            q[:, start:end], k[:, start:end], v[:, start:end], idx[:, start:end], L_SEL
+        )
+        assert torch.equal(out[:, start:end], alone)
+
+
+def test_a_later_block_index_selects_nothing_in_every_query_chunk() -> None:
+    """The reference runs a long call in chunks of queries whose keys end at the chunk's last
+    position; a valid index of a later block (row 0 naming the last block) selects nothing in
+    every chunk, as -1 does, instead of indexing past the chunk's blocks."""
+    hq, h, t = 16, 4, 1100  # 16 * 1100^2 elements > CHUNK_ELEMENTS: several query chunks
+    assert query_chunk(hq * t) < t
+    q, k, v = rand(B, t, hq, DK), rand(B, t, h, DK), rand(B, t, h, DV)
+    idx = torch.full((B, t, h, N_SEL), -1, dtype=torch.int32)
+    idx[..., 0] = 0
+    idx[..., 1] = (torch.arange(t) // L_SEL).view(1, t, 1).to(torch.int32)
+    later = idx.clone()
+    later[0, 0, :, 2] = t // L_SEL - 1
+    out = selected_attention(q, k, v, later, L_SEL)
+    assert torch.equal(out, selected_attention(q, k, v, idx, L_SEL))
 
 
 def test_topn_scores_too_few_blocks() -> None:

@@ -12,12 +12,14 @@ chunks), and both selected-branch exchanges.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -526,3 +528,123 @@ def test_bad_arguments(single_rank_group: None) -> None:
             ShardPlan(45, 1),
             cu_seqlens=torch.tensor([0, 40], dtype=torch.int32),
         )
+
+
+# ---------------------------------------------------------------- the same errors as one process
+
+
+def raised(call: Callable[[], object]) -> TypeError | ValueError:
+    """The TypeError or ValueError ``call`` raises (any other outcome fails the test)."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        call()
+    return info.value
+
+
+def same_error(single: Exception, sharded: Exception) -> None:
+    """The same exception type with the same message."""
+    assert type(sharded) is type(single), (sharded, single)
+    assert str(sharded) == str(single)
+
+
+# Bad layer inputs: x against a float32 layer of HIDDEN, T = 45 tokens on one rank.
+LAYER_INPUTS = {
+    "float64": torch.zeros(1, 45, HIDDEN, dtype=torch.float64),
+    "bfloat16": torch.zeros(1, 45, HIDDEN, dtype=torch.bfloat16),
+    "rank 2": torch.zeros(45, HIDDEN),
+    "hidden 15": torch.zeros(1, 45, HIDDEN - 1),
+    "meta": torch.zeros(1, 45, HIDDEN, device="meta"),
+}
+
+
+@pytest.mark.parametrize("bad", list(LAYER_INPUTS))
+def test_the_layer_entry_refuses_x_as_the_layer_does(single_rank_group: None, bad: str) -> None:
+    layer = NSAAttention(CASES[0].config(), HIDDEN)
+    x = LAYER_INPUTS[bad]
+    single = raised(lambda: layer(x))
+    same_error(single, raised(lambda: context_parallel_layer_forward(layer, x, ShardPlan(45, 1))))
+
+
+@pytest.mark.parametrize("number", ["scale", "rope_theta"])
+def test_the_layer_entry_refuses_config_numbers_as_the_layer_does(
+    single_rank_group: None, number: str
+) -> None:
+    """1e39 is not finite in float32, the layer's compute dtype (docs/spec.md)."""
+    layer = NSAAttention(dataclasses.replace(CASES[0].config(), **{number: 1e39}), HIDDEN)
+    x = torch.zeros(1, 45, HIDDEN)
+    single = raised(lambda: layer(x))
+    assert f"config.{number} must be finite and > 0 in torch.float32" in str(single)
+    same_error(single, raised(lambda: context_parallel_layer_forward(layer, x, ShardPlan(45, 1))))
+
+
+def core_call_with(case: Case = CASES[1], **over: Any) -> dict[str, Any]:
+    """The arguments of one core call on ``case``'s inputs (CASES[1]: per-branch k and v and a
+    learned phi), some replaced by ``over``."""
+    inp = make_inputs(case, 0)
+    args: dict[str, Any] = {
+        "q": inp.q, "k": inp.k, "v": inp.v, "gates": inp.gates, "config": case.config(),
+        "phi_k": inp.phi_k, "phi_v": inp.phi_v,
+    }  # fmt: skip
+    return args | over
+
+
+def core_bad_inputs() -> dict[str, dict[str, Any]]:
+    case = CASES[1]
+    inp = make_inputs(case, 0)
+    cfg = case.config()
+    return {
+        "k['win'] float64": core_call_with(k=inp.k | {"win": inp.k["win"].double()}),
+        "gates [B, T, HQ, 2]": core_call_with(gates=inp.gates[..., :2]),
+        "config heads": core_call_with(config=dataclasses.replace(cfg, num_q_heads=2)),
+        "config None": core_call_with(config=None),
+        "config scale": core_call_with(config=dataclasses.replace(cfg, scale=1e39)),
+        "q int64": core_call_with(q=inp.q.to(torch.int64)),
+        "phi_k str": core_call_with(phi_k="avg"),
+    }
+
+
+@pytest.mark.parametrize("bad", list(core_bad_inputs()))
+def test_the_core_entry_refuses_inputs_as_nsa_attention_does(
+    single_rank_group: None, bad: str
+) -> None:
+    args = core_bad_inputs()[bad]
+    single = raised(lambda: nsa_attention(**args))
+    sharded = raised(lambda: context_parallel_nsa_attention(**args, plan=ShardPlan(45, 1)))
+    same_error(single, sharded)
+
+
+def test_both_entries_refuse_a_missing_process_group_alike() -> None:
+    """Without torch.distributed initialized, group=None names no group: both entries say so
+    with one ValueError, before any collective."""
+    assert not dist.is_initialized()
+    case = CASES[0]
+    layer = NSAAttention(case.config(), HIDDEN)
+    args = core_call_with(case)
+    core = raised(lambda: context_parallel_nsa_attention(**args, plan=ShardPlan(45, 1)))
+    x = torch.zeros(2, 45, HIDDEN)
+    layer_error = raised(lambda: context_parallel_layer_forward(layer, x, ShardPlan(45, 1)))
+    same_error(core, layer_error)
+    assert "group needs an initialized torch.distributed" in str(core)
+
+
+def test_both_entries_refuse_a_group_of_another_kind(single_rank_group: None) -> None:
+    case = CASES[0]
+    inp = make_inputs(case, 0)
+    plan = ShardPlan(45, 1)
+    core = raised(
+        lambda: context_parallel_nsa_attention(
+            inp.q,
+            inp.k,
+            inp.v,
+            inp.gates,
+            case.config(),
+            plan,
+            group="world",  # type: ignore[arg-type]
+        )
+    )
+    layer = NSAAttention(case.config(), HIDDEN)
+    x = torch.zeros(2, 45, HIDDEN)
+    layer_error = raised(
+        lambda: context_parallel_layer_forward(layer, x, plan, group="world")  # type: ignore[arg-type]
+    )
+    same_error(core, layer_error)
+    assert "group must be a torch.distributed.ProcessGroup or None, got str" in str(core)

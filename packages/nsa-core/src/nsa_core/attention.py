@@ -10,12 +10,17 @@ import torch
 from torch import nn
 
 from nsa_core import ops
-from nsa_core.blocks import cmp_cu_seqlens, num_cmp_blocks
+from nsa_core.block_math import cmp_cu_seqlens, num_cmp_blocks
 from nsa_core.cache import NSACache
 from nsa_core.checks import (
     check_attention_args,
+    check_branch_inputs,
+    check_config,
+    check_config_numbers,
     check_cu_seqlens,
+    check_decode_stats,
     check_int,
+    check_layer_input,
     check_rank,
     per_head_context,
     shape,
@@ -53,8 +58,13 @@ class BranchInputs:
     v: dict[str, torch.Tensor]
     gates: torch.Tensor
 
+    def __post_init__(self) -> None:
+        check_branch_inputs(self.q, self.k, self.v, self.gates, BRANCHES)
+
     def tokens(self, start: int, end: int) -> BranchInputs:
-        """The inputs of tokens [start, end) alone."""
+        """The inputs of tokens [start, end) alone, 0 <= start <= end <= T."""
+        t = self.q.shape[1]
+        check_int("end", end, check_int("start", start, 0, t), t)
         return BranchInputs(
             q=self.q[:, start:end],
             k={b: k[:, start:end] for b, k in self.k.items()},
@@ -76,6 +86,14 @@ class DecodeStats:
     reads_sel: torch.Tensor
     reads_win: torch.Tensor
     reads_expected: int
+
+    def __post_init__(self) -> None:
+        reads = (
+            ("reads_cmp", self.reads_cmp),
+            ("reads_sel", self.reads_sel),
+            ("reads_win", self.reads_win),
+        )
+        check_decode_stats(self.position, reads, self.reads_expected)
 
     @property
     def reads_actual(self) -> torch.Tensor:
@@ -246,8 +264,7 @@ def check_nsa_attention(
     ``chunked``: the keys may hold more tokens than q, the same Tk >= Tq in every branch, q being
     the last Tq of them (:func:`nsa_core.functional.nsa_func`).
     """
-    if not isinstance(config, NSAConfig):
-        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+    config = check_config(config)
     ks, vs = branch_parts(k, v)
     check_rank("q", q, 4, "[B, T, HQ, dk]")
     first = BRANCHES[0]
@@ -266,6 +283,7 @@ def check_nsa_attention(
             "last Tq positions of the keys, so Tq <= Tk"
         )
     check_heads_and_gates(q, ks["sel"], vs["sel"], gates, config)
+    check_config_numbers(config, q.dtype)
     for name, phi in (("phi_k", phi_k), ("phi_v", phi_v)):
         if phi is not None and not isinstance(phi, nn.Module):
             raise TypeError(f"{name} must be a torch.nn.Module or None, got {type(phi).__name__}")
@@ -327,9 +345,8 @@ class NSAAttention(nn.Module):
     """
 
     def __init__(self, config: NSAConfig, hidden_size: int, *, bias: bool = False) -> None:
-        if not isinstance(config, NSAConfig):
-            raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
-        check_int("hidden_size", hidden_size, 1)
+        check_config(config)
+        check_int("hidden_size", hidden_size, 1, MAX_TOKENS)
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
         super().__init__()
@@ -417,28 +434,13 @@ class NSAAttention(nn.Module):
             return torch.get_autocast_dtype(w.device.type)
         return w.dtype
 
-    def _check_x(self, x: torch.Tensor) -> None:
-        check_rank("x", x, 3, "[B, T, hidden]")
-        if x.shape[-1] != self.hidden_size:
-            raise ValueError(f"x {shape(x)} must end in hidden_size={self.hidden_size}")
-        w = self.q_proj.weight
+    def check_input(self, x: torch.Tensor) -> None:
+        """The checks of x [B, T, hidden] that forward, prefill, decode and the context-parallel
+        forward run first: its shape, dtype and device, and the config's scale and rope_theta
+        in the dtype the layer computes in (docs/spec.md, "Argument rules")."""
         compute = self.compute_dtype()
-        if x.dtype not in (w.dtype, compute):
-            if compute == w.dtype:
-                fix = f"cast the layer (layer.to({x.dtype})) or x"
-                if x.dtype in (torch.float16, torch.bfloat16):
-                    fix += f", or run the layer under torch.autocast({w.device.type!r}, {x.dtype})"
-                raise TypeError(f"x dtype {x.dtype} differs from the layer's {w.dtype}: {fix}")
-            raise TypeError(
-                f"x dtype {x.dtype} is neither the layer's {w.dtype} nor the autocast dtype "
-                f"{compute}: under autocast x comes in one of those two"
-            )
-        if x.device != w.device:
-            raise ValueError(f"x is on {x.device} but the layer is on {w.device}")
-        if x.shape[1] > MAX_TOKENS:
-            raise ValueError(
-                f"x {shape(x)} holds more than the {MAX_TOKENS} tokens int32 addresses"
-            )
+        check_layer_input(x, self.hidden_size, self.q_proj.weight, compute)
+        check_config_numbers(self.config, compute)
 
     def _tokens_to_run(
         self,
@@ -453,7 +455,7 @@ class NSAAttention(nn.Module):
         With a mask the real tokens run packed, one sequence per row (B' = 1); block geometry
         follows each token's index within its own sequence, whatever its RoPE position.
         """
-        self._check_x(x)
+        self.check_input(x)
         layout = None
         if attention_mask is not None:
             if cu_seqlens is not None:
@@ -609,7 +611,7 @@ class NSAAttention(nn.Module):
         the cache back as it was (every row of a ragged cache): a failed step leaves no partial
         token behind.
         """
-        self._check_x(x)
+        self.check_input(x)
         if x.shape[1] != 1:
             raise ValueError(f"decode takes one token per sequence, x {shape(x)}")
         if not isinstance(cache, (NSACache, RaggedNSACache)):

@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from nsa_core.checks import check_int, check_rank, shape
+from nsa_core.checks import (
+    check_config,
+    check_device,
+    check_float_dtype,
+    check_int,
+    check_length,
+    check_rank,
+    check_same_place,
+    shape,
+)
 from nsa_core.config import NSAConfig
 from nsa_core.limits import MAX_TOKENS
-
-
-def check_device(name: str, device: object) -> torch.device | None:
-    """``device`` as a torch.device (None stays None); anything else is refused by name."""
-    if device is None:
-        return None
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(
-            f"{name} must be a torch.device, a str or None, got {type(device).__name__}"
-        )
-    try:
-        return torch.device(device)
-    except RuntimeError as err:
-        raise ValueError(f"{name} {device!r} is not a device: {err}") from None
 
 
 def _append(buf: torch.Tensor, length: int, new: torch.Tensor) -> torch.Tensor:
@@ -47,19 +42,54 @@ class NSACache:
       (tokens ``[num_cmp * d, length)``) and the emitted blocks ``k_cmp [B, num_cmp, H, dk]``.
 
     Storage for the growing parts is over-allocated; the properties give the logical views.
+    :meth:`empty` makes one; the constructor checks that its fields fit together (every tensor
+    [B, *, H, D] of the config's heads and head dims, one floating dtype and device, lengths
+    within the storage), as ``dataclasses.replace`` does.
     """
 
     config: NSAConfig
+    _k_sel: torch.Tensor
+    _v_sel: torch.Tensor
+    _k_cmp: torch.Tensor
+    _v_cmp: torch.Tensor
+    k_win: torch.Tensor
+    v_win: torch.Tensor
+    k_raw: torch.Tensor
+    v_raw: torch.Tensor
     length: int = 0
     num_cmp: int = 0
-    _k_sel: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    _v_sel: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    _k_cmp: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    _v_cmp: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    k_win: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    v_win: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    k_raw: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    v_raw: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+
+    def __post_init__(self) -> None:
+        config = check_config(self.config)
+        h, dk, dv = config.num_kv_heads, config.head_dim_qk, config.head_dim_v
+        first: torch.Tensor | None = None
+        for name, dim in (
+            ("_k_sel", dk), ("_v_sel", dv), ("_k_cmp", dk), ("_v_cmp", dv),
+            ("k_win", dk), ("v_win", dv), ("k_raw", dk), ("v_raw", dv),
+        ):  # fmt: skip
+            t = getattr(self, name)
+            check_rank(name, t, 4, "[B, n, H, D]")
+            if first is None:
+                first = t
+                check_float_dtype(f"{name}.dtype", t.dtype)
+            check_same_place(name, t, "_k_sel", first)
+            if (t.shape[0], t.shape[2], t.shape[3]) != (first.shape[0], h, dim):
+                raise ValueError(
+                    f"{name} {shape(t)} must be [B={first.shape[0]}, n, H={h}, D={dim}] "
+                    "(the config's heads and head dims)"
+                )
+        length = check_length("length", self.length)
+        num_cmp = check_length("num_cmp", self.num_cmp)
+        for name, rows, room in (
+            ("length", length, min(self._k_sel.shape[1], self._v_sel.shape[1])),
+            ("num_cmp", num_cmp, min(self._k_cmp.shape[1], self._v_cmp.shape[1])),
+            ("k_win", self.k_win.shape[1], min(config.window, length)),
+            ("v_win", self.v_win.shape[1], min(config.window, length)),
+            ("k_raw", self.k_raw.shape[1], length),
+            ("v_raw", self.v_raw.shape[1], length),
+        ):
+            if rows > room:
+                raise ValueError(f"{name} ({rows} entries) must be <= {room}, what the cache holds")
 
     @classmethod
     def empty(
@@ -72,13 +102,11 @@ class NSACache:
         dtype: torch.dtype = torch.float32,
     ) -> NSACache:
         """A cache with no tokens; ``capacity`` pre-allocates that many tokens."""
-        if not isinstance(config, NSAConfig):
-            raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+        check_config(config)
         check_int("batch", batch, 0)
         check_int("capacity", capacity, 0, MAX_TOKENS)
         device = check_device("device", device)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        check_float_dtype("dtype", dtype)
         h, dk, dv = config.num_kv_heads, config.head_dim_qk, config.head_dim_v
         cap_cmp = max(0, (capacity - config.cmp_block) // config.cmp_stride + 1)
 

@@ -61,10 +61,20 @@ class NSAConfig:
                 number or (value is None and "None" in f.type)
             ):
                 raise TypeError(f"NSAConfig.{f.name} must be a number, got {value!r}")
-        # Every int field is a head count, a head dim or a length in tokens: all must be >= 1.
+        if not isinstance(self.phi, str):
+            raise TypeError(f"NSAConfig.phi must be a str, 'avg' or 'mlp', got {self.phi!r}")
+        # Every int field is a head count, a head dim or a length in tokens: all must be >= 1,
+        # and none may pass what int32 addresses (docs/spec.md, "Argument rules"): a block or
+        # window past it could never be filled, and a forward would size buffers by it.
         for f in fields(self):
-            if f.type == "int" and getattr(self, f.name) < 1:
-                raise ValueError(f"NSAConfig.{f.name} must be >= 1, got {getattr(self, f.name)}")
+            value = getattr(self, f.name)
+            if f.type == "int" and value < 1:
+                raise ValueError(f"NSAConfig.{f.name} must be >= 1, got {value}")
+            if f.type == "int" and value > MAX_TOKENS:
+                raise ValueError(
+                    f"NSAConfig.{f.name} must be <= {MAX_TOKENS} (int32 token positions), "
+                    f"got {value}"
+                )
         if self.num_q_heads % self.num_kv_heads != 0:
             raise ValueError(
                 f"NSAConfig.num_q_heads ({self.num_q_heads}) must be a multiple of "
@@ -88,7 +98,7 @@ class NSAConfig:
                 f"NSAConfig.num_selected ({self.num_selected}) times sel_block ({self.sel_block}) "
                 f"must be <= {MAX_TOKENS}: no sequence of int32 positions holds more blocks"
             )
-        if not isinstance(self.phi, str) or self.phi not in ("avg", "mlp"):
+        if self.phi not in ("avg", "mlp"):
             raise ValueError(f"NSAConfig.phi must be 'avg' or 'mlp', got {self.phi!r}")
         if self.head_dim_qk % 2 != 0:
             raise ValueError(

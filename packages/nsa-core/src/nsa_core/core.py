@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from nsa_core.blocks import num_cmp_blocks
+from nsa_core.block_math import num_cmp_blocks
 from nsa_core.checks import (
     check_attention_args,
+    check_config,
+    check_config_numbers,
     check_cu_seqlens,
     check_q_start,
     check_rank,
@@ -136,11 +138,11 @@ def check_attention_core(
     win_start: int | None = None, cu_seqlens: Tensor | None = None,
 ) -> OpContext:  # fmt: skip
     """Every rule of :func:`attention_core`; returns the call's routing context."""
-    if not isinstance(config, NSAConfig):
-        raise TypeError(f"config must be an NSAConfig, got {type(config).__name__}")
+    config = check_config(config)
     for branch, k, v in (("cmp", k_cmp, v_cmp), ("sel", k_sel, v_sel), ("win", k_win, v_win)):
         check_attention_args(q, k, v, k_name=f"k_{branch}", v_name=f"v_{branch}")
     check_heads_and_gates(q, k_sel, v_sel, gates, config)
+    check_config_numbers(config, q.dtype)
     for name, value in (("q_start", q_start), ("win_start", win_start)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")

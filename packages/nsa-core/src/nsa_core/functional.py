@@ -22,12 +22,13 @@ from nsa_core.checks import (
     check_attention_args,
     check_cu_seqlens,
     check_int,
-    check_positive_real,
     check_rank,
+    check_scale,
     shape,
 )
 from nsa_core.config import NSAConfig
 from nsa_core.core import run_attention_core
+from nsa_core.limits import MAX_TOKENS
 from nsa_core.reference.compress import compress_impl
 
 KV = torch.Tensor | Mapping[str, torch.Tensor]
@@ -48,13 +49,12 @@ def call_config(
         config = NSAConfig()
     elif not isinstance(config, NSAConfig):
         raise TypeError(f"config must be an NSAConfig or None, got {type(config).__name__}")
-    if softmax_scale is not None:
-        check_positive_real("softmax_scale", softmax_scale, "a float or None")
     if window is not None:
-        check_int("window", window, 1)
+        check_int("window", window, 1, MAX_TOKENS)
     _, _, hq, h, dk, dv = check_attention_args(
         q, k_sel, v_sel, k_name="k['sel']", v_name="v['sel']"
     )
+    check_scale(softmax_scale, q.dtype, name="softmax_scale")
     return dataclasses.replace(
         config,
         num_q_heads=hq,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from nsa_core.blocks import num_cmp_blocks
+from nsa_core.block_math import num_cmp_blocks
+from nsa_core.checks import check_config, check_position, check_selected_reads
 from nsa_core.config import NSAConfig
 
 
@@ -11,9 +12,11 @@ def expected_reads(position: int, config: NSAConfig) -> int:
 
     ``N_cmp(t+1) + sum_j |block j ∩ [0, t]| + min(w, t+1)``, the sum over the n selected blocks
     when the n blocks are the most recent full ones plus the current block (every selection has
-    that size once t+1 >= n*l'; before that every valid block is selected).
+    that size once t+1 >= n*l'; before that every valid block is selected). ``position`` is an
+    int in [0, 2^31 - 2], ``config`` an NSAConfig.
     """
-    t = position
+    t = check_position("position", position)
+    check_config(config)
     lsel, n = config.sel_block, config.num_selected
     current = t // lsel
     selected_tokens = (t - current * lsel + 1) + min(current, n - 1) * lsel
@@ -25,7 +28,12 @@ def expected_reads(position: int, config: NSAConfig) -> int:
 
 
 def selected_reads(position: int, block_indices: list[int], sel_block: int) -> int:
-    """sum_j |block j ∩ [0, t]| over the given selected blocks (-1 ignored, repeats once)."""
+    """sum_j |block j ∩ [0, t]| over the given selected blocks (-1 ignored, repeats once).
+
+    ``position`` an int in [0, 2^31 - 2], ``block_indices`` a list or tuple of ints >= -1,
+    ``sel_block`` l' >= 1.
+    """
+    check_selected_reads(position, block_indices, sel_block)
     total = 0
     for j in sorted({j for j in block_indices if j >= 0}):
         total += max(0, min((j + 1) * sel_block, position + 1) - j * sel_block)

@@ -59,9 +59,13 @@ def _parse_bool(name: str, raw: str) -> bool:
     raise ValueError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
 
 
+def _is_backend_name(value: str) -> bool:
+    return bool(value) and value.replace("_", "").isalnum()
+
+
 def _parse_name(name: str, raw: str) -> str:
     value = raw.strip().lower()
-    if not value or not value.replace("_", "").isalnum():
+    if not _is_backend_name(value):
         raise ValueError(f"{name}={raw!r} must be 'auto' or a backend name such as 'reference'")
     return value
 
@@ -83,7 +87,12 @@ def env_name(field_name: str) -> str:
 
 @dataclass(frozen=True)
 class Toggles:
-    """Parsed ``NSA_*`` toggles; field ``foo_bar`` is read from ``NSA_FOO_BAR``."""
+    """Parsed ``NSA_*`` toggles; field ``foo_bar`` is read from ``NSA_FOO_BAR``.
+
+    Made directly (or by ``dataclasses.replace``), every field is checked as the environment's
+    value would be: a bool for the bool fields, an int >= 0 for the ints, ``auto`` or a backend
+    name (lower case) for the names.
+    """
 
     core_backend: str = "auto"
     rope_backend: str = "auto"
@@ -113,9 +122,36 @@ class Toggles:
     debug_fa2_varlen: bool = False
     debug_fa2_dense: bool = False
 
+    def __post_init__(self) -> None:
+        # Checked here, not in nsa_core.checks: that module reads the toggles.
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise TypeError(f"Toggles.{f.name} must be a bool, got {value!r}")
+            if f.type == "int":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"Toggles.{f.name} must be an int, got {value!r}")
+                if value < 0:
+                    raise ValueError(f"Toggles.{f.name} must be >= 0, got {value}")
+            if f.type == "str":
+                if not isinstance(value, str):
+                    raise TypeError(f"Toggles.{f.name} must be a str, got {value!r}")
+                if not _is_backend_name(value) or value != value.lower():
+                    raise ValueError(
+                        f"Toggles.{f.name} must be 'auto' or a backend name such as "
+                        f"'reference' (lower case), got {value!r}"
+                    )
+        if self.debug_fa2_varlen and self.debug_fa2_dense:
+            raise ValueError("NSA_DEBUG_FA2_VARLEN and NSA_DEBUG_FA2_DENSE are both set; pick one")
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Toggles:
-        """Parse the toggles from ``environ`` (default ``os.environ``); unset ones keep defaults."""
+        """Parse the toggles from ``environ`` (default ``os.environ``); unset ones keep defaults.
+
+        ``environ`` is a mapping of str to str (or None).
+        """
+        if environ is not None and not isinstance(environ, Mapping):
+            raise TypeError(f"environ must be a mapping or None, got {type(environ).__name__}")
         env = os.environ if environ is None else environ
         kinds = {f.name: f.type for f in fields(cls)}
         values: dict[str, bool | int | str] = {}
@@ -124,16 +160,15 @@ class Toggles:
             raw = env.get(name)
             if raw is None:
                 continue
+            if not isinstance(raw, str):
+                raise TypeError(f"environ[{name!r}] must be a str, got {type(raw).__name__}")
             if kind == "bool":
                 values[field_name] = _parse_bool(name, raw)
             elif kind == "str":
                 values[field_name] = _parse_name(name, raw)
             else:
                 values[field_name] = _parse_int(name, raw, minimum=0)
-        toggles = cls(**values)  # type: ignore[arg-type]
-        if toggles.debug_fa2_varlen and toggles.debug_fa2_dense:
-            raise ValueError("NSA_DEBUG_FA2_VARLEN and NSA_DEBUG_FA2_DENSE are both set; pick one")
-        return toggles
+        return cls(**values)  # type: ignore[arg-type]
 
     def env_names(self) -> dict[str, str]:
         """The toggles as ``{NSA_NAME: value}``, for reports."""

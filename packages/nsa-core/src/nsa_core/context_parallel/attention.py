@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nsa_core.attention import BRANCHES, check_nsa_attention
-from nsa_core.checks import check_cu_seqlens, shape
+from nsa_core.checks import check_cu_seqlens, check_process_group, shape
 from nsa_core.config import NSAConfig
 from nsa_core.context_parallel.exchange import (
     AllGather,
@@ -125,8 +125,7 @@ def check_context_parallel(
     :func:`~nsa_core.attention.check_nsa_attention` (checked first) -> this rank."""
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("context parallel attention needs an initialized torch.distributed")
+    check_process_group(group)
     if sel_exchange not in SEL_EXCHANGES:
         raise ValueError(f"sel_exchange must be one of {SEL_EXCHANGES}, got {sel_exchange!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from nsa_core.attention import NSAAttention, positions_of
-from nsa_core.checks import check_cu_seqlens, check_rank, shape
+from nsa_core.checks import check_cu_seqlens, check_process_group, shape
 from nsa_core.context_parallel.attention import SelExchange, context_parallel_nsa_attention
 from nsa_core.context_parallel.exchange import CommTimer
 from nsa_core.context_parallel.plan import ShardPlan
@@ -40,14 +40,17 @@ def context_parallel_layer_forward(
     Returns:
         y [B, T_local, hidden]. Parameter gradients are this rank's share: sum them over the
         group (data-parallel training's all-reduce does).
+
+    Arguments are checked as ``layer(x)`` and :func:`context_parallel_nsa_attention` check
+    theirs, with the same errors (x by :meth:`NSAAttention.check_input`, the group by
+    :func:`nsa_core.checks.check_process_group`).
     """
     if not isinstance(layer, NSAAttention):
         raise TypeError(f"layer must be an NSAAttention, got {type(layer).__name__}")
     if not isinstance(plan, ShardPlan):
         raise TypeError(f"plan must be a ShardPlan, got {type(plan).__name__}")
-    check_rank("x", x, 3, "[B, T_local, hidden]")
-    if x.shape[-1] != layer.hidden_size:
-        raise ValueError(f"x {shape(x)} must end in hidden_size={layer.hidden_size}")
+    layer.check_input(x)
+    check_process_group(group)
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, plan.total_tokens, x.shape[0], x.device)
     rank = dist.get_rank(group)

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nsa_core.blocks import num_cmp_blocks
+from nsa_core.block_math import num_cmp_blocks
 from nsa_core.config import NSAConfig
 from nsa_core.context_parallel.plan import Chunk, ShardPlan
 

@@ -7,8 +7,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from nsa_core.blocks import num_cmp_blocks
-from nsa_core.checks import check_compress, check_rank, check_split_blocks, shape
+from nsa_core.block_math import num_cmp_blocks
+from nsa_core.checks import (
+    check_compress,
+    check_floating,
+    check_int,
+    check_rank,
+    check_split_blocks,
+    shape,
+)
+from nsa_core.limits import MAX_TOKENS
 from nsa_core.reference.common import spans, validated_by
 
 
@@ -25,8 +33,9 @@ def split_blocks(x: torch.Tensor, cmp_block: int, cmp_stride: int) -> torch.Tens
 
 
 def compress_avg(blocks: torch.Tensor) -> torch.Tensor:
-    """phi = mean over the block: blocks [B, N, l, H, D] -> [B, N, H, D]."""
+    """phi = mean over the block: blocks [B, N, l, H, D] -> [B, N, H, D] (floating point)."""
     check_rank("blocks", blocks, 5, "[B, N, l, H, D]")
+    check_floating("blocks", blocks)
     return blocks.mean(dim=2)
 
 
@@ -75,10 +84,14 @@ class CompressMLP(nn.Module):
 
     Adds a learned intra-block position embedding ``pos [l, D]``, flattens a block to ``l*D``
     (token-major: element ``p*D + c`` is token p, channel c) and applies
-    ``fc2(GELU(fc1(.)))`` with hidden width D (docs/spec.md's choice).
+    ``fc2(GELU(fc1(.)))`` with hidden width D (docs/spec.md's choice). head_dim D and
+    cmp_block l are ints in [1, 2^31 - 1]. Blocks come in the parameters' dtype, or in any
+    floating dtype under ``torch.autocast`` (which casts them for the linear layers).
     """
 
     def __init__(self, head_dim: int, cmp_block: int) -> None:
+        check_int("head_dim", head_dim, 1, MAX_TOKENS)
+        check_int("cmp_block", cmp_block, 1, MAX_TOKENS)
         super().__init__()
         self.head_dim = head_dim
         self.cmp_block = cmp_block
@@ -93,6 +106,15 @@ class CompressMLP(nn.Module):
             raise ValueError(
                 f"blocks {shape(blocks)} must be [B, N, l={self.cmp_block}, H, D={self.head_dim}]"
             )
+        check_floating("blocks", blocks)
+        weight = self.fc1.weight
+        if blocks.dtype != weight.dtype and not torch.is_autocast_enabled(blocks.device.type):
+            raise TypeError(
+                f"blocks dtype {blocks.dtype} differs from phi's parameters' {weight.dtype}: cast "
+                "phi or the blocks, or run under torch.autocast"
+            )
+        if blocks.device != weight.device:
+            raise ValueError(f"blocks is on {blocks.device} but phi is on {weight.device}")
         # The position embedding joins the blocks in their dtype: under torch.autocast the add,
         # which autocast leaves to type promotion, would lift half-precision blocks to float32.
         x = blocks + self.pos.to(blocks.dtype)[:, None, :]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.blocks import cmp_cu_seqlens
+from nsa_core.block_math import cmp_cu_seqlens
 from nsa_core.checks import check_compressed_attention
 from nsa_core.reference.common import (
     attend_in_query_chunks,

@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from nsa_core.blocks import num_sel_blocks
+from nsa_core.block_math import num_sel_blocks
 from nsa_core.checks import check_selected_attention
 from nsa_core.reference.common import (
     attend_in_query_chunks,
@@ -73,18 +73,22 @@ def selected_visibility(
     """visible [B, Tq, H, num_keys] bool: token p is visible to the query at ``q_start + r``.
 
     p is visible iff its block ``p // sel_block`` is among the row's indices and ``p <= t``; -1
-    entries select nothing and repeated entries change nothing (a union of blocks).
+    entries select nothing and repeated entries change nothing (a union of blocks). Blocks at or
+    past ``ceil(num_keys / sel_block)`` hold no key below num_keys: they select nothing here.
     """
     batch, tq, h, _ = block_indices.shape
     num_blocks = num_sel_blocks(num_keys, sel_block)
     idx = block_indices.to(torch.int64)
-    # Scatter into one spare column so -1 lands somewhere harmless.
+    # Scatter into one spare column so -1 lands somewhere harmless, and so do blocks past the
+    # keys: a valid later block (the keys of a chunk of queries end before it) sees no key here.
+    outside = (idx < 0) | (idx >= num_blocks)
     member = torch.zeros(batch, tq, h, num_blocks + 1, dtype=torch.bool, device=idx.device)
-    member.scatter_(-1, torch.where(idx < 0, num_blocks, idx), True)
-    token_member = member[..., :num_blocks].repeat_interleave(sel_block, dim=-1)[..., :num_keys]
+    member.scatter_(-1, torch.where(outside, num_blocks, idx), True)
+    p = torch.arange(num_keys, device=idx.device)
+    # Gathered by each key's block: memory O(num_keys), whatever sel_block is.
+    token_member = member[..., torch.div(p, sel_block, rounding_mode="floor")]
     t = torch.arange(q_start, q_start + tq, device=idx.device).view(1, tq, 1, 1)
-    p = torch.arange(num_keys, device=idx.device).view(1, 1, 1, num_keys)
-    return token_member & (p <= t)
+    return token_member & (p.view(1, 1, 1, num_keys) <= t)
 
 
 def _selected_dense(

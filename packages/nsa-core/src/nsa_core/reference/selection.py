@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nsa_core.blocks import cmp_block_band, cmp_cu_seqlens, num_sel_blocks
+from nsa_core.block_math import cmp_block_band, cmp_cu_seqlens, num_sel_blocks
 from nsa_core.checks import check_block_scores, check_select_blocks, check_topn_blocks
 from nsa_core.reference.common import (
     masked_softmax,
