@@ -62,7 +62,7 @@ class NeedleAttention(NSAAttention):
             return super().forward(x)
         cfg = self.config
         scale = cfg.softmax_scale
-        self._check_x(x)
+        self.check_input(x)
         inp = self.branch_inputs(x, torch.arange(x.shape[1], device=x.device))
         if self.variant == "window":
             o_win = ops.sliding_attention(inp.q, inp.k["win"], inp.v["win"], cfg.window, scale)
