@@ -570,6 +570,8 @@ CASES: list[Case] = [
                  lambda d: sliding(sliding_attention_triton_with_local, d, sel_block=2)),
     # ---- block scoring and its index contract
     *arg_rows("select_blocks_triton", scoring, [
+        ("q", 3, TE, "q must be a torch.Tensor [B, T, HQ, dk], got int"),
+        ("k_cmp", torch.zeros(N_CMP, H, DK), VE, "k_cmp must have rank 4 [B, T, H, dk]"),
         ("num_selected", 3.0, TE, "num_selected must be an int, got float 3.0"),
         ("sel_block", 5, VE, "cmp_stride (2) must divide sel_block (5)"),
         ("lse", lse_(dtype=F64), TE, "lse must be float32, got torch.float64"),

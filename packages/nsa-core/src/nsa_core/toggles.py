@@ -60,7 +60,8 @@ def _parse_bool(name: str, raw: str) -> bool:
 
 
 def _is_backend_name(value: str) -> bool:
-    return bool(value) and value.replace("_", "").isalnum()
+    # The registry takes any name; these are the characters the registered ones use.
+    return bool(value) and value.replace("_", "").replace("-", "").isalnum()
 
 
 def _parse_name(name: str, raw: str) -> str:

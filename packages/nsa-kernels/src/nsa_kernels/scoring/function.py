@@ -243,8 +243,6 @@ def select_blocks_triton(
     Returns:
         indices [B, Tq, H, n] int32 ascending, -1 padded; counts [B, Tq, H] int32.
     """
-    batch, tq, hq, dk = q.shape
-    h = k_cmp.shape[2]
     if not validated:
         check_select_blocks(
             q, k_cmp, cmp_block, cmp_stride, sel_block, num_selected, scale, q_start=q_start,
@@ -252,9 +250,11 @@ def select_blocks_triton(
         )  # fmt: skip
         check_config(config, ScoreConfig)
         check_dtype(q.dtype, "block scoring")
-        if dk > MAX_HEAD_DIM:
-            raise ValueError(f"head dim dk={dk} exceeds {MAX_HEAD_DIM}")
+        if q.shape[-1] > MAX_HEAD_DIM:
+            raise ValueError(f"head dim dk={q.shape[-1]} exceeds {MAX_HEAD_DIM}")
         check_triton_runs("q", q)
+    batch, tq, hq, dk = q.shape
+    h = k_cmp.shape[2]
     indices = torch.empty(batch, tq, h, num_selected, dtype=torch.int32, device=q.device)
     counts = torch.empty(batch, tq, h, dtype=torch.int32, device=q.device)
     if tq == 0:
