@@ -14,6 +14,8 @@ from nsa_kernels.selected.function import (
     unique_block_rows,
 )
 
+# unique_block_rows is a Triton kernel: its tests carry the triton marker, so the interpreter
+# tier runs them on a CPU and the triton-gpu tier on a GPU.
 needs_triton_device = pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)
 
 
@@ -33,6 +35,7 @@ def as_sets(idx: torch.Tensor, num_blocks: int | None) -> list[list[int]]:
     return out
 
 
+@pytest.mark.triton
 @needs_triton_device
 def test_unique_block_rows_sorts_and_drops_repeats() -> None:
     idx = rows([3, -1, 3, 0], [2, 2, 2, 2], [-1, -1, -1, -1])
@@ -47,6 +50,7 @@ def test_parse_config_names_unknown_fields() -> None:
         parse_config("tile_rows=4")
 
 
+@pytest.mark.triton
 @needs_triton_device
 def test_unique_block_rows_drops_entries_outside_the_keys() -> None:
     idx = rows([5, -3, 1, 1 << 30], [4, 0, -1, 2])
@@ -54,6 +58,7 @@ def test_unique_block_rows_drops_entries_outside_the_keys() -> None:
     assert out == [[1, -1, -1, -1], [0, 2, 4, -1]]
 
 
+@pytest.mark.triton
 @needs_triton_device
 @pytest.mark.parametrize("n", [1, 3, 5, 16, 40])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
@@ -75,6 +80,7 @@ def test_unique_block_rows_matches_the_set_contract(
     assert out.cpu().reshape(-1, n).tolist() == as_sets(idx, num_blocks)
 
 
+@pytest.mark.triton
 @needs_triton_device
 @pytest.mark.parametrize("shape", [(1, 0, 2, 4), (1, 3, 2, 0)])
 def test_unique_block_rows_of_no_rows_or_no_slots(shape: tuple[int, ...]) -> None:
