@@ -14,7 +14,8 @@ from nsa_core.reference.selected_attention import selected_attention
 class Case(KernelCase):
     """One selected-attention call: shapes, where the queries sit, and how indices are drawn.
 
-    ``indices``: "random" (uniform in [-1, NB): padding, future blocks and repeats appear),
+    ``indices``: "random" (uniform in [-1, NB), NB the blocks of the keys, or of the row's own
+    sequence when varlen: padding, future blocks and repeats appear),
     "nsa" (forced {0, jt-1, jt} plus random valid blocks, distinct, -1 padded at the end),
     "span" (one contiguous run ending at jt), "initial_span" (block 0, then a contiguous run
     ending at jt), "empty" (rows of only -1 or only future blocks
@@ -38,6 +39,14 @@ def make_indices(case: Case, gen: torch.Generator) -> torch.Tensor:
     pos = positions(case)
     num_blocks = -(-max(case.keys, 1) // case.sel_block)
     shape = (case.batch, case.tq, case.h, case.n)
+    if case.indices == "random" and case.seqlens is not None:
+        # Varlen indices count the blocks of their own sequence (docs/spec.md): sequence s
+        # draws from [-1, ceil(L_s / l')).
+        parts = [
+            torch.randint(-1, -(-n // case.sel_block), (1, n, case.h, case.n), generator=gen)
+            for n in case.seqlens
+        ]
+        return torch.cat(parts, dim=1).to(torch.int32)
     if case.indices == "random":
         return torch.randint(-1, num_blocks, shape, generator=gen, dtype=torch.int32)
     out = torch.full(shape, -1, dtype=torch.int32)
