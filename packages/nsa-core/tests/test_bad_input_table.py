@@ -63,6 +63,7 @@ from nsa_core import (
     nsa_attention,
     nsa_func,
     nsa_varlen_func,
+    nsa_with_kvcache,
     num_cmp_blocks,
     num_sel_blocks,
     select_blocks,
@@ -234,6 +235,22 @@ def nsa_func_with(**over: Any) -> object:
     args = attention_args() | {"gates": gates_()}
     keywords = ("config", "softmax_scale", "window", "phi_k", "phi_v")
     return call_with(nsa_func, args | {"config": config()}, keywords, over)
+
+
+def nsa_with_kvcache_with(**over: Any) -> object:
+    """One new token per sequence appended to a dense cache of room T holding 5 tokens each."""
+    args = {
+        "q": rand(B, 1, HQ, DK),
+        "k_cache": rand(B, T, H, DK),
+        "v_cache": rand(B, T, H, DV),
+        "k": rand(B, 1, H, DK),
+        "v": rand(B, 1, H, DV),
+        "gates": torch.rand(B, 1, HQ, 3),
+        "cache_seqlens": torch.full((B,), 5, dtype=torch.int32),
+        "config": config(),
+    }
+    keywords = ("cache_seqlens", "block_table", "config", "softmax_scale", "window", "rope_theta")
+    return call_with(nsa_with_kvcache, args, keywords, over)
 
 
 def nsa_varlen_func_with(**over: Any) -> object:
@@ -459,6 +476,7 @@ CALL_WITH: dict[str, Callable[..., object]] = {
     "attention_core": attention_core_with,
     "nsa_func": nsa_func_with,
     "nsa_varlen_func": nsa_varlen_func_with,
+    "nsa_with_kvcache": nsa_with_kvcache_with,
     "compress_avg": compress_avg_with,
     "CompressMLP": compress_mlp_with,
     "num_cmp_blocks": num_cmp_blocks_with,
@@ -822,6 +840,29 @@ CASES = [
     ]),
     case("nsa_func", "gates", "float64", TE, "gates dtype torch.float64 differs from q",
          lambda: nsa_func_with(gates=torch.rand(B, T, HQ, 3, dtype=torch.float64))),
+    # nsa_with_kvcache (nsa_core.kvcache)
+    *arg_cases("nsa_with_kvcache", [
+        ("cache_seqlens", [5], TE, "cache_seqlens must be an integer torch.Tensor [B], got list"),
+        ("v", None, VE, "k and v go together"),
+        ("softmax_scale", SCALE_INF_IN_FLOAT32, VE, f"softmax_scale {IN_FLOAT32}"),
+        ("block_table", [[0]], TE, "block_table must be an integer torch.Tensor [B, max_pages]"),
+    ]),
+    case("nsa_with_kvcache", "cache_seqlens", "float32", TE, "cache_seqlens must hold integers",
+         lambda: nsa_with_kvcache_with(cache_seqlens=torch.tensor([5.0]))),
+    case("nsa_with_kvcache", "cache_seqlens", "-1", VE, "cache_seqlens[0] must be >= 0, got -1",
+         lambda: nsa_with_kvcache_with(cache_seqlens=torch.tensor([-1]))),
+    case("nsa_with_kvcache", "cache_seqlens", "full cache", VE,
+         "would hold 9 tokens (cache_seqlens 8 + 1 new), more than the cache's 8",
+         lambda: nsa_with_kvcache_with(cache_seqlens=torch.tensor([T]))),
+    case("nsa_with_kvcache", "k_cache", "float64", TE, "k_cache dtype torch.float64 must be q's",
+         lambda: nsa_with_kvcache_with(k_cache=rand(B, T, H, DK, dtype=torch.float64))),
+    case("nsa_with_kvcache", "k", "Tn=2", VE, "k [1, 2, 2, 8] must be [B=1, Tn=1, H=2, D=8]",
+         lambda: nsa_with_kvcache_with(k=rand(B, 2, H, DK))),
+    case("nsa_with_kvcache", "block_table", "page 1 of 1", VE,
+         "block_table[0, 0] = 1 names no page of the cache's 1",
+         lambda: nsa_with_kvcache_with(block_table=torch.tensor([[1]]))),
+    case("nsa_with_kvcache", "q", "no new query", VE, "at least one new query",
+         lambda: nsa_with_kvcache_with(q=rand(B, 0, HQ, DK))),
     *arg_cases("nsa_varlen_func", [
         ("softmax_scale", SCALE_INF_IN_FLOAT32, VE, f"softmax_scale {IN_FLOAT32}"),
         ("max_seqlen_q", 2, VE, "max_seqlen_q must be >= the longest sequence, 5, got 2"),

@@ -13,6 +13,7 @@ from nsa_core.cache import NSACache
 from nsa_core.config import NSAConfig
 from nsa_core.core import attention_core
 from nsa_core.functional import nsa_func, nsa_varlen_func
+from nsa_core.kvcache import nsa_with_kvcache
 from nsa_core.ops import (
     apply_rope,
     compressed_attention,
@@ -63,6 +64,7 @@ __all__ = [
     "nsa_attention",
     "nsa_func",
     "nsa_varlen_func",
+    "nsa_with_kvcache",
     "num_cmp_blocks",
     "num_sel_blocks",
     "select_blocks",
