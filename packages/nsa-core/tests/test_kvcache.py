@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nsa_core import CompressMLP, NSAConfig, apply_rope, nsa_func, nsa_with_kvcache
+from nsa_core import CompressMLP, NSAAttention, NSAConfig, apply_rope, nsa_func, nsa_with_kvcache
 
 # HQ = 4 over H = 2, dk = 16, dv = 8, l = 8, d = 4, l' = 8, n = 3, w = 16.
 CFG = NSAConfig(
@@ -267,3 +267,94 @@ def test_a_failed_call_leaves_the_cache_unchanged(gen: torch.Generator, failure:
         )
     assert torch.equal(k_pages, before[0])
     assert torch.equal(v_pages, before[1])
+
+
+# ------------------------------------------------------------------ NSAAttention on the cache
+
+HIDDEN = 32
+
+
+def test_per_branch_caches_take_per_branch_keys(gen: torch.Generator) -> None:
+    """Mappings of caches and new keys per branch equal nsa_func on those mappings."""
+    lengths, tn = [9, 26], 2
+    streams = {branch: Sequences(len(lengths), gen) for branch in ("cmp", "sel", "win")}
+    seqs = streams["sel"]
+    k_cache, v_cache, k_new, v_new = {}, {}, {}, {}
+    for branch, s in streams.items():
+        k_cache[branch], v_cache[branch] = dense_cache(s, lengths)
+        k_new[branch], v_new[branch] = s.new("k", lengths, tn), s.new("v", lengths, tn)
+    o = nsa_with_kvcache(
+        seqs.new("q", lengths, tn),
+        k_cache,
+        v_cache,
+        k_new,
+        v_new,
+        seqs.new("gates", lengths, tn),
+        cache_seqlens=torch.tensor(lengths),
+        config=CFG,
+    )
+    for b, n in enumerate(lengths):
+        total = n + tn
+        keys = {br: s.k[b][:, :total] for br, s in streams.items()}
+        values = {br: s.v[b][:, :total] for br, s in streams.items()}
+        ref = nsa_func(seqs.q[b][:, :total], keys, values, seqs.gates[b][:, :total], config=CFG)[
+            :, -tn:
+        ]
+        assert rel_err(o[b : b + 1], ref) < FLOAT64_TOL
+    for branch, s in streams.items():
+        assert torch.equal(k_cache[branch], dense_cache(s, [n + tn for n in lengths])[0])
+
+
+def test_the_layer_prefills_in_chunks_and_decodes_a_ragged_paged_batch(
+    gen: torch.Generator,
+) -> None:
+    """Sequences of 23 and 7 tokens prefilled onto shared pages (the first in two chunks), then
+    steps of 1 and 2 tokens for both at once: every output row equals NSAAttention.forward over
+    that sequence's tokens so far."""
+    torch.manual_seed(5)
+    layer = NSAAttention(CFG, HIDDEN).double()
+    x = [torch.randn(1, ROOM, HIDDEN, generator=gen, dtype=torch.float64) for _ in range(2)]
+    pages = 2 * ROOM // PAGE
+    k_cache, v_cache = layer.empty_kvcache(pages, PAGE)
+    assert k_cache["sel"].dtype == torch.float64
+    table = torch.randperm(pages, generator=gen).view(2, ROOM // PAGE).to(torch.int32)
+
+    def check(b: int, out: torch.Tensor, total: int) -> None:
+        ref = layer(x[b][:, :total])[:, total - out.shape[1] :]
+        assert rel_err(out, ref) < FLOAT64_TOL, (b, total)
+
+    lengths = [0, 0]
+    for b, chunks in ((0, [15, 8]), (1, [7])):
+        for tn in chunks:
+            n = lengths[b]
+            seqlens = torch.tensor([n])
+            out = layer.decode_with_kvcache(
+                x[b][:, n : n + tn], k_cache, v_cache, seqlens, block_table=table[b : b + 1]
+            )
+            lengths[b] += tn
+            check(b, out, lengths[b])
+    for tn in (1, 2, 1):
+        step = torch.cat([x[b][:, n : n + tn] for b, n in enumerate(lengths)])
+        out = layer.decode_with_kvcache(
+            step, k_cache, v_cache, torch.tensor(lengths), block_table=table
+        )
+        lengths = [n + tn for n in lengths]
+        for b in range(2):
+            check(b, out[b : b + 1], lengths[b])
+
+
+def test_the_layer_refuses_a_bad_call_before_touching_the_cache() -> None:
+    layer = NSAAttention(CFG, HIDDEN).double()
+    k_cache, v_cache = layer.empty_kvcache(2, 16)
+    x = torch.randn(2, 1, HIDDEN, dtype=torch.float64)
+    with pytest.raises(TypeError, match="cache_seqlens must hold integers"):
+        layer.decode_with_kvcache(x, k_cache, v_cache, torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="would hold 17 tokens"):
+        layer.decode_with_kvcache(x, k_cache, v_cache, torch.tensor([3, 16]))
+    f32 = layer.empty_kvcache(2, 16, dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"dtype torch\.float32 must be q's, torch\.float64"):
+        layer.decode_with_kvcache(x, *f32, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match="must end in hidden_size=32"):
+        layer.decode_with_kvcache(x[..., :8], k_cache, v_cache, torch.tensor([3, 4]))
+    for cache in (k_cache, v_cache, *f32):
+        assert all(not t.any() for t in cache.values())

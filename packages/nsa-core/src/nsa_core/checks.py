@@ -822,3 +822,22 @@ def check_process_group(group: object) -> None:
             "group needs an initialized torch.distributed (None means its default group): call "
             "torch.distributed.init_process_group first"
         )
+
+
+def check_cache_seqlens(cache_seqlens: object, batch: int) -> list[int]:
+    """cache_seqlens, an integer tensor [B] of the tokens each sequence of a serving cache holds,
+    as host ints, each in [0, 2^31 - 1]."""
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(
+            f"cache_seqlens must be an integer torch.Tensor [B], got {type(cache_seqlens).__name__}"
+        )
+    if cache_seqlens.dtype.is_floating_point or cache_seqlens.dtype.is_complex:
+        raise TypeError(f"cache_seqlens must hold integers, got {cache_seqlens.dtype}")
+    if cache_seqlens.dtype == torch.bool:
+        raise TypeError("cache_seqlens must hold integers, got torch.bool")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise ValueError(f"cache_seqlens {shape(cache_seqlens)} must be [B={batch}]")
+    lengths = [int(n) for n in cache_seqlens.tolist()]
+    for b, n in enumerate(lengths):
+        check_int(f"cache_seqlens[{b}]", n, 0, MAX_TOKENS)
+    return lengths

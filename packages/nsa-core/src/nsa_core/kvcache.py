@@ -18,22 +18,25 @@ raises leaves the cache as it was: everything is computed first, the new keys wr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
-from nsa_core.checks import check_int, check_rank, check_same_place, shape
+from nsa_core.attention import BRANCHES
+from nsa_core.checks import check_cache_seqlens, check_rank, check_same_place, shape
 from nsa_core.config import NSAConfig
-from nsa_core.functional import nsa_func
+from nsa_core.functional import KV, nsa_func
 from nsa_core.limits import MAX_TOKENS
 from nsa_core.ops import apply_rope
 
 
 def nsa_with_kvcache(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor | None = None,
-    v: torch.Tensor | None = None,
+    k_cache: KV,
+    v_cache: KV,
+    k: KV | None = None,
+    v: KV | None = None,
     gates: torch.Tensor | None = None,
     *,
     cache_seqlens: torch.Tensor,
@@ -51,10 +54,13 @@ def nsa_with_kvcache(
         q: [B, Tn, HQ, dk], Tn >= 1 new queries per sequence (rotated by the caller unless
             ``rope_theta`` is given).
         k_cache, v_cache: [B, capacity, H, dk] and [B, capacity, H, dv]; with ``block_table``,
-            pages [num_pages, page_size, H, dk] and [num_pages, page_size, H, dv]. Written in
-            place at positions ``cache_seqlens[b] .. cache_seqlens[b] + Tn - 1``.
-        k, v: [B, Tn, H, dk] and [B, Tn, H, dv], the new tokens' keys and values; both None when
-            the cache holds them already (then the queries are its last Tn tokens).
+            pages [num_pages, page_size, H, dk] and [num_pages, page_size, H, dv]. One tensor
+            shared by the three branches, or a mapping ``{"cmp": ..., "sel": ..., "win": ...}``
+            (NSAAttention projects keys per branch), every tensor of the same layout. Written
+            in place at positions ``cache_seqlens[b] .. cache_seqlens[b] + Tn - 1``.
+        k, v: [B, Tn, H, dk] and [B, Tn, H, dv], the new tokens' keys and values, shared or per
+            branch as the caches are; both None when the cache holds them already (then the
+            queries are its last Tn tokens).
         gates: [B, Tn, HQ, 3] in (0, 1), ordered (cmp, sel, win); None weighs each branch 1/3.
         cache_seqlens: integer [B], the tokens each sequence holds before this call.
         block_table: integer [B, max_pages]: sequence b's token p lives in page
@@ -67,16 +73,26 @@ def nsa_with_kvcache(
     Returns:
         o [B, Tn, HQ, dv]. ``cache_seqlens`` is not changed: the caller advances it by Tn.
     """
-    tn, lengths = _check_call(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    totals = [n + (tn if k is not None else 0) for n in lengths]
+    caches = {
+        "k_cache": _per_branch("k_cache", k_cache),
+        "v_cache": _per_branch("v_cache", v_cache),
+    }
+    new = None
+    if k is not None or v is not None:
+        if k is None or v is None:
+            raise ValueError("k and v go together: give both new keys and values, or neither")
+        new = {"k": _per_branch("k", k), "v": _per_branch("v", v)}
+    tn, lengths = _check_call(q, caches, new, cache_seqlens, block_table)
+    totals = [n + (tn if new is not None else 0) for n in lengths]
     if rope_theta is not None:
-        q, k = _rotate(q, k, totals, rope_theta)
+        q, new = _rotate(q, new, totals, rope_theta)
     outputs = []
-    for b, total in enumerate(totals):
-        keys, values = _sequence(k_cache, v_cache, block_table, b, lengths[b])
-        if k is not None and v is not None:
-            keys, values = torch.cat([keys, k[b : b + 1]], 1), torch.cat([values, v[b : b + 1]], 1)
-        assert keys.shape[1] == total
+    for b in range(len(lengths)):
+        keys = _sequence(caches["k_cache"], block_table, b, lengths[b])
+        values = _sequence(caches["v_cache"], block_table, b, lengths[b])
+        if new is not None:
+            keys = {br: torch.cat([keys[br], new["k"][br][b : b + 1]], 1) for br in BRANCHES}
+            values = {br: torch.cat([values[br], new["v"][br][b : b + 1]], 1) for br in BRANCHES}
         outputs.append(
             nsa_func(
                 q[b : b + 1],
@@ -90,66 +106,99 @@ def nsa_with_kvcache(
                 phi_v=phi_v,
             )
         )
-    o = torch.cat(outputs, 0) if outputs else q.new_zeros(*q.shape[:3], v_cache.shape[-1])
-    if k is not None and v is not None:
-        _write(k_cache, v_cache, block_table, lengths, k, v)
+    dv = caches["v_cache"]["sel"].shape[-1]
+    o = torch.cat(outputs, 0) if outputs else q.new_zeros(*q.shape[:3], dv)
+    if new is not None:
+        for cache, fresh in (("k_cache", "k"), ("v_cache", "v")):
+            _write(caches[cache], new[fresh], block_table, lengths)
     return o
+
+
+def _per_branch(name: str, given: object) -> dict[str, torch.Tensor]:
+    """``given`` as one tensor per branch: the same tensor thrice, or the mapping's."""
+    if isinstance(given, torch.Tensor):
+        return dict.fromkeys(BRANCHES, given)
+    if isinstance(given, Mapping) and set(given) == set(BRANCHES):
+        for branch in BRANCHES:
+            if not isinstance(given[branch], torch.Tensor):
+                raise TypeError(
+                    f"{name}[{branch!r}] must be a torch.Tensor, got {type(given[branch]).__name__}"
+                )
+        return {branch: given[branch] for branch in BRANCHES}
+    raise TypeError(
+        f"{name} must be a torch.Tensor or a mapping with keys {BRANCHES}, "
+        f"got {type(given).__name__}"
+    )
+
+
+def _label(name: str, parts: dict[str, torch.Tensor], branch: str) -> str:
+    """The tensor's name in errors: ``k_cache``, or ``k_cache['sel']`` where branches differ."""
+    shared = all(parts[b] is parts[branch] for b in BRANCHES)
+    return name if shared else f"{name}[{branch!r}]"
 
 
 def _check_call(
     q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k: torch.Tensor | None,
-    v: torch.Tensor | None,
+    caches: dict[str, dict[str, torch.Tensor]],
+    new: dict[str, dict[str, torch.Tensor]] | None,
     cache_seqlens: object,
     block_table: object,
 ) -> tuple[int, list[int]]:
     """Tn and each sequence's length, after the checks that this module adds to nsa_func's
-    (the cache's layout, the lengths against its room, the new keys' shapes, the pages)."""
-    for name, t, layout in (
-        ("q", q, "[B, Tn, HQ, dk]"),
-        ("k_cache", k_cache, "[B, capacity, H, dk] or [num_pages, page_size, H, dk]"),
-        ("v_cache", v_cache, "[B, capacity, H, dv] or [num_pages, page_size, H, dv]"),
-    ):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
-        check_rank(name, t, 4, layout)
+    (the caches' layout, the lengths against their room, the new keys' shapes, the pages)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor [B, Tn, HQ, dk], got {type(q).__name__}")
+    check_rank("q", q, 4, "[B, Tn, HQ, dk]")
     batch, tn, hq, dk = q.shape
     if tn < 1:
         raise ValueError(f"q {shape(q)} must hold at least one new query per sequence (Tn >= 1)")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} must be q's, {q.dtype}")
-        check_same_place(name, t, "q", q)
-    if k_cache.shape[:3] != v_cache.shape[:3]:
-        raise ValueError(
-            f"v_cache {shape(v_cache)} must match k_cache {shape(k_cache)} but for its last dim"
-        )
-    if k_cache.shape[-1] != dk:
-        raise ValueError(f"k_cache {shape(k_cache)} must end in q's head dim dk={dk}")
-    h = k_cache.shape[2]
+    layout = caches["k_cache"]["sel"]
+    for name, parts in caches.items():
+        for branch in BRANCHES:
+            t, label = parts[branch], _label(name, parts, branch)
+            d = "dk" if name == "k_cache" else "dv"
+            check_rank(label, t, 4, f"[B, capacity, H, {d}] or [num_pages, page_size, H, {d}]")
+            if t.dtype != q.dtype:
+                raise TypeError(f"{label} dtype {t.dtype} must be q's, {q.dtype}")
+            check_same_place(label, t, "q", q)
+            if t.shape[:3] != layout.shape[:3]:
+                raise ValueError(
+                    f"{label} {shape(t)} must match k_cache {shape(layout)} but for its last dim"
+                )
+            if name == "k_cache" and t.shape[-1] != dk:
+                raise ValueError(f"{label} {shape(t)} must end in q's head dim dk={dk}")
+    h = layout.shape[2]
     if h == 0 or hq % h:
         raise ValueError(f"the cache's H={h} kv heads must divide q's HQ={hq} heads")
-    lengths = _lengths(cache_seqlens, batch)
-    if (k is None) != (v is None):
-        raise ValueError("k and v go together: give both new keys and values, or neither")
-    if k is not None and v is not None:
-        for name, t, d in (("k", k, dk), ("v", v, v_cache.shape[-1])):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor [B, Tn, H, D] or None")
-            if tuple(t.shape) != (batch, tn, h, d):
-                raise ValueError(f"{name} {shape(t)} must be [B={batch}, Tn={tn}, H={h}, D={d}]")
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} dtype {t.dtype} must be q's, {q.dtype}")
-            check_same_place(name, t, "q", q)
-    added = tn if k is not None else 0
+    lengths = check_cache_seqlens(cache_seqlens, batch)
+    if new is not None:
+        for name, parts in new.items():
+            cache = caches[f"{name}_cache"]
+            for branch in BRANCHES:
+                t, label = parts[branch], _label(name, parts, branch)
+                want = (batch, tn, h, cache[branch].shape[-1])
+                if tuple(t.shape) != want:
+                    raise ValueError(
+                        f"{label} {shape(t)} must be [B={batch}, Tn={tn}, H={h}, D={want[3]}]"
+                    )
+                if t.dtype != q.dtype:
+                    raise TypeError(f"{label} dtype {t.dtype} must be q's, {q.dtype}")
+                check_same_place(label, t, "q", q)
+            for b1 in BRANCHES:
+                for b2 in BRANCHES:
+                    if cache[b1] is cache[b2] and parts[b1] is not parts[b2]:
+                        raise ValueError(
+                            f"{name}_cache is one tensor for branches {b1} and {b2}, so {name} "
+                            "must give them one tensor too"
+                        )
+    added = tn if new is not None else 0
     if block_table is None:
-        if k_cache.shape[0] != batch:
-            raise ValueError(f"k_cache {shape(k_cache)} must hold B={batch} sequences (dim 0)")
-        room = k_cache.shape[1]
+        if layout.shape[0] != batch:
+            raise ValueError(f"k_cache {shape(layout)} must hold B={batch} sequences (dim 0)")
+        room = layout.shape[1]
     else:
-        room = _check_block_table(block_table, k_cache, v_cache, lengths, added)
+        tensors = [t for parts in caches.values() for t in parts.values()]
+        room = _check_block_table(block_table, layout, tensors, lengths, added)
     for b, n in enumerate(lengths):
         total = n + added
         if total > min(room, MAX_TOKENS):
@@ -165,28 +214,10 @@ def _check_call(
     return tn, lengths
 
 
-def _lengths(cache_seqlens: object, batch: int) -> list[int]:
-    """cache_seqlens as host ints, each >= 0."""
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(
-            f"cache_seqlens must be an integer torch.Tensor [B], got {type(cache_seqlens).__name__}"
-        )
-    if cache_seqlens.dtype.is_floating_point or cache_seqlens.dtype.is_complex:
-        raise TypeError(f"cache_seqlens must hold integers, got {cache_seqlens.dtype}")
-    if cache_seqlens.dtype == torch.bool:
-        raise TypeError("cache_seqlens must hold integers, got torch.bool")
-    if tuple(cache_seqlens.shape) != (batch,):
-        raise ValueError(f"cache_seqlens {shape(cache_seqlens)} must be [B={batch}]")
-    lengths = [int(n) for n in cache_seqlens.tolist()]
-    for b, n in enumerate(lengths):
-        check_int(f"cache_seqlens[{b}]", n, 0, MAX_TOKENS)
-    return lengths
-
-
 def _check_block_table(
     block_table: object,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    layout: torch.Tensor,
+    tensors: list[torch.Tensor],
     lengths: list[int],
     added: int,
 ) -> int:
@@ -202,12 +233,12 @@ def _check_block_table(
     check_rank("block_table", block_table, 2, "[B, max_pages]")
     if block_table.shape[0] != len(lengths):
         raise ValueError(f"block_table {shape(block_table)} must have B={len(lengths)} rows")
-    num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+    num_pages, page_size = layout.shape[0], layout.shape[1]
+    if not all(t.is_contiguous() for t in tensors):
         # Pages are addressed as flat token slots, written through a view of the storage.
         raise ValueError("a paged k_cache and v_cache must be contiguous")
     if page_size < 1:
-        raise ValueError(f"k_cache {shape(k_cache)} has pages of no tokens (page_size = dim 1)")
+        raise ValueError(f"k_cache {shape(layout)} has pages of no tokens (page_size = dim 1)")
     table = block_table.tolist()
     owner: dict[int, int] = {}
     for b, n in enumerate(lengths):
@@ -226,15 +257,26 @@ def _check_block_table(
 
 
 def _rotate(
-    q: torch.Tensor, k: torch.Tensor | None, totals: list[int], theta: float
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """q and k rotated by each row's position ``T_b - Tn + r``."""
+    q: torch.Tensor,
+    new: dict[str, dict[str, torch.Tensor]] | None,
+    totals: list[int],
+    theta: float,
+) -> tuple[torch.Tensor, dict[str, dict[str, torch.Tensor]] | None]:
+    """q and the new keys rotated by each row's position ``T_b - Tn + r`` (a key tensor shared
+    by branches rotates once)."""
     tn = q.shape[1]
     positions = torch.stack(
         [torch.arange(t - tn, t, device=q.device) for t in totals]
     ) if totals else torch.zeros(0, tn, dtype=torch.long, device=q.device)  # fmt: skip
     q = apply_rope(q, positions, theta)
-    return q, None if k is None else apply_rope(k, positions, theta)
+    if new is None:
+        return q, None
+    rotated: dict[int, torch.Tensor] = {}
+    for t in new["k"].values():
+        if id(t) not in rotated:
+            rotated[id(t)] = apply_rope(t, positions, theta)
+    keys = {branch: rotated[id(t)] for branch, t in new["k"].items()}
+    return q, {"k": keys, "v": new["v"]}
 
 
 def _slots(block_table: torch.Tensor, b: int, start: int, end: int, page_size: int) -> torch.Tensor:
@@ -245,38 +287,39 @@ def _slots(block_table: torch.Tensor, b: int, start: int, end: int, page_size: i
 
 
 def _sequence(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor | None,
-    b: int,
-    length: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence b's first ``length`` cached keys and values, [1, length, H, D] each."""
-    if block_table is None:
-        return k_cache[b : b + 1, :length], v_cache[b : b + 1, :length]
-    page_size = k_cache.shape[1]
-    slots = _slots(block_table, b, 0, length, page_size).to(k_cache.device)
-    keys = k_cache.flatten(0, 1)[slots].unsqueeze(0)
-    values = v_cache.flatten(0, 1)[slots].unsqueeze(0)
-    return keys, values
+    cache: dict[str, torch.Tensor], block_table: torch.Tensor | None, b: int, length: int
+) -> dict[str, torch.Tensor]:
+    """Sequence b's first ``length`` cached tokens per branch, [1, length, H, D] each (a tensor
+    shared by branches is gathered once)."""
+    gathered: dict[int, torch.Tensor] = {}
+    for t in cache.values():
+        if id(t) in gathered:
+            continue
+        if block_table is None:
+            gathered[id(t)] = t[b : b + 1, :length]
+        else:
+            slots = _slots(block_table, b, 0, length, t.shape[1]).to(t.device)
+            gathered[id(t)] = t.flatten(0, 1)[slots].unsqueeze(0)
+    return {branch: gathered[id(t)] for branch, t in cache.items()}
 
 
 def _write(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
     block_table: torch.Tensor | None,
     lengths: list[int],
-    k: torch.Tensor,
-    v: torch.Tensor,
 ) -> None:
-    """Store each sequence's new keys and values after its cached tokens."""
-    tn = k.shape[1]
-    for b, n in enumerate(lengths):
-        if block_table is None:
-            k_cache[b, n : n + tn] = k[b]
-            v_cache[b, n : n + tn] = v[b]
+    """Store each sequence's new tokens after its cached ones, in every distinct cache tensor."""
+    written: set[int] = set()
+    for branch, t in cache.items():
+        if id(t) in written:
             continue
-        page_size = k_cache.shape[1]
-        slots = _slots(block_table, b, n, n + tn, page_size).to(k_cache.device)
-        k_cache.view(-1, *k_cache.shape[2:])[slots] = k[b]
-        v_cache.view(-1, *v_cache.shape[2:])[slots] = v[b]
+        written.add(id(t))
+        fresh = new[branch]
+        tn = fresh.shape[1]
+        for b, n in enumerate(lengths):
+            if block_table is None:
+                t[b, n : n + tn] = fresh[b]
+            else:
+                slots = _slots(block_table, b, n, n + tn, t.shape[1]).to(t.device)
+                t.view(-1, *t.shape[2:])[slots] = fresh[b]
