@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nsa_core import CompressMLP, NSAAttention, NSAConfig, apply_rope, nsa_func, nsa_with_kvcache
+from nsa_core.kvcache import empty_layer_kvcache, layer_with_kvcache
 
 # HQ = 4 over H = 2, dk = 16, dv = 8, l = 8, d = 4, l' = 8, n = 3, w = 16.
 CFG = NSAConfig(
@@ -269,7 +270,7 @@ def test_a_failed_call_leaves_the_cache_unchanged(gen: torch.Generator, failure:
     assert torch.equal(v_pages, before[1])
 
 
-# ------------------------------------------------------------------ NSAAttention on the cache
+# ------------------------------------------------------------ an NSAAttention layer on the cache
 
 HIDDEN = 32
 
@@ -315,7 +316,7 @@ def test_the_layer_prefills_in_chunks_and_decodes_a_ragged_paged_batch(
     layer = NSAAttention(CFG, HIDDEN).double()
     x = [torch.randn(1, ROOM, HIDDEN, generator=gen, dtype=torch.float64) for _ in range(2)]
     pages = 2 * ROOM // PAGE
-    k_cache, v_cache = layer.empty_kvcache(pages, PAGE)
+    k_cache, v_cache = empty_layer_kvcache(layer, pages, PAGE)
     assert k_cache["sel"].dtype == torch.float64
     table = torch.randperm(pages, generator=gen).view(2, ROOM // PAGE).to(torch.int32)
 
@@ -328,15 +329,15 @@ def test_the_layer_prefills_in_chunks_and_decodes_a_ragged_paged_batch(
         for tn in chunks:
             n = lengths[b]
             seqlens = torch.tensor([n])
-            out = layer.decode_with_kvcache(
-                x[b][:, n : n + tn], k_cache, v_cache, seqlens, block_table=table[b : b + 1]
+            out = layer_with_kvcache(
+                layer, x[b][:, n : n + tn], k_cache, v_cache, seqlens, block_table=table[b : b + 1]
             )
             lengths[b] += tn
             check(b, out, lengths[b])
     for tn in (1, 2, 1):
         step = torch.cat([x[b][:, n : n + tn] for b, n in enumerate(lengths)])
-        out = layer.decode_with_kvcache(
-            step, k_cache, v_cache, torch.tensor(lengths), block_table=table
+        out = layer_with_kvcache(
+            layer, step, k_cache, v_cache, torch.tensor(lengths), block_table=table
         )
         lengths = [n + tn for n in lengths]
         for b in range(2):
@@ -345,16 +346,16 @@ def test_the_layer_prefills_in_chunks_and_decodes_a_ragged_paged_batch(
 
 def test_the_layer_refuses_a_bad_call_before_touching_the_cache() -> None:
     layer = NSAAttention(CFG, HIDDEN).double()
-    k_cache, v_cache = layer.empty_kvcache(2, 16)
+    k_cache, v_cache = empty_layer_kvcache(layer, 2, 16)
     x = torch.randn(2, 1, HIDDEN, dtype=torch.float64)
     with pytest.raises(TypeError, match="cache_seqlens must hold integers"):
-        layer.decode_with_kvcache(x, k_cache, v_cache, torch.tensor([1.0, 2.0]))
+        layer_with_kvcache(layer, x, k_cache, v_cache, torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="would hold 17 tokens"):
-        layer.decode_with_kvcache(x, k_cache, v_cache, torch.tensor([3, 16]))
-    f32 = layer.empty_kvcache(2, 16, dtype=torch.float32)
+        layer_with_kvcache(layer, x, k_cache, v_cache, torch.tensor([3, 16]))
+    f32 = empty_layer_kvcache(layer, 2, 16, dtype=torch.float32)
     with pytest.raises(TypeError, match=r"dtype torch\.float32 must be q's, torch\.float64"):
-        layer.decode_with_kvcache(x, *f32, torch.tensor([3, 4]))
+        layer_with_kvcache(layer, x, *f32, torch.tensor([3, 4]))
     with pytest.raises(ValueError, match="must end in hidden_size=32"):
-        layer.decode_with_kvcache(x[..., :8], k_cache, v_cache, torch.tensor([3, 4]))
+        layer_with_kvcache(layer, x[..., :8], k_cache, v_cache, torch.tensor([3, 4]))
     for cache in (k_cache, v_cache, *f32):
         assert all(not t.any() for t in cache.values())

@@ -15,13 +15,10 @@ from nsa_core.cache import NSACache
 from nsa_core.checks import (
     check_attention_args,
     check_branch_inputs,
-    check_cache_seqlens,
     check_config,
     check_config_numbers,
     check_cu_seqlens,
     check_decode_stats,
-    check_device,
-    check_float_dtype,
     check_int,
     check_layer_input,
     check_rank,
@@ -586,69 +583,6 @@ class NSAAttention(nn.Module):
             )
             cache.append_blocks(k_cmp, v_cmp, consumed=k_cmp.shape[1] * cfg.cmp_stride)
         return cache
-
-    def decode_with_kvcache(
-        self,
-        x: torch.Tensor,
-        k_cache: Mapping[str, torch.Tensor],
-        v_cache: Mapping[str, torch.Tensor],
-        cache_seqlens: torch.Tensor,
-        *,
-        block_table: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """x [B, Tn, hidden] -> [B, Tn, hidden]: Tn new tokens per sequence onto a serving cache.
-
-        Sequence b's tokens sit at RoPE positions ``cache_seqlens[b] + r``; their per-branch
-        keys and values are appended to ``k_cache`` and ``v_cache`` in place (mappings
-        ``{"cmp", "sel", "win"}`` from :meth:`empty_kvcache`, dense or paged with
-        ``block_table``), and each output row equals this layer's forward over the sequence's
-        tokens so far (:func:`nsa_core.kvcache.nsa_with_kvcache`, docs/spec.md "A serving
-        cache"). A ragged batch decodes in one call; a prompt is a call with Tn = its length
-        onto an empty sequence (chunked prefill: several such calls). ``cache_seqlens`` is the
-        caller's to advance by Tn. A call that raises leaves the cache unchanged.
-        """
-        # kvcache builds on nsa_core.functional, which imports this module.
-        from nsa_core.kvcache import nsa_with_kvcache
-
-        self.check_input(x)
-        lengths = check_cache_seqlens(cache_seqlens, x.shape[0])
-        tn = x.shape[1]
-        positions = torch.tensor(lengths, dtype=torch.long, device=x.device).view(-1, 1)
-        inp = self.branch_inputs(x, positions + torch.arange(tn, device=x.device))
-        o = nsa_with_kvcache(
-            inp.q, k_cache, v_cache, inp.k, inp.v, inp.gates, cache_seqlens=cache_seqlens,
-            block_table=block_table, config=self.config, phi_k=self.phi_k, phi_v=self.phi_v,
-        )  # fmt: skip
-        y: torch.Tensor = self.o_proj(o.flatten(2))
-        return y
-
-    def empty_kvcache(
-        self,
-        rows: int,
-        row_tokens: int,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Zeroed per-branch caches for :meth:`decode_with_kvcache`: ``k_cache[branch] [rows,
-        row_tokens, H, dk]`` and ``v_cache[branch] [rows, row_tokens, H, dv]``.
-
-        Dense: rows = B sequences of row_tokens room each. Paged: rows = pages of row_tokens
-        tokens each, given to sequences by a block table. ``dtype`` defaults to the layer's
-        compute dtype (:meth:`compute_dtype`), ``device`` to its weights'.
-        """
-        check_int("rows", rows, 0, MAX_TOKENS)
-        check_int("row_tokens", row_tokens, 1, MAX_TOKENS)
-        dtype = self.compute_dtype() if dtype is None else check_float_dtype("dtype", dtype)
-        place = check_device("device", device)
-        device = self.q_proj.weight.device if place is None else place
-        cfg = self.config
-        h, dk, dv = cfg.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
-
-        def zeros(d: int) -> torch.Tensor:
-            return torch.zeros(rows, row_tokens, h, d, dtype=dtype, device=device)
-
-        return {b: zeros(dk) for b in BRANCHES}, {b: zeros(dv) for b in BRANCHES}
 
     @overload
     def decode(

@@ -23,8 +23,16 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from nsa_core.attention import BRANCHES
-from nsa_core.checks import check_cache_seqlens, check_rank, check_same_place, shape
+from nsa_core.attention import BRANCHES, NSAAttention
+from nsa_core.checks import (
+    check_cache_seqlens,
+    check_device,
+    check_float_dtype,
+    check_int,
+    check_rank,
+    check_same_place,
+    shape,
+)
 from nsa_core.config import NSAConfig
 from nsa_core.functional import KV, nsa_func
 from nsa_core.limits import MAX_TOKENS
@@ -112,6 +120,71 @@ def nsa_with_kvcache(
         for cache, fresh in (("k_cache", "k"), ("v_cache", "v")):
             _write(caches[cache], new[fresh], block_table, lengths)
     return o
+
+
+def layer_with_kvcache(
+    layer: NSAAttention,
+    x: torch.Tensor,
+    k_cache: Mapping[str, torch.Tensor],
+    v_cache: Mapping[str, torch.Tensor],
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """An NSAAttention layer on a serving cache: x [B, Tn, hidden] -> [B, Tn, hidden].
+
+    Sequence b's Tn new tokens sit at RoPE positions ``cache_seqlens[b] + r``; their
+    per-branch keys and values are appended to ``k_cache`` and ``v_cache`` in place (mappings
+    ``{"cmp", "sel", "win"}`` from :func:`empty_layer_kvcache`, dense or paged with
+    ``block_table``), and each output row equals ``layer(x_b)`` over the sequence's tokens so
+    far (:func:`nsa_with_kvcache`). A ragged batch decodes in one call; a prompt is a call with
+    Tn = its length onto an empty sequence (a chunked prefill: several such calls).
+    ``cache_seqlens`` is the caller's to advance by Tn. A call that raises leaves the cache
+    unchanged.
+    """
+    if not isinstance(layer, NSAAttention):
+        raise TypeError(f"layer must be an NSAAttention, got {type(layer).__name__}")
+    layer.check_input(x)
+    lengths = check_cache_seqlens(cache_seqlens, x.shape[0])
+    starts = torch.tensor(lengths, dtype=torch.long, device=x.device).view(-1, 1)
+    inp = layer.branch_inputs(x, starts + torch.arange(x.shape[1], device=x.device))
+    o = nsa_with_kvcache(
+        inp.q, k_cache, v_cache, inp.k, inp.v, inp.gates, cache_seqlens=cache_seqlens,
+        block_table=block_table, config=layer.config, phi_k=layer.phi_k, phi_v=layer.phi_v,
+    )  # fmt: skip
+    y: torch.Tensor = layer.o_proj(o.flatten(2))
+    return y
+
+
+def empty_layer_kvcache(
+    layer: NSAAttention,
+    rows: int,
+    row_tokens: int,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Zeroed per-branch caches for :func:`layer_with_kvcache`: ``k_cache[branch] [rows,
+    row_tokens, H, dk]`` and ``v_cache[branch] [rows, row_tokens, H, dv]``.
+
+    Dense: rows = B sequences of row_tokens room each. Paged: rows = pages of row_tokens tokens
+    each, handed to sequences by a block table. ``dtype`` defaults to the layer's compute dtype
+    (``layer.compute_dtype()``), ``device`` to its weights'.
+    """
+    if not isinstance(layer, NSAAttention):
+        raise TypeError(f"layer must be an NSAAttention, got {type(layer).__name__}")
+    check_int("rows", rows, 0, MAX_TOKENS)
+    check_int("row_tokens", row_tokens, 1, MAX_TOKENS)
+    dtype = layer.compute_dtype() if dtype is None else check_float_dtype("dtype", dtype)
+    place = check_device("device", device)
+    device = layer.q_proj.weight.device if place is None else place
+    cfg = layer.config
+    h, dk, dv = cfg.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
+
+    def zeros(d: int) -> torch.Tensor:
+        return torch.zeros(rows, row_tokens, h, d, dtype=dtype, device=device)
+
+    return {b: zeros(dk) for b in BRANCHES}, {b: zeros(dv) for b in BRANCHES}
 
 
 def _per_branch(name: str, given: object) -> dict[str, torch.Tensor]:
