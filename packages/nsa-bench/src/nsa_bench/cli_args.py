@@ -267,6 +267,21 @@ BLOCK_FLAGS = {
 }
 
 
+def head_config(
+    args: argparse.Namespace, flags: Mapping[str, str] | None = None, **fields: Any
+) -> NSAConfig:
+    """The NSAConfig of ``--heads``, ``--kv-heads``, ``--dk`` and ``--dv`` and any other
+    ``fields``, set by ``flags`` (:func:`nsa_config`); the rest keeps NSAConfig's defaults."""
+    return nsa_config(
+        {**HEAD_FLAGS, **(flags or {})},
+        num_q_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim_qk=args.dk,
+        head_dim_v=args.dv,
+        **fields,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Flag groups
 

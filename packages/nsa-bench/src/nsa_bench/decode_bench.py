@@ -44,9 +44,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nsa_bench.cli_args import (
-    HEAD_FLAGS,
     check_tile_configs,
-    nsa_config,
+    head_config,
     positive_int,
     positive_ints,
     seqlens,
@@ -293,20 +292,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="artifacts/bench/decode", help="output folder")
 
 
-def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
-    return nsa_config(
-        HEAD_FLAGS,
-        num_q_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim_qk=args.dk,
-        head_dim_v=args.dv,
-    )
-
-
 def check_arguments(args: argparse.Namespace) -> None:
     """The heads and head dims make an NSA config and ``--config`` names known fields (the CLI
     runs this after its CUDA check: the config's type comes with the Triton kernels)."""
-    nsa_config_of(args)
+    head_config(args)
     check_tile_configs("--config", parse_kernel_config, [args.config])
 
 
@@ -397,7 +386,7 @@ def measure_case(
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = nsa_config_of(args)
+    cfg = head_config(args)
     base = parse_kernel_config(args.config)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

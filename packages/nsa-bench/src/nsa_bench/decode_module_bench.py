@@ -24,14 +24,13 @@ import torch
 
 from nsa_bench.cli_args import (
     BLOCK_FLAGS,
-    HEAD_FLAGS,
     add_batch_arg,
     add_device_arg,
     add_layer_blocks_args,
     add_seed_arg,
     block_geometry,
+    head_config,
     non_negative_int,
-    nsa_config,
     positive_int,
     seqlens,
 )
@@ -71,14 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
-    return nsa_config(
-        {**HEAD_FLAGS, **BLOCK_FLAGS},
-        num_q_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim_qk=args.dk,
-        head_dim_v=args.dv,
-        **block_geometry(args),
-    )
+    return head_config(args, BLOCK_FLAGS, **block_geometry(args))
 
 
 def check_arguments(args: argparse.Namespace) -> None:

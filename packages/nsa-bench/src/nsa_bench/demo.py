@@ -8,14 +8,13 @@ import time
 import torch
 
 from nsa_bench.cli_args import (
-    HEAD_FLAGS,
     add_device_arg,
     add_seed_arg,
-    nsa_config,
+    head_config,
     positive_int,
     seqlen,
 )
-from nsa_core import NSAAttention, NSAConfig
+from nsa_core import NSAAttention
 from nsa_core.registry import OpContext, routing_report
 
 
@@ -34,25 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_seed_arg(parser)
 
 
-def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
-    return nsa_config(
-        HEAD_FLAGS,
-        num_q_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim_qk=args.dk,
-        head_dim_v=args.dv,
-    )
-
-
 def check_arguments(args: argparse.Namespace) -> None:
-    nsa_config_of(args)  # heads that do not group, an odd dk: refused before anything is built
+    head_config(args)  # heads that do not group, an odd dk: refused before anything is built
 
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    config = nsa_config_of(args)
+    config = head_config(args)
     layer = NSAAttention(config, args.hidden).to(device=device, dtype=dtype).eval()
     total = args.prefill + args.steps
     x = torch.randn(1, total, args.hidden, device=device, dtype=dtype)

@@ -6,8 +6,7 @@ import argparse
 
 import torch
 
-from nsa_bench.cli_args import HEAD_FLAGS, nsa_config, positive_int, seqlen
-from nsa_core import NSAConfig
+from nsa_bench.cli_args import head_config, positive_int, seqlen
 from nsa_core.registry import OpContext, routing_report
 from nsa_core.toggles import get_toggles
 from nsa_kernels.pairing import installed_pairing
@@ -23,20 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dv", type=positive_int, default=128, help="value head dim")
 
 
-def nsa_config_of(args: argparse.Namespace) -> NSAConfig:
-    """The heads and head dims of the flags; the block geometry keeps its defaults (only the
-    heads and head dims reach the routing rules)."""
-    return nsa_config(
-        HEAD_FLAGS,
-        num_q_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim_qk=args.dk,
-        head_dim_v=args.dv,
-    )
-
-
 def check_arguments(args: argparse.Namespace) -> None:
-    nsa_config_of(args)
+    head_config(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         devices.insert(0, torch.device("cuda"))
         major, minor = torch.cuda.get_device_capability()
         print(f"device: {torch.cuda.get_device_name()} (sm_{major}{minor})")
-    config = nsa_config_of(args)
+    config = head_config(args)
     for device in devices:
         dtypes = (torch.bfloat16, torch.float32) if device.type == "cuda" else (torch.float32,)
         for dtype in dtypes:
