@@ -8,6 +8,8 @@ same bits; a call that raises leaves the cache as it was.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -47,6 +49,19 @@ class Sequences:
         """Tokens [L_b, L_b + Tn) of every sequence, stacked [B, Tn, ...]."""
         rows = getattr(self, name)
         return torch.cat([rows[b][:, n : n + tn] for b, n in enumerate(lengths)])
+
+    def append(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: list[int], tn: int, **kw: Any
+    ) -> torch.Tensor:
+        """nsa_with_kvcache on every sequence's tokens [L_b, L_b + Tn): their q, k, v and gates,
+        ``cache_seqlens`` L_b; ``kw`` adds or replaces keyword arguments."""
+        args: dict[str, Any] = {
+            "gates": self.new("gates", lengths, tn),
+            "cache_seqlens": torch.tensor(lengths),
+            "config": CFG,
+        }
+        k, v = self.new("k", lengths, tn), self.new("v", lengths, tn)
+        return nsa_with_kvcache(self.new("q", lengths, tn), k_cache, v_cache, k, v, **args | kw)
 
     def prefill(self, b: int, total: int, tn: int, **kw: object) -> torch.Tensor:
         """The last Tn rows of sequence b's causal prefill over its first ``total`` tokens."""
@@ -90,16 +105,7 @@ def test_a_ragged_batch_decodes_as_each_sequence_prefills(gen: torch.Generator, 
     lengths = [0, 5, 37, 8]
     seqs = Sequences(len(lengths), gen)
     k_cache, v_cache = dense_cache(seqs, lengths)
-    o = nsa_with_kvcache(
-        seqs.new("q", lengths, tn),
-        k_cache,
-        v_cache,
-        seqs.new("k", lengths, tn),
-        seqs.new("v", lengths, tn),
-        seqs.new("gates", lengths, tn),
-        cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
-        config=CFG,
-    )
+    o = seqs.append(k_cache, v_cache, lengths, tn, cache_seqlens=torch.tensor(lengths).int())
     assert o.shape == (len(lengths), tn, HQ, DV)
     for b, n in enumerate(lengths):
         assert rel_err(o[b : b + 1], seqs.prefill(b, n + tn, tn)) < FLOAT64_TOL
@@ -134,18 +140,7 @@ def test_decoding_step_by_step_onto_a_prefilled_chunk_equals_prefill(
     lengths = [0, 0]
     tn = 9
     while lengths[0] + tn <= 40:
-        seqlens = torch.tensor(lengths, dtype=torch.int32)
-        o = nsa_with_kvcache(
-            seqs.new("q", lengths, tn),
-            k_pages,
-            v_pages,
-            seqs.new("k", lengths, tn),
-            seqs.new("v", lengths, tn),
-            seqs.new("gates", lengths, tn),
-            cache_seqlens=seqlens,
-            block_table=table,
-            config=CFG,
-        )
+        o = seqs.append(k_pages, v_pages, lengths, tn, block_table=table)
         lengths = [n + tn for n in lengths]
         for b, total in enumerate(lengths):
             assert rel_err(o[b : b + 1], seqs.prefill(b, total, tn)) < FLOAT64_TOL, total
@@ -184,17 +179,7 @@ def test_rope_positions_come_from_the_cache_lengths(gen: torch.Generator) -> Non
         rotated.k[b] = apply_rope(seqs.k[b], positions, theta)
         rotated.v[b], rotated.gates[b] = seqs.v[b], seqs.gates[b]
     k_cache, v_cache = dense_cache(rotated, lengths)  # the cached keys were stored rotated
-    o = nsa_with_kvcache(
-        seqs.new("q", lengths, tn),
-        k_cache,
-        v_cache,
-        seqs.new("k", lengths, tn),
-        seqs.new("v", lengths, tn),
-        seqs.new("gates", lengths, tn),
-        cache_seqlens=torch.tensor(lengths),
-        config=CFG,
-        rope_theta=theta,
-    )
+    o = seqs.append(k_cache, v_cache, lengths, tn, rope_theta=theta)
     for b, n in enumerate(lengths):
         assert rel_err(o[b : b + 1], rotated.prefill(b, n + tn, tn)) < FLOAT64_TOL
     after, _ = dense_cache(rotated, [n + tn for n in lengths])
@@ -208,18 +193,7 @@ def test_learned_compression_takes_the_cached_keys(gen: torch.Generator) -> None
     lengths, tn = [17, 33], 1
     seqs = Sequences(len(lengths), gen)
     k_cache, v_cache = dense_cache(seqs, lengths)
-    o = nsa_with_kvcache(
-        seqs.new("q", lengths, tn),
-        k_cache,
-        v_cache,
-        seqs.new("k", lengths, tn),
-        seqs.new("v", lengths, tn),
-        seqs.new("gates", lengths, tn),
-        cache_seqlens=torch.tensor(lengths),
-        config=CFG,
-        phi_k=phi_k,
-        phi_v=phi_v,
-    )
+    o = seqs.append(k_cache, v_cache, lengths, tn, phi_k=phi_k, phi_v=phi_v)
     for b, n in enumerate(lengths):
         ref = seqs.prefill(b, n + tn, tn, phi_k=phi_k, phi_v=phi_v)
         assert rel_err(o[b : b + 1], ref) < FLOAT64_TOL
@@ -242,7 +216,7 @@ def test_a_failed_call_leaves_the_cache_unchanged(gen: torch.Generator, failure:
     before = (k_pages.clone(), v_pages.clone())
     gates = seqs.new("gates", lengths, tn)
     seqlens = torch.tensor(lengths)
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, Any] = {}
     error: type[Exception] = ValueError
     if failure == "a page of two sequences":
         table[1, 0] = table[0, 0]
@@ -254,18 +228,10 @@ def test_a_failed_call_leaves_the_cache_unchanged(gen: torch.Generator, failure:
         kwargs = {"phi_k": Failing(), "phi_v": Failing()}
         error = RuntimeError
     with pytest.raises(error):
-        nsa_with_kvcache(
-            seqs.new("q", lengths, tn),
-            k_pages,
-            v_pages,
-            seqs.new("k", lengths, tn),
-            seqs.new("v", lengths, tn),
-            gates,
-            cache_seqlens=seqlens,
-            block_table=table,
-            config=CFG,
-            **kwargs,  # type: ignore[arg-type]
-        )
+        seqs.append(
+            k_pages, v_pages, lengths, tn, gates=gates, cache_seqlens=seqlens, block_table=table,
+            **kwargs,
+        )  # fmt: skip
     assert torch.equal(k_pages, before[0])
     assert torch.equal(v_pages, before[1])
 
