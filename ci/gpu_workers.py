@@ -4,9 +4,9 @@
     python3 ci/gpu_workers.py --explain  # the same, with the card memory and cores behind it
 
 Each GPU takes as many workers as its memory holds at ``GIB_PER_WORKER`` each, and each worker
-takes ``CORES_PER_WORKER`` of the host's cores. Most GPU tests peak under 2 GiB; the few that
-peak near 17 GiB (the 64k forward+backward of the layer, in the slow tier) are too few to meet
-more than two or three at once, and a worker hands its cached blocks back to the card after a
+takes ``CORES_PER_WORKER`` of the host's cores. Most GPU tests need a small part of that; the
+few that need more (the 64k forward+backward of the layer, in the slow tier) are too few to
+meet more than a handful at once, and a worker hands its cached blocks back to the card after a
 test that left more than ``RELEASE_GIB`` reserved (the root conftest.py), so a card is not held
 by blocks a worker no longer uses. One core a worker: it runs torch on one thread (the test
 conftests set it) and compiles Triton kernels on one core. The workers spread over every visible

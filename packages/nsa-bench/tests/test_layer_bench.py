@@ -426,7 +426,7 @@ def test_parsers() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.slow(reason="the layer bench's short sweep compiles and times every step: ~45 s")
+@pytest.mark.slow(reason="the layer bench's short sweep compiles and times every step of the layer")
 def test_gpu_layer_bench_short_sweep(tmp_path: Path) -> None:
     """T=4k..8k at the paper's heads, both head-dim pairs: every NSA row and SDPA timed, peak
     memory recorded, steps routed; fla and FA-2 timed or reported with their reasons."""

@@ -166,7 +166,7 @@ def test_the_selected_backward_waits_only_for_its_index_sizes() -> None:
         assert torch.equal(a, b), f"d{name} differs between the two runs"
 
 
-@pytest.mark.slow(reason="the 16k paper-shape core forward+backward, twice: ~20 s")
+@pytest.mark.slow(reason="runs the 16k paper-shape core forward+backward twice")
 def test_the_core_with_a_gradient_reads_the_compressed_runs_in_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -243,7 +243,7 @@ def _count_local_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.slow(reason="compiles the float32 core's kernels for two group sizes: 15-26 s a case")
+@pytest.mark.slow(reason="compiles the float32 core's kernels for each group size")
 @pytest.mark.parametrize("grad", [False, True], ids=["forward", "forward+backward"])
 @pytest.mark.parametrize(("hq", "h"), [(16, 2), (4, 4)], ids=["G=8", "G=1"])
 def test_the_core_from_the_local_softmax_matches_the_reference_in_float32(

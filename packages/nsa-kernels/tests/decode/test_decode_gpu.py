@@ -223,7 +223,7 @@ def test_small_shapes_on_gpu(request: pytest.FixtureRequest) -> None:
         check_step(cfg, stream, positions, out, BOUND[torch.float32])
 
 
-@pytest.mark.slow(reason="captures the layer's decode graph and replays 200 eager steps: ~30 s")
+@pytest.mark.slow(reason="captures the layer's decode graph and replays it against eager steps")
 def test_layer_graph_equals_eager_layer_and_module_decode(request: pytest.FixtureRequest) -> None:
     """The whole layer step (projections, fused step, output projection) as one CUDA graph:
     200 replays give the bits of 200 eager LayerDecoder steps, and the first steps equal

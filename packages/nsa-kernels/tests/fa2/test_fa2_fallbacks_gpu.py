@@ -31,7 +31,7 @@ CASES = [
         "flex",
         torch.bfloat16,
         id="flex-torch.bfloat16",
-        marks=pytest.mark.slow(reason="compiles FlexAttention for each shape: ~15 s a case"),
+        marks=pytest.mark.slow(reason="compiles FlexAttention for each shape"),
     ),
 ]
 SLIDING = {"sdpa": sliding_attention_sdpa, "flex": sliding_attention_flex}
