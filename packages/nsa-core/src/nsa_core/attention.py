@@ -230,21 +230,23 @@ def _with_layer_config(
     return method
 
 
-def branch_parts(k: object, v: object) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def branch_parts(
+    k: object, v: object, names: tuple[str, str] = ("k", "v")
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """k and v per branch: one tensor shared by the three, or a mapping with their names (the
-    tensors themselves unchecked)."""
-    parts: dict[str, dict[str, torch.Tensor]] = {}
-    for name, given in (("k", k), ("v", v)):
+    tensors themselves unchecked). ``names`` are the arguments' names in the error."""
+    parts: list[dict[str, torch.Tensor]] = []
+    for name, given in zip(names, (k, v), strict=True):
         if isinstance(given, torch.Tensor):
-            parts[name] = {b: given for b in BRANCHES}
+            parts.append(dict.fromkeys(BRANCHES, given))
         elif isinstance(given, Mapping) and set(given) == set(BRANCHES):
-            parts[name] = dict(given)
+            parts.append(dict(given))
         else:
             raise TypeError(
                 f"{name} must be a tensor or a mapping with keys {BRANCHES}, "
                 f"got {type(given).__name__}"
             )
-    return parts["k"], parts["v"]
+    return parts[0], parts[1]
 
 
 def check_nsa_attention(

@@ -18,12 +18,13 @@ raises leaves the cache as it was: everything is computed first, the new keys wr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from nsa_core.attention import BRANCHES, NSAAttention
+from nsa_core.attention import BRANCHES, NSAAttention, branch_parts
 from nsa_core.checks import (
     check_cache_seqlens,
     check_device,
@@ -81,15 +82,14 @@ def nsa_with_kvcache(
     Returns:
         o [B, Tn, HQ, dv]. ``cache_seqlens`` is not changed: the caller advances it by Tn.
     """
-    caches = {
-        "k_cache": _per_branch("k_cache", k_cache),
-        "v_cache": _per_branch("v_cache", v_cache),
-    }
+    k_caches, v_caches = branch_parts(k_cache, v_cache, ("k_cache", "v_cache"))
+    caches = {"k_cache": k_caches, "v_cache": v_caches}
     new = None
     if k is not None or v is not None:
         if k is None or v is None:
             raise ValueError("k and v go together: give both new keys and values, or neither")
-        new = {"k": _per_branch("k", k), "v": _per_branch("v", v)}
+        k_new, v_new = branch_parts(k, v)
+        new = {"k": k_new, "v": v_new}
     tn, lengths = _check_call(q, caches, new, cache_seqlens, block_table)
     totals = [n + (tn if new is not None else 0) for n in lengths]
     if rope_theta is not None:
@@ -187,23 +187,6 @@ def empty_layer_kvcache(
     return {b: zeros(dk) for b in BRANCHES}, {b: zeros(dv) for b in BRANCHES}
 
 
-def _per_branch(name: str, given: object) -> dict[str, torch.Tensor]:
-    """``given`` as one tensor per branch: the same tensor thrice, or the mapping's."""
-    if isinstance(given, torch.Tensor):
-        return dict.fromkeys(BRANCHES, given)
-    if isinstance(given, Mapping) and set(given) == set(BRANCHES):
-        for branch in BRANCHES:
-            if not isinstance(given[branch], torch.Tensor):
-                raise TypeError(
-                    f"{name}[{branch!r}] must be a torch.Tensor, got {type(given[branch]).__name__}"
-                )
-        return {branch: given[branch] for branch in BRANCHES}
-    raise TypeError(
-        f"{name} must be a torch.Tensor or a mapping with keys {BRANCHES}, "
-        f"got {type(given).__name__}"
-    )
-
-
 def _label(name: str, parts: dict[str, torch.Tensor], branch: str) -> str:
     """The tensor's name in errors: ``k_cache``, or ``k_cache['sel']`` where branches differ."""
     shared = all(parts[b] is parts[branch] for b in BRANCHES)
@@ -219,18 +202,19 @@ def _check_call(
 ) -> tuple[int, list[int]]:
     """Tn and each sequence's length, after the checks that this module adds to nsa_func's
     (the caches' layout, the lengths against their room, the new keys' shapes, the pages)."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor [B, Tn, HQ, dk], got {type(q).__name__}")
     check_rank("q", q, 4, "[B, Tn, HQ, dk]")
     batch, tn, hq, dk = q.shape
     if tn < 1:
         raise ValueError(f"q {shape(q)} must hold at least one new query per sequence (Tn >= 1)")
+    for name, parts in caches.items():
+        d = "dk" if name == "k_cache" else "dv"
+        for branch in BRANCHES:
+            layout_text = f"[B, capacity, H, {d}] or [num_pages, page_size, H, {d}]"
+            check_rank(_label(name, parts, branch), parts[branch], 4, layout_text)
     layout = caches["k_cache"]["sel"]
     for name, parts in caches.items():
         for branch in BRANCHES:
             t, label = parts[branch], _label(name, parts, branch)
-            d = "dk" if name == "k_cache" else "dv"
-            check_rank(label, t, 4, f"[B, capacity, H, {d}] or [num_pages, page_size, H, {d}]")
             if t.dtype != q.dtype:
                 raise TypeError(f"{label} dtype {t.dtype} must be q's, {q.dtype}")
             check_same_place(label, t, "q", q)
@@ -249,6 +233,7 @@ def _check_call(
             cache = caches[f"{name}_cache"]
             for branch in BRANCHES:
                 t, label = parts[branch], _label(name, parts, branch)
+                check_rank(label, t, 4, "[B, Tn, H, D]")
                 want = (batch, tn, h, cache[branch].shape[-1])
                 if tuple(t.shape) != want:
                     raise ValueError(
@@ -257,13 +242,13 @@ def _check_call(
                 if t.dtype != q.dtype:
                     raise TypeError(f"{label} dtype {t.dtype} must be q's, {q.dtype}")
                 check_same_place(label, t, "q", q)
-            for b1 in BRANCHES:
-                for b2 in BRANCHES:
-                    if cache[b1] is cache[b2] and parts[b1] is not parts[b2]:
-                        raise ValueError(
-                            f"{name}_cache is one tensor for branches {b1} and {b2}, so {name} "
-                            "must give them one tensor too"
-                        )
+            # One cache tensor is written once, so its branches must bring the same new rows.
+            for b1, b2 in itertools.combinations(BRANCHES, 2):
+                if cache[b1] is cache[b2] and parts[b1] is not parts[b2]:
+                    raise ValueError(
+                        f"{name}_cache is one tensor for branches {b1} and {b2}, so {name} "
+                        "must give them one tensor too"
+                    )
     added = tn if new is not None else 0
     if block_table is None:
         if layout.shape[0] != batch:
