@@ -186,7 +186,7 @@ def test_the_fused_core_on_the_triton_kernels_matches_the_reference_core(
 def test_the_fused_core_compiles_to_one_graph_that_launches_the_same_kernels() -> None:
     """torch.compile(fullgraph=True, dynamic shapes) of ``nsa_attention`` on the Triton rows:
     the region runs the plan once while tracing, every launch is ``nsa::triton_launch`` and the
-    selected dk/dv backward ``nsa::selected_dkv_backward``. The output is the eager one bit for
+    selected backward ``nsa::selected_backward``. The output is the eager one bit for
     bit (the same kernels on the same arguments); the gradients within the float32 bound of
     eager against the reference (twice the spec's), since the compiled backward may sum a
     gradient's parts in another order."""

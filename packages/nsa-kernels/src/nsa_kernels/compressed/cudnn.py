@@ -37,7 +37,7 @@ bitwise reproducible, so the backend declines a gradient under
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from nsa_core.registry import OpContext
 from nsa_core.toggles import Toggles
+from nsa_core.tracing import traced
 from nsa_kernels.common.finite_flag import HostFlag, all_finite_flag
 from nsa_kernels.common.op_calls import CompressedBackend, CompressedCall
 from nsa_kernels.common.row_runs import RowRuns
@@ -56,6 +57,12 @@ from nsa_kernels.compressed.cmp_fold import RowSplit, row_split
 # of each query head over its kv head ``h // (Hq / Hk)``, the top-left causal mask if ``causal``,
 # ``bias`` added to the scaled scores.
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float], tuple[Tensor, Tensor]]
+# attend_backward(do, q, k, v, o, lse, bias, causal, scale) -> (dq, dk, dv): the gradients of
+# one :data:`Attend` call (layouts as there; o and lse the forward's, do laid out as o).
+AttendBackward = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None, bool, float],
+    tuple[Tensor, Tensor, Tensor],
+]
 
 CUDNN_OP = "_scaled_dot_product_cudnn_attention"
 
@@ -96,9 +103,6 @@ def cudnn_compressed_supports(ctx: OpContext, toggles: Toggles) -> str | None:
         return f"cuDNN attention needs head dims that are multiples of 8 up to 256, got {dims}"
     if ctx.varlen:
         return "packed sequences (cu_seqlens) are not folded for cuDNN"
-    if ctx.traced:
-        # Its backward keeps the runs' own autograd graphs and reads a finite flag on the host.
-        return "torch.compile is tracing the call: the cuDNN runs are not traceable"
     # A later start (chunked prefill) passes its offset diagonal as an additive bias, which
     # measured slower than the Triton kernels (docs/performance.md); called directly, the backend
     # serves it exactly.
@@ -125,6 +129,23 @@ def cudnn_attend(
     return out[0], out[1].detach().reshape(batch, heads, tq)
 
 
+def cudnn_attend_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, bias: Tensor | None,
+    causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """:data:`AttendBackward` of :func:`cudnn_attend`: cuDNN's fused backward, called as torch's
+    autograd formula of the forward op calls it (no dropout: its seed and offset are unread)."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    unused = torch.zeros((), dtype=torch.long, device=q.device)
+    # The forward gives lse as [B, Hq, Tq, 1].
+    stats = lse.contiguous().unsqueeze(-1)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do, q, k, v, o, stats, unused, unused, bias, None, None, q.shape[2], k.shape[2], 0.0,
+        causal, scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
 def _prefix(
     q: Tensor, k: Tensor, v: Tensor, keys: int, scale: float, attend: Attend
 ) -> tuple[Tensor, Tensor]:
@@ -140,7 +161,7 @@ def _prefix(
     return o.transpose(1, 2), lse.transpose(1, 2)
 
 
-def _offset_bias(split: RowSplit, keys: int, q: Tensor) -> Tensor | None:
+def offset_bias(split: RowSplit, keys: int, q: Tensor) -> Tensor | None:
     """None where the rows see a causal prefix (``row_keys`` = 1), else the additive bias
     [1, 1, R, keys] of row m seeing blocks j <= m + row_keys - 1 (the diagonal moved right)."""
     if split.row_keys == 1:
@@ -161,7 +182,7 @@ def _rows(
     qf = q.reshape(batch, rows, d * hq, dk).transpose(1, 2)
     kf = k[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
     vf = v[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
-    bias = _offset_bias(split, keys, q)
+    bias = offset_bias(split, keys, q)
     o, lse = attend(qf, kf, vf, bias, bias is None, scale)
     o = o.transpose(1, 2).reshape(batch, rows, d, hq, o.shape[-1])
     return o, lse.reshape(batch, d, hq, rows).permute(0, 3, 1, 2)
@@ -179,7 +200,7 @@ def _rows_in_batch(
     qf = q[0].reshape(rows, d, hq, dk).permute(1, 2, 0, 3)
     kf = k[0, :keys].transpose(0, 1).expand(d, -1, -1, -1)
     vf = v[0, :keys].transpose(0, 1).expand(d, -1, -1, -1)
-    bias = _offset_bias(split, keys, q)
+    bias = offset_bias(split, keys, q)
     o, lse = attend(qf, kf, vf, bias, bias is None, scale)
     return o.permute(2, 0, 1, 3).unsqueeze(0), lse.permute(2, 0, 1).unsqueeze(0)
 
@@ -189,7 +210,7 @@ def _rows_in_batch(
 _Run = tuple[int, Tensor, Tensor, Tensor]
 
 
-def _run_spans(split: RowSplit, d: int) -> list[tuple[int, int]]:
+def run_spans(split: RowSplit, d: int) -> list[tuple[int, int]]:
     """(first query, count) of each attention run of ``split``: the cut row before the first
     full one, the full rows, the cut row after them (the blind queries need no call)."""
     head = split.blind + split.head
@@ -207,7 +228,7 @@ def _runs(
     d, scale = call.cmp_stride, call.scale
     head = split.blind + split.head
     runs: list[_Run] = []
-    for first, n in _run_spans(split, d):
+    for first, n in run_spans(split, d):
         part = q[:, first : first + n]
         if leaves:
             part.requires_grad_()
@@ -221,7 +242,7 @@ def _runs(
     return runs
 
 
-def _assemble_lse(q: Tensor, blind: int, runs: list[_Run]) -> Tensor:
+def assemble_lse(q: Tensor, blind: int, runs: list[_Run]) -> Tensor:
     """lse [B, Tq, HQ] float32: each run's written once into its place, -inf on the blind
     queries."""
     batch, tq, hq, _ = q.shape
@@ -240,7 +261,7 @@ class _FoldedFunction(torch.autograd.Function):
     (one fill and add of q's size per run).
     Without a run (every query blind) o_runs is one run of 0 rows.
 
-    ``contain``: the runs and lse are contained on the device (:func:`_contain_runs`), and the
+    ``contain``: the runs and lse are contained on the device (:func:`contain_runs`), and the
     finite flag goes to the host (:class:`HostFlag`); where the backward reads it as not finite,
     the Triton backward of the contained forward gives the gradients, not cuDNN's graphs."""
 
@@ -252,7 +273,7 @@ class _FoldedFunction(torch.autograd.Function):
         k_in, v_in = k.detach().requires_grad_(), v.detach().requires_grad_()
         with torch.enable_grad():
             runs = _runs(q.detach(), k_in, v_in, split, call, attend, leaves=True)
-        lse = _assemble_lse(q, split.blind, runs)
+        lse = assemble_lse(q, split.blind, runs)
         ctx.runs, ctx.k_in, ctx.v_in, ctx.q_shape = runs, k_in, v_in, q.shape
         ctx.mark_non_differentiable(lse)
         ctx.finite, ctx.call, ctx.start = None, call, split.blind
@@ -263,7 +284,7 @@ class _FoldedFunction(torch.autograd.Function):
         o_runs = tuple(o_run.detach().flatten(1, -3) for _, _, o_run, _ in runs)
         if contain:
             finite = all_finite_flag(k, v)
-            _contain_runs(RowRuns(start=split.blind, runs=o_runs), lse, q, k, v, call, finite)
+            contain_runs(RowRuns(start=split.blind, runs=o_runs), lse, q, k, v, call, finite)
             ctx.finite = HostFlag.send(finite)
             ctx.save_for_backward(q, k, v, lse, *o_runs)
         return lse, *o_runs
@@ -295,7 +316,7 @@ class _FoldedFunction(torch.autograd.Function):
         return dq, got[-2], got[-1], None, None, None, None
 
 
-def _contain_runs(
+def contain_runs(
     runs: RowRuns, lse: Tensor, q: Tensor, k_cmp: Tensor, v_cmp: Tensor, call: CompressedCall,
     finite: Tensor,
 ) -> None:  # fmt: skip
@@ -321,14 +342,22 @@ def _contain_runs(
 
 
 def _contained_backward(ctx: Any, grad_runs: tuple[Tensor, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`contained_backward` from :class:`_FoldedFunction`'s saved tensors."""
+    q, k, v, lse, *o_runs = ctx.saved_tensors
+    return contained_backward(q, k, v, lse, o_runs, grad_runs, ctx.start, ctx.call)
+
+
+def contained_backward(
+    q: Tensor, k: Tensor, v: Tensor, lse: Tensor, o_runs: Sequence[Tensor],
+    grad_runs: Sequence[Tensor], start: int, call: CompressedCall,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """dq, dk_cmp, dv_cmp of a contained forward (keys not all finite) on the Triton kernels,
-    from the o and lse they wrote (:func:`_contain_runs`) and the runs' upstream gradients."""
+    from the o runs and lse they wrote (:func:`contain_runs`, runs from row ``start``) and the
+    runs' upstream gradients."""
     from nsa_kernels.compressed.function import compressed_attention_bwd
 
-    q, k, v, lse, *o_runs = ctx.saved_tensors
-    call: CompressedCall = ctx.call
-    do = RowRuns(start=ctx.start, runs=tuple(g.contiguous() for g in grad_runs)).assemble()
-    o = RowRuns(start=ctx.start, runs=tuple(o_runs)).assemble()
+    do = RowRuns(start=start, runs=tuple(g.contiguous() for g in grad_runs)).assemble()
+    o = RowRuns(start=start, runs=tuple(o_runs)).assemble()
     return compressed_attention_bwd(
         do,
         q,
@@ -344,7 +373,7 @@ def _contained_backward(ctx: Any, grad_runs: tuple[Tensor, ...]) -> tuple[Tensor
     )
 
 
-def _checked_split(q: Tensor, k_cmp: Tensor, call: CompressedCall) -> RowSplit:
+def checked_split(q: Tensor, k_cmp: Tensor, call: CompressedCall) -> RowSplit:
     """The :class:`RowSplit` of q's queries, k_cmp holding every block they see."""
     split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
     last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
@@ -388,19 +417,35 @@ def folded_runs(
     the full rows then carry their slots in the heads (the batch layout's backward was slower).
 
     ``contain``: where k_cmp or v_cmp holds a non-finite value, the Triton kernels give o and
-    lse (and the gradients), decided without a host sync (:func:`_contain_runs`)."""
-    split = _checked_split(q, k_cmp, call)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
+    lse (and the gradients), decided without a host sync (:func:`contain_runs`)."""
+    split = checked_split(q, k_cmp, call)
+    if traced(q, k_cmp, v_cmp):
+        from nsa_kernels.compressed.cudnn_traced import traced_folded_runs
+
+        o_runs, lse = traced_folded_runs(q, k_cmp, v_cmp, call, attend, contain)
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cmp, v_cmp)):
         lse, *o_runs = _FoldedFunction.apply(q, k_cmp, v_cmp, split, call, attend, contain)  # type: ignore[no-untyped-call]
         return RowRuns(start=split.blind, runs=tuple(o_runs)), lse
-    runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
-    lse = _assemble_lse(q, split.blind, runs)
-    if not runs:
+    else:
+        o_runs, lse = forward_runs(q, k_cmp, v_cmp, split, call, attend, contain)
+    if not o_runs:
         o = q.new_zeros(q.shape[0], q.shape[1], q.shape[2], v_cmp.shape[-1])
         return RowRuns.whole(o), lse
-    o_runs = RowRuns(start=split.blind, runs=tuple(o_run.flatten(1, -3) for _, _, o_run, _ in runs))
-    if contain:
-        _contain_runs(o_runs, lse, q, k_cmp, v_cmp, call, all_finite_flag(k_cmp, v_cmp))
+    return RowRuns(start=split.blind, runs=tuple(o_runs)), lse
+
+
+def forward_runs(
+    q: Tensor, k_cmp: Tensor, v_cmp: Tensor, split: RowSplit, call: CompressedCall,
+    attend: Attend, contain: bool,
+) -> tuple[list[Tensor], Tensor]:  # fmt: skip
+    """The runs of o ([B, n, HQ, dv] each, in query order from ``split.blind``; none where every
+    query is blind) and lse [B, Tq, HQ] of :func:`folded_runs` without a gradient."""
+    runs = _runs(q, k_cmp, v_cmp, split, call, attend, in_batch=q.shape[0] == 1)
+    lse = assemble_lse(q, split.blind, runs)
+    o_runs = [o_run.flatten(1, -3) for _, _, o_run, _ in runs]
+    if contain and o_runs:
+        contained = RowRuns(start=split.blind, runs=tuple(o_runs))
+        contain_runs(contained, lse, q, k_cmp, v_cmp, call, all_finite_flag(k_cmp, v_cmp))
     return o_runs, lse
 
 

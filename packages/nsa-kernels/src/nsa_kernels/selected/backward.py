@@ -348,7 +348,17 @@ def backward(
     do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, idx: Tensor, info: Launch
 ) -> tuple[Tensor, Tensor, Tensor]:
     """dq [B, Tq, HQ, dk], dk [B, Tk, H, dk], dv [B, Tk, H, dv] for the upstream gradient
-    ``do [B, Tq, HQ, dv]``, from the forward's o and lse and its index rows as sets ``idx``."""
+    ``do [B, Tq, HQ, dv]``, from the forward's o and lse and its index rows as sets ``idx``.
+
+    A traced call records the whole backward as one custom op, ``nsa::selected_backward``: its
+    reverse index waits for its sizes on the host, which a graph cannot hold, and inside one op
+    that wait still overlaps the dq launch as it does in eager code."""
+    if traced(do, q, idx):
+        grads: tuple[Tensor, Tensor, Tensor] = torch.ops.nsa.selected_backward(
+            do, q, k, v, o, lse, idx, info.seq_ids, info.cu_seqlens, _launch_ints(info),
+            info.scale, info.cfg.describe(),
+        )  # fmt: skip
+        return grads
     sel_block, cfg = info.sel_block, info.cfg
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
@@ -373,14 +383,11 @@ def backward(
     v_desc: Any = kv_descriptor(v, cfg.block_l) if kv_tma else v
     finite, _ = finite_path_launches(kv_tma, k, v)
     # The reverse index first, the dq launch next, then the one wait for the index's sizes: the
-    # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait. A traced
-    # call cannot wait for sizes: there the index and the dk/dv launches are one custom op.
-    reverse = None
-    if not traced(idx):
-        reverse = block_csr.start_block_csr(
-            idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
-            rows_are_sets=True,
-        )  # fmt: skip
+    # host plans the dk/dv work while dq runs, and the GPU does not idle on that wait.
+    reverse = block_csr.start_block_csr(
+        idx, sel_block, k.shape[1], q_start=info.q_start, cu_seqlens=info.cu_seqlens,
+        rows_are_sets=True,
+    )  # fmt: skip
     grid = (-(-info.rows // cfg.rows_per_prog), info.h * nch)
     for kv_path, strided in path_launches(kv_tma):
         launch(
@@ -401,40 +408,42 @@ def backward(
             VARLEN=info.seq_ids is not None, DOT_PREC=prec, KV_TMA=kv_path, STRIDED=strided,
             num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, writes=(delta, dq),
         )  # fmt: skip
-    if reverse is None:
-        dk, dv = torch.ops.nsa.selected_dkv_backward(
-            q, k, v, do, lse, delta, idx, info.cu_seqlens, sel_block, info.q_start, info.scale,
-            cfg.describe(), prec,
-        )  # fmt: skip
-        return dq, dk, dv
     dkv_backward(
         q, k, v, do, lse, delta, dk, dv, reverse.finish(), sel_block, info.scale, cfg, prec
     )
     return dq, dk, dv
 
 
-@torch.library.custom_op("nsa::selected_dkv_backward", mutates_args=())
-def selected_dkv_backward(
-    q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, idx: Tensor,
-    cu_seqlens: Tensor | None, sel_block: int, q_start: int, scale: float, cfg: str, prec: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """dk [B, Tk, H, dk] and dv [B, Tk, H, dv] of :func:`backward`: the reverse index of ``idx``
-    (which waits for its sizes on the host) and the dk/dv launches, for traced calls. ``cfg``:
-    the call's resolved :class:`SelConfig` as text; ``delta``: what the dq launch wrote."""
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    csr = block_csr.build_block_csr(
-        idx, sel_block, k.shape[1], q_start=q_start, cu_seqlens=cu_seqlens, rows_are_sets=True
+# The int facts of a Launch, in the order nsa::selected_backward passes them.
+_LAUNCH_INTS = ("sel_block", "batch", "tq", "hq", "h", "dk", "dv", "group", "n", "num_blocks",
+                "q_start")  # fmt: skip
+
+
+def _launch_ints(info: Launch) -> list[int]:
+    return [getattr(info, name) for name in _LAUNCH_INTS]
+
+
+@torch.library.custom_op("nsa::selected_backward", mutates_args=())
+def selected_backward(
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, idx: Tensor,
+    seq_ids: Tensor | None, cu_seqlens: Tensor | None, ints: list[int], scale: float, cfg: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """:func:`backward` for traced calls: the call's :class:`Launch` crosses as its ints (in
+    ``_LAUNCH_INTS`` order), its scale, its resolved :class:`SelConfig` as text and its varlen
+    tensors."""
+    facts = dict(zip(_LAUNCH_INTS, ints, strict=True))
+    info = Launch(
+        cfg=SelConfig.parse(cfg), scale=scale, seq_ids=seq_ids, cu_seqlens=cu_seqlens, **facts
     )
-    dkv_backward(q, k, v, do, lse, delta, dk, dv, csr, sel_block, scale, SelConfig.parse(cfg), prec)
-    return dk, dv
+    return backward(do, q, k, v, o, lse, idx, info)
 
 
-@selected_dkv_backward.register_fake
+@selected_backward.register_fake
 def _(
-    q: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, idx: Tensor,
-    cu_seqlens: Tensor | None, sel_block: int, q_start: int, scale: float, cfg: str, prec: str,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    return torch.empty_like(k), torch.empty_like(v)
+    do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, idx: Tensor,
+    seq_ids: Tensor | None, cu_seqlens: Tensor | None, ints: list[int], scale: float, cfg: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def dkv_backward(
