@@ -43,13 +43,18 @@ def test_default_routes_on_cuda_are_gpu_backends() -> None:
 def _call_counts() -> Any:
     """nsa-core's tests/call_counts.py (what one call validates and resolves), by path."""
     import importlib.util
+    import sys
     from pathlib import Path
 
     path = Path(__file__).parents[2] / "nsa-core" / "tests" / "call_counts.py"
     spec = importlib.util.spec_from_file_location("call_counts", path)
     assert spec is not None
     assert spec.loader is not None
+    if "call_counts" in sys.modules:  # collected beside nsa-core's tests, or loaded before
+        return sys.modules["call_counts"]
     module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclasses look their module up by name.
+    sys.modules["call_counts"] = module
     spec.loader.exec_module(module)
     return module
 

@@ -149,8 +149,17 @@ def triton_launch(
     floats: list[float], layout: str, meta: str,
 ) -> None:  # fmt: skip
     """Launch ``kernel`` (``module:name``) on ``grid`` with the arguments ``layout`` orders."""
-    args = _rebuilt(json.loads(layout), writes, tensors, ints, floats)
-    _kernel(kernel)[tuple(grid)](*args, **json.loads(meta))
+    order, constants = _decoded(layout, meta)
+    args = _rebuilt(order, writes, tensors, ints, floats)
+    _kernel(kernel)[tuple(grid)](*args, **constants)
+
+
+@functools.lru_cache(maxsize=1024)
+def _decoded(layout: str, meta: str) -> tuple[list[list[Any]], dict[str, Any]]:
+    """The layout and meta-parameters of a launch, parsed once per graph's launch site: a
+    compiled call replays the same strings, and the parse would be host time on every launch
+    (read only: ``_rebuilt`` reads the layout, the call copies the meta-parameters)."""
+    return json.loads(layout), json.loads(meta)
 
 
 @triton_launch.register_fake
