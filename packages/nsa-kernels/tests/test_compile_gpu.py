@@ -3,8 +3,8 @@ compiled attention (``nsa_attention``, forward and gradients) equals eager withi
 bounds (the eager-vs-reference tolerance) at 8k and 64k, as does the whole compiled layer
 (projections fused by Inductor) at 8k; a second length of the same route takes no new graph.
 
-A traced call declines cuDNN's compressed runs (nsa_kernels.compressed.cudnn), which eager calls
-take from 16k on, so the two sides of a comparison run different compressed kernels there.
+A traced call takes the routes an eager call takes: from 16k on that is cuDNN's folded
+compressed runs, as the custom ops of nsa_kernels.compressed.cudnn_traced.
 The whole layer is compared at 8k only: at 64k its Inductor-fused bf16 projections round q, k
 and the gates differently from eager's, and among 1024 blocks a row's top-16 then changes
 where scores nearly tie, which moves the output by more than any rounding bound.

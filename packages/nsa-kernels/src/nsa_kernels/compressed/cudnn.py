@@ -27,6 +27,10 @@ With a gradient the flag also travels to the host behind the forward, and the ba
 there (by then long arrived: no wait on the device): the Triton backward serves a contained
 forward, cuDNN's the rest.
 
+A call traced by torch.compile runs the same forward and a backward of its own through two
+custom ops (:mod:`nsa_kernels.compressed.cudnn_traced`): neither a run's autograd graph nor the
+host's read of the flag can enter a graph.
+
 The kernel is cuDNN's flash attention, reached through ``torch.ops.aten.
 _scaled_dot_product_cudnn_attention``: the public SDPA does not return the log-sum-exp, which block
 scoring reuses (docs/spec.md, "Block scoring on a GPU"). Its backward is torch's, whose dq is not
