@@ -126,3 +126,30 @@ def test_a_new_length_on_the_same_route_takes_no_new_graph() -> None:
             assert rel_err(compiled(*inputs), _core(*inputs)) <= BOUND[torch.bfloat16]
             frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert frames[0] == frames[1] == frames[2], frames
+
+
+@COMPILES
+def test_a_compiled_call_at_64k_takes_cudnns_runs_and_the_ops_that_wait_on_the_host() -> None:
+    """At 64k eager code runs cuDNN's folded compressed runs; the traced forward graph holds
+    them as ``nsa::folded_runs`` and the backward graph holds their backward and the selected
+    backward as one op each (the parts that wait on the host)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops: dict[str, set[str]] = {"forward": set(), "backward": set()}
+
+    def recorder(side: str) -> object:
+        def record(gm: torch.fx.GraphModule, _: object) -> object:
+            ops[side].update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+            return gm.forward
+
+        return record
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"))
+    compiled = torch.compile(_core, backend=backend, fullgraph=True)
+    inputs = _qkvg(65536, 4, True)
+    out = compiled(*inputs)
+    torch.autograd.grad(out, inputs, torch.ones_like(out))
+    assert "nsa.folded_runs.default" in ops["forward"]
+    assert "nsa.folded_runs_backward.default" in ops["backward"]
+    assert "nsa.selected_backward.default" in ops["backward"]
