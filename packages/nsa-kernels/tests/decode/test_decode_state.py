@@ -13,6 +13,7 @@ from nsa_kernels.decode import (
     DecodeKernelConfig,
     DecodePlan,
     DecodeState,
+    PageTable,
     StepInputs,
     decode_step,
 )
@@ -32,6 +33,48 @@ def test_from_prefixes_holds_what_the_reference_cache_holds() -> None:
     for b, cache in enumerate(ref.caches):
         assert_same_cache(state.to_cache(b), cache, 1e-6, f"seq {b}")
         assert int(state.num_cmp[b]) == cache.num_cmp
+
+
+def test_paged_prefixes_hold_what_the_dense_state_holds() -> None:
+    """The same ragged prefixes in pages of a shuffled pool (pages of 8, under a selection
+    block, and of 32, over one): every sequence reads back as the dense state's."""
+    cfg = small_config(2)
+    lengths = [0, 1, 7, 25, 61]
+    gen = torch.Generator().manual_seed(2)
+    stream = Stream.random(cfg, len(lengths), 64, gen, dtype=F32, device="cpu")
+    dense = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, capacity=70)
+    for page_size in (8, 32):
+        pages = PageTable.for_capacities(
+            [70] * len(lengths), page_size, device="cpu", generator=torch.Generator().manual_seed(3)
+        )
+        paged = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 70, pages=pages)
+        assert paged.k_sel.shape == (pages.num_pages, page_size, 2, 16)
+        for b, n in enumerate(lengths):
+            for got, want in zip(paged.sel_tokens(b, n), dense.sel_tokens(b, n), strict=True):
+                assert torch.equal(got, want)
+            assert_same_cache(paged.to_cache(b), dense.to_cache(b), 0.0, f"seq {b}")
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ([[0, 1], [1, 2]], "lists a page twice"),
+        ([[0, 5], [1, 2]], r"page ids in \[0, 4\)"),
+        ([[0, -2], [1, 2]], r"must be -1 or page ids"),
+    ],
+    ids=["shared_page", "past_the_pool", "below_minus_one"],
+)
+def test_a_page_table_refuses_pages_it_cannot_hold(table: list[list[int]], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PageTable(torch.tensor(table, dtype=torch.int32), page_size=8, num_pages=4)
+
+
+def test_a_page_table_needs_int32_rows_of_the_batch() -> None:
+    with pytest.raises(TypeError, match="int32"):
+        PageTable(torch.zeros(2, 2, dtype=torch.int64), page_size=8, num_pages=4)
+    pages = PageTable.for_capacities([16, 16, 16], 8, device="cpu")
+    with pytest.raises(ValueError, match="3 rows for batch 2"):
+        DecodeState.empty(small_config(1), 2, 16, device="cpu", dtype=F32, pages=pages)
 
 
 def test_from_cache_round_trip() -> None:

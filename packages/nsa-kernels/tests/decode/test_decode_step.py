@@ -32,6 +32,7 @@ from nsa_kernels.decode import (  # noqa: E402
     DecodePlan,
     DecodeState,
     LayerDecoder,
+    PageTable,
     block_phi,
     decode_step,
 )
@@ -272,6 +273,60 @@ def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None
     assert state.overflow.tolist() == [1, 0]
     with pytest.raises(RuntimeError, match=r"sequences \[0\] reached the capacity"):
         state.check_capacity()
+
+
+@pytest.mark.parametrize("page_size", [8, 32], ids=["pages_of_8", "pages_of_32"])
+def test_paged_steps_equal_dense_steps_bit_for_bit(
+    page_size: int, request: pytest.FixtureRequest
+) -> None:
+    """A ragged batch whose selected K/V sit in pages of a shuffled pool (8 tokens: a selection
+    block spans two pages; 32: a page holds two blocks) steps exactly as the dense state: the
+    same outputs, indices and reads bit for bit, and the same caches after 6 steps."""
+    gen = _gen(request)
+    cfg = small_config(3)
+    lengths = [0, 45, 117]
+    stream = Stream.random(cfg, 3, 130, gen, dtype=F32, device=DEV)
+    dense = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 130)
+    pages = PageTable.for_capacities(
+        [130] * 3, page_size, device=DEV, generator=torch.Generator().manual_seed(1)
+    )
+    paged = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 130, pages=pages)
+    for s in range(6):
+        inputs = stream.inputs_at([n + s for n in lengths])
+        want = decode_step(dense, inputs, plan=DecodePlan(dense, THIN))
+        got = decode_step(paged, inputs, plan=DecodePlan(paged, THIN))
+        for name in ("o", "indices", "reads"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), f"step {s}: {name}"
+    assert paged.lengths() == dense.lengths() == [n + 6 for n in lengths]
+    for b in range(3):
+        assert_same_cache(paged.to_cache(b), dense.to_cache(b), 0.0, f"seq {b}")
+
+
+def test_a_sequence_out_of_pages_is_full_and_left_unchanged(request: pytest.FixtureRequest) -> None:
+    """Pages for 24 and 40 tokens: the first sequence, at 24, has no page for its next token,
+    so the step leaves it as it was and flags it; the second goes on."""
+    gen = _gen(request)
+    cfg = small_config(1)
+    stream = Stream.random(cfg, 2, 40, gen, dtype=F32, device=DEV)
+    pages = PageTable.for_capacities([24, 40], 8, device=DEV)
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, [24, 5], 40, pages=pages)
+    before = state.clone()
+    decode_step(state, stream.inputs_at([24, 5]), plan=DecodePlan(state, FAT))
+    assert state.lengths() == [24, 6]
+    assert state.overflow.tolist() == [1, 0]
+    assert torch.equal(state.k_sel, _with_token(before, state, 1, 5))
+    with pytest.raises(RuntimeError, match=r"sequences \[0\] reached the capacity"):
+        state.check_capacity()
+
+
+def _with_token(before: DecodeState, after: DecodeState, b: int, pos: int) -> torch.Tensor:
+    """``before``'s page pool with sequence b's token ``pos`` as ``after`` holds it: a step that
+    advanced only b wrote nothing else into the pool."""
+    pool = before.k_sel.clone()
+    assert after.pages is not None
+    row = after.pages.rows(b, pos, pos + 1)
+    pool.flatten(0, 1)[row] = after.k_sel.flatten(0, 1)[row]
+    return pool
 
 
 def test_half_precision(request: pytest.FixtureRequest) -> None:

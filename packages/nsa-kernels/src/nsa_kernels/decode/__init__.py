@@ -1,6 +1,7 @@
 """One NSA decode step on the GPU: a batch of sequences, one query token each.
 
-- :class:`DecodeState`: preallocated caches of B sequences with device-side lengths.
+- :class:`DecodeState`: preallocated caches of B sequences with device-side lengths, the
+  selected-branch K/V dense or in pages (:class:`PageTable`).
 - :func:`decode_step`: append, compress, score, top-n and the three branches with split-K, in
   five launches without host synchronisation (:class:`DecodePlan` holds tiles and workspace).
 - :class:`DecodeGraph`: one step captured as a CUDA graph, replayed token after token.
@@ -10,7 +11,7 @@
 
 from nsa_kernels.decode.graph import DecodeGraph
 from nsa_kernels.decode.layer import LayerDecoder
-from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
+from nsa_kernels.decode.state import BlockPhi, DecodeState, PageTable, block_phi
 from nsa_kernels.decode.step import (
     TOPN_REL_GAP,
     DecodeKernelConfig,
@@ -28,6 +29,7 @@ __all__ = [
     "DecodePlan",
     "DecodeState",
     "LayerDecoder",
+    "PageTable",
     "StepInputs",
     "StepOutputs",
     "block_phi",

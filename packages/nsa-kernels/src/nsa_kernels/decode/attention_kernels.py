@@ -192,8 +192,8 @@ def cmp_window_kernel(
 def selected_kernel(
     q_ptr, k_sel, v_sel, cand_ptr, seqlens_ptr, indices_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
-    capacity, qk_scale,
-    H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    block_table_ptr, pages_per_seq, capacity, qk_scale,
+    PAGE: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     slots, sel_slot0,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr, JS: tl.constexpr,
@@ -204,7 +204,9 @@ def selected_kernel(
 
     Every split merges the chunk candidates itself (the same n blocks, ascending), which costs
     less than a launch; split 0 writes them to ``indices [B, H, N]``. A block's tokens past the
-    query (``p > t``) are masked (docs/spec.md, "Selected branch").
+    query (``p > t``) are masked (docs/spec.md, "Selected branch"). With PAGE > 0 the selected
+    K/V are pages of PAGE tokens (``block_table [B, pages_per_seq]``), else rows
+    ``b * capacity + p``.
     """
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -230,8 +232,15 @@ def selected_kernel(
             pos = tl.maximum(block, 0) * SEL + in_block
             # block as a block tensor: triton 3.9's interpreter turns scalar & block into int32.
             live = ((block + tl.zeros_like(in_block)) >= 0) & (in_block < SEL) & (pos <= t)
+            if PAGE > 0:
+                page = tl.load(
+                    block_table_ptr + b * pages_per_seq + pos // PAGE, mask=live, other=0
+                )
+                rows = page.to(tl.int64) * PAGE + pos % PAGE
+            else:
+                rows = b * capacity + pos
             _, m_i, l_i, acc = _attend_tile(
-                q, k_sel, v_sel, b * capacity + pos, live, h, m_i, l_i, acc, qk_scale,
+                q, k_sel, v_sel, rows, live, h, m_i, l_i, acc, qk_scale,
                 H, DK, BK, DV, BV, DOT_PREC,
             )  # fmt: skip
             count += tl.sum(live.to(tl.int32), axis=0)

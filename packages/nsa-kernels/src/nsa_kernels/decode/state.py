@@ -14,6 +14,11 @@ Layout, for sequence b holding ``L_b = cache_seqlens[b]`` tokens:
   into a block, ``[num_cmp[b] * d, L_b)``, are at most l - 1, and the l tokens of a block that
   completes are all in the ring when its last token arrives.
 - ``k_cmp [B, max(1, N_cmp(capacity)), H, dk]``, ``v_cmp``: compressed block i at row i.
+- paged (``block_table`` set): ``k_sel [num_pages, page_size, H, dk]``, ``v_sel``: a pool of
+  pages, token p of sequence b at row ``p % page_size`` of page ``block_table[b, p // page_size]``
+  (``block_table`` int32 [B, pages per sequence], -1 where b has no page: a step at such a
+  position finds the sequence full). The other buffers stay per sequence: their rows are
+  bounded by w, l and N_cmp(capacity).
 - ``cache_seqlens [B]`` int32: L_b, the position of the next token.
 - ``num_cmp [B]`` int32: emitted compressed blocks, ``N_cmp(L_b)``.
 - ``overflow [B]`` int32: 1 once a step found its sequence at capacity; that step left the
@@ -70,6 +75,63 @@ def compress_prefix(x: torch.Tensor, config: NSAConfig, phi: BlockPhi | None) ->
     return phi(blocks.permute(0, 2, 1, 3)).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class PageTable:
+    """Where a paged state's selected-branch K/V live (module docstring): ``block_table`` int32
+    [B, pages per sequence] over a pool of ``num_pages`` pages of ``page_size`` tokens."""
+
+    block_table: torch.Tensor
+    page_size: int
+    num_pages: int
+
+    def __post_init__(self) -> None:
+        check_rank("block_table", self.block_table, 2, "[B, pages per sequence]")
+        if self.block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32, got {self.block_table.dtype}")
+        check_int("page_size", self.page_size, 1, MAX_TOKENS)
+        check_int("num_pages", self.num_pages, 1, MAX_TOKENS)
+        pages = self.block_table[self.block_table >= 0]
+        if bool((self.block_table < -1).any()) or bool((pages >= self.num_pages).any()):
+            raise ValueError(f"block_table entries must be -1 or page ids in [0, {self.num_pages})")
+        if torch.unique(pages).numel() != pages.numel():
+            raise ValueError("block_table lists a page twice: each page belongs to one sequence")
+
+    @classmethod
+    def for_capacities(
+        cls,
+        capacities: Sequence[int],
+        page_size: int,
+        *,
+        device: torch.device | str,
+        generator: torch.Generator | None = None,
+    ) -> PageTable:
+        """Pages for each sequence's ``capacities[b]`` tokens out of one pool (the sum of their
+        pages), in pool order, or in a random order drawn from ``generator``."""
+        page_size = check_int("page_size", page_size, 1, MAX_TOKENS)
+        counts = [-(-check_int(f"capacities[{b}]", c, 0, MAX_TOKENS) // page_size)
+                  for b, c in enumerate(capacities)]  # fmt: skip
+        total = max(1, sum(counts))
+        order = (
+            torch.randperm(total, generator=generator).tolist()
+            if generator is not None
+            else list(range(total))
+        )
+        table = torch.full((len(counts), max(1, *counts)), -1, dtype=torch.int32)
+        first = 0
+        for b, count in enumerate(counts):
+            table[b, :count] = torch.tensor(order[first : first + count], dtype=torch.int32)
+            first += count
+        return cls(block_table=table.to(device), page_size=page_size, num_pages=total)
+
+    def rows(self, b: int, start: int, end: int) -> torch.Tensor:
+        """The pool rows (page * page_size + offset) of sequence b's tokens [start, end)."""
+        pos = torch.arange(start, end, device=self.block_table.device)
+        pages = self.block_table[b, pos // self.page_size].to(torch.int64)
+        if bool((pages < 0).any()):
+            raise ValueError(f"sequence {b} has no page for some of its tokens [{start}, {end})")
+        return pages * self.page_size + pos % self.page_size
+
+
 @dataclass
 class DecodeState:
     """Preallocated decode buffers and device-side lengths of B sequences (module docstring)."""
@@ -87,6 +149,7 @@ class DecodeState:
     cache_seqlens: torch.Tensor
     num_cmp: torch.Tensor
     overflow: torch.Tensor
+    pages: PageTable | None = None
 
     # ----------------------------------------------------------------------------- construction
 
@@ -99,14 +162,27 @@ class DecodeState:
         *,
         device: torch.device | str,
         dtype: torch.dtype,
+        pages: PageTable | None = None,
     ) -> DecodeState:
         """B sequences of length 0, room for ``capacity`` tokens each (1 <= capacity <= 2^31 - 1:
-        token positions are int32)."""
+        token positions are int32); ``pages``: the selected-branch K/V in a pool of pages
+        (sequence b then holds as many tokens as its pages do, at most ``capacity``)."""
         check_config(config)
         batch = check_int("batch", batch, 1)
         capacity = check_int("capacity", capacity, 1, MAX_TOKENS)
         device = check_device("device", device)
         dtype = check_float_dtype("dtype", dtype)
+        if pages is not None:
+            if not isinstance(pages, PageTable):
+                raise TypeError(f"pages must be a PageTable or None, got {type(pages).__name__}")
+            if pages.block_table.shape[0] != batch:
+                raise ValueError(
+                    f"pages.block_table has {pages.block_table.shape[0]} rows for batch {batch}"
+                )
+            if pages.block_table.device.type != device.type:
+                raise ValueError(
+                    f"pages.block_table is on {pages.block_table.device}, the state on {device}"
+                )
         h, dk, dv = config.num_kv_heads, config.head_dim_qk, config.head_dim_v
         # At least one row, so that kernels always get a real pointer.
         cmp_rows = max(1, num_cmp_blocks(capacity, config.cmp_block, config.cmp_stride))
@@ -117,11 +193,17 @@ class DecodeState:
         def counter() -> torch.Tensor:
             return torch.zeros(batch, device=device, dtype=torch.int32)
 
+        def sel(d: int) -> torch.Tensor:
+            if pages is None:
+                return z(capacity, d)
+            shape = (pages.num_pages, pages.page_size, h, d)
+            return torch.zeros(shape, device=device, dtype=dtype)
+
         return cls(
             config=config,
             capacity=capacity,
-            k_sel=z(capacity, dk),
-            v_sel=z(capacity, dv),
+            k_sel=sel(dk),
+            v_sel=sel(dv),
             k_win=z(config.window, dk),
             v_win=z(config.window, dv),
             k_raw=z(config.cmp_block, dk),
@@ -131,6 +213,7 @@ class DecodeState:
             cache_seqlens=counter(),
             num_cmp=counter(),
             overflow=counter(),
+            pages=pages,
         )
 
     @classmethod
@@ -168,8 +251,10 @@ class DecodeState:
         *,
         phi_k: BlockPhi | None = None,
         phi_v: BlockPhi | None = None,
+        pages: PageTable | None = None,
     ) -> DecodeState:
-        """Sequences of different lengths from their per-branch K/V.
+        """Sequences of different lengths from their per-branch K/V (``pages``: as
+        :meth:`empty`).
 
         Args:
             k, v: per branch ("cmp", "sel", "win") keys [B, T, H, dk] and values [B, T, H, dv];
@@ -185,11 +270,10 @@ class DecodeState:
         batch = ref.shape[0]
         capacity = check_int("capacity", capacity, 1, MAX_TOKENS)
         lengths = check_lengths(lengths, batch, min(ref.shape[1], capacity))
-        state = cls.empty(config, batch, capacity, device=ref.device, dtype=ref.dtype)
+        state = cls.empty(config, batch, capacity, device=ref.device, dtype=ref.dtype, pages=pages)
         cfg = config
         for b, n in enumerate(lengths):
-            state.k_sel[b, :n] = k["sel"][b, :n]
-            state.v_sel[b, :n] = v["sel"][b, :n]
+            state.write_sel(b, k["sel"][b, :n], v["sel"][b, :n])
             win0 = max(0, n - cfg.window)
             state._fill_ring(state.k_win[b : b + 1], k["win"][b : b + 1, win0:n], n)
             state._fill_ring(state.v_win[b : b + 1], v["win"][b : b + 1, win0:n], n)
@@ -209,6 +293,24 @@ class DecodeState:
         )
         return state
 
+    def write_sel(self, b: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sequence b's first n selected-branch tokens: k [n, H, dk], v [n, H, dv]."""
+        n = k.shape[0]
+        if self.pages is None:
+            self.k_sel[b, :n] = k
+            self.v_sel[b, :n] = v
+            return
+        rows = self.pages.rows(b, 0, n)
+        self.k_sel.flatten(0, 1)[rows] = k
+        self.v_sel.flatten(0, 1)[rows] = v
+
+    def sel_tokens(self, b: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence b's first n selected-branch tokens: (k [n, H, dk], v [n, H, dv])."""
+        if self.pages is None:
+            return self.k_sel[b, :n], self.v_sel[b, :n]
+        rows = self.pages.rows(b, 0, n)
+        return self.k_sel.flatten(0, 1)[rows], self.v_sel.flatten(0, 1)[rows]
+
     @staticmethod
     def _fill_ring(ring: torch.Tensor, tokens: torch.Tensor, length: int) -> None:
         """Write the last ``tokens.shape[1]`` tokens of a prefix of ``length`` into ``ring``."""
@@ -222,7 +324,7 @@ class DecodeState:
 
     @property
     def batch(self) -> int:
-        return int(self.k_sel.shape[0])
+        return int(self.k_win.shape[0])
 
     @property
     def device(self) -> torch.device:
@@ -270,10 +372,11 @@ class DecodeState:
         return DecodeState(
             config=self.config,
             capacity=self.capacity,
+            pages=self.pages,
             **{
                 f.name: getattr(self, f.name).clone()
                 for f in fields(self)
-                if f.name not in ("config", "capacity")
+                if f.name not in ("config", "capacity", "pages")
             },
         )
 
@@ -289,9 +392,10 @@ class DecodeState:
             return buf[b : b + 1, rows]
 
         win0 = max(0, length - cfg.window)
+        k_sel, v_sel = self.sel_tokens(b, length)
         cache.append_tokens(
-            self.k_sel[b : b + 1, :length],
-            self.v_sel[b : b + 1, :length],
+            k_sel[None],
+            v_sel[None],
             ring(self.k_win, win0),
             ring(self.v_win, win0),
             ring(self.k_raw, blocks * cfg.cmp_stride),

@@ -40,7 +40,7 @@ from nsa_kernels.decode.attention_kernels import cmp_window_kernel, selected_ker
 from nsa_kernels.decode.combine_kernels import combine_kernel
 from nsa_kernels.decode.state import BlockPhi, DecodeState, check_phi
 from nsa_kernels.decode.topn_kernels import score_topn_kernel
-from nsa_kernels.decode.update import append_token
+from nsa_kernels.decode.update import append_token, page_args, page_size
 
 LOG2E = 1.4426950408889634
 TOPN_REL_GAP = 1e-4
@@ -418,8 +418,9 @@ def decode_step(
     selected_kernel[(batch * h, p.sel_splits)](
         q, state.k_sel, state.v_sel, p.cand, state.cache_seqlens, indices,
         p.part_m, p.part_l, p.part_acc, p.part_n,
-        state.capacity, qk_scale,
-        sel_slot0=p.cmp_chunks + p.window_chunks, score_chunks=p.score_chunks,
+        *page_args(state), state.capacity, qk_scale,
+        PAGE=page_size(state), sel_slot0=p.cmp_chunks + p.window_chunks,
+        score_chunks=p.score_chunks,
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
         SEL=cfg.sel_block, BL=p.sel_tile, NSUB=p.sel_sub, BPS=p.blocks_per_split,
         JS=p.score_chunk, NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,

@@ -23,12 +23,20 @@ from nsa_kernels.decode.state import BlockPhi, DecodeState
 def _put_row(new_ptr, buf_ptr, b, h, row, rows, put, H: tl.constexpr, D: tl.constexpr,
              BD: tl.constexpr):  # fmt: skip
     """buf[b, row, h, :] = new[b, h, :] where ``put``; returns the new token's row [BD]."""
+    return _put_flat_row(new_ptr, buf_ptr, b, h, b * rows + row, put, H, D, BD)
+
+
+@triton.jit
+def _put_flat_row(new_ptr, buf_ptr, b, h, flat_row, put, H: tl.constexpr, D: tl.constexpr,
+                  BD: tl.constexpr):  # fmt: skip
+    """buf[flat_row, h, :] = new[b, h, :] where ``put`` (buf [rows, H, D] flat); returns the new
+    token's row [BD]."""
     col = tl.arange(0, BD)
     inside = col < D
     x = tl.load(new_ptr + (b * H + h) * D + col, mask=inside, other=0.0)
     # ``put`` as a block: triton 3.9's interpreter turns scalar & block into int32.
     put_block = (put.to(tl.int32) + tl.zeros_like(col)) > 0
-    tl.store(buf_ptr + ((b * rows + row) * H + h) * D + col, x, mask=inside & put_block)
+    tl.store(buf_ptr + (flat_row * H + h) * D + col, x, mask=inside & put_block)
     return x
 
 
@@ -74,11 +82,12 @@ def _fold_block(
 @triton.jit
 def _append_kv(
     new_sel, new_win, new_raw, sel, win, raw, cmp, b, h, pos, room, raw_slot, cmp_row, cmp_rows,
-    emit, capacity, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr,
+    emit, sel_row, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, WINDOW: tl.constexpr,
     LCMP: tl.constexpr, BL: tl.constexpr, AVG: tl.constexpr,
 ):  # fmt: skip
-    """One head's keys (or values) of the new token into the three caches, the block folded."""
-    _put_row(new_sel, sel, b, h, pos, capacity, room, H, D, BD)
+    """One head's keys (or values) of the new token into the three caches (the selected one at
+    its flat row ``sel_row``), the block folded."""
+    _put_flat_row(new_sel, sel, b, h, sel_row, room, H, D, BD)
     _put_row(new_win, win, b, h, pos % WINDOW, WINDOW, room, H, D, BD)
     x = _put_row(new_raw, raw, b, h, raw_slot, LCMP, room, H, D, BD)
     if AVG:
@@ -105,8 +114,11 @@ def append_kernel(
     num_cmp_ptr,
     overflow_ptr,
     tickets_ptr,
+    block_table_ptr,
+    pages_per_seq,
     capacity,
     cmp_rows,
+    PAGE: tl.constexpr,
     H: tl.constexpr,
     DK: tl.constexpr,
     BK: tl.constexpr,
@@ -125,7 +137,8 @@ def append_kernel(
     ring (row L % l). With AVG a block completed by the token is folded (the mean) into row
     ``num_cmp[b]`` of k_cmp/v_cmp; without it (a learned phi) only the counter moves and the
     caller writes the block. A sequence at capacity is left as it was and flagged in
-    ``overflow``.
+    ``overflow``. With PAGE > 0 the selected rows are pages (``block_table [B, pages_per_seq]``,
+    PAGE tokens a page), and a position without a page is a sequence at capacity.
 
     The 2H programs of a sequence each read its counters first, then take a ticket
     (``tickets[b]``, an acq_rel atomic): the program that takes the last one knows every other
@@ -140,6 +153,17 @@ def append_kernel(
     blocks = tl.load(num_cmp_ptr + b)
     room = length < capacity
     pos = tl.where(room, length, 0).to(tl.int64)
+    if PAGE > 0:
+        page = tl.load(
+            block_table_ptr + b * pages_per_seq + pos // PAGE,
+            mask=room & (pos // PAGE < pages_per_seq),
+            other=-1,
+        )
+        room = room & (page >= 0)
+        pos = tl.where(room, pos, 0)
+        sel_row = tl.maximum(page, 0).to(tl.int64) * PAGE + pos % PAGE
+    else:
+        sel_row = b * capacity + pos
     new_len = length + 1
     emit = room & (new_len >= LCMP) & ((new_len - LCMP) % DSTRIDE == 0)
     raw_slot = pos % LCMP
@@ -147,14 +171,14 @@ def append_kernel(
     if kind == 0:
         _append_kv(
             k_new_sel, k_new_win, k_new_cmp, k_sel, k_win, k_raw, k_cmp, b, h, pos, room,
-            raw_slot, cmp_row, cmp_rows, emit, capacity, H, DK, BK, WINDOW, LCMP, BL, AVG,
+            raw_slot, cmp_row, cmp_rows, emit, sel_row, H, DK, BK, WINDOW, LCMP, BL, AVG,
         )  # fmt: skip
     else:
         _append_kv(
             v_new_sel, v_new_win, v_new_cmp, v_sel, v_win, v_raw, v_cmp, b, h, pos, room,
-            raw_slot, cmp_row, cmp_rows, emit, capacity, H, DV, BV, WINDOW, LCMP, BL, AVG,
+            raw_slot, cmp_row, cmp_rows, emit, sel_row, H, DV, BV, WINDOW, LCMP, BL, AVG,
         )  # fmt: skip
-    full = tl.load(overflow_ptr + b) | (length >= capacity).to(tl.int32)
+    full = tl.load(overflow_ptr + b) | tl.where(room, 0, 1)
     # Every thread of this program has read the counters before its ticket is taken.
     tl.debug_barrier()
     ticket = tl.atomic_add(tickets_ptr + b, 1, sem="acq_rel")
@@ -198,8 +222,8 @@ def append_token(
         state.k_sel, state.v_sel, state.k_win, state.v_win, state.k_raw, state.v_raw,
         state.k_cmp, state.v_cmp,
         state.cache_seqlens, state.num_cmp, state.overflow, tickets,
-        state.capacity, state.k_cmp.shape[1],
-        H=h, DK=dk, BK=_pow2(dk), DV=dv, BV=_pow2(dv),
+        *page_args(state), state.capacity, state.k_cmp.shape[1],
+        PAGE=page_size(state), H=h, DK=dk, BK=_pow2(dk), DV=dv, BV=_pow2(dv),
         WINDOW=cfg.window, LCMP=cfg.cmp_block, BL=_pow2(cfg.cmp_block),
         DSTRIDE=cfg.cmp_stride, AVG=avg,
         num_warps=4,
@@ -209,6 +233,19 @@ def append_token(
             raise ValueError("config.phi == 'mlp' needs phi_k and phi_v")
         _fold_learned(state, state.k_raw, state.k_cmp, phi_k)
         _fold_learned(state, state.v_raw, state.v_cmp, phi_v)
+
+
+def page_args(state: DecodeState) -> tuple[torch.Tensor, int]:
+    """(block_table, pages per sequence) of a paged state's kernels; a dense state's kernels
+    read neither (PAGE = 0) and get the lengths as a stand-in pointer."""
+    if state.pages is None:
+        return state.cache_seqlens, 0
+    return state.pages.block_table, state.pages.block_table.shape[1]
+
+
+def page_size(state: DecodeState) -> int:
+    """The kernels' PAGE: tokens a page, or 0 for a dense state."""
+    return 0 if state.pages is None else state.pages.page_size
 
 
 def _fold_learned(
