@@ -67,6 +67,16 @@ BAD_INPUTS: dict[str, list[Row]] = {
         (["--seqlens", "64k,x"], "argument --seqlens: 'x' is not a positive length"),
         (["--iters", "0"], "argument --iters: '0' is not a positive integer"),
         (["--B", "1", "--S", "4096"], "unrecognized arguments: --B 1 --S 4096"),
+        (
+            ["--ragged", "0:1k-2k"],
+            "argument --ragged: need B >= 1 and 1 <= LO <= HI, got '0:1k-2k'",
+        ),
+        (
+            ["--ragged", "32:2k-1k"],
+            "argument --ragged: need B >= 1 and 1 <= LO <= HI, got '32:2k-1k'",
+        ),
+        (["--ragged", "32"], "argument --ragged: expected B:LO-HI such as 32:1k-128k, got '32'"),
+        (["--page-size", "0"], "argument --page-size: '0' is not a positive integer"),
     ],
     "decode-module": [
         (["--seqlens", ""], "argument --seqlens: '' holds no value; give at least one"),

@@ -46,10 +46,12 @@ import torch
 from nsa_bench.cli_args import (
     check_tile_configs,
     head_config,
+    non_negative_int,
     positive_int,
     positive_ints,
     seqlens,
 )
+from nsa_bench.decode_ragged import parse_ragged
 from nsa_bench.env import collect
 from nsa_bench.timing import warm_then_capture
 from nsa_core import NSAAttention, NSAConfig, expected_reads, num_cmp_blocks
@@ -289,6 +291,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense baselines")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer steps")
+    parser.add_argument(
+        "--ragged",
+        type=parse_ragged,
+        default=None,
+        metavar="B:LO-HI",
+        help="instead of the grid: B sequences of lengths spread over LO..HI, paged and dense, "
+        "against a uniform batch of the same tokens (e.g. 32:1k-128k)",
+    )
+    parser.add_argument(
+        "--page-size", type=positive_int, default=256, help="tokens a page (--ragged)"
+    )
+    parser.add_argument(
+        "--replays",
+        type=non_negative_int,
+        default=1000,
+        help="graph replays checked bit for bit against eager steps (--ragged; 0: none)",
+    )
     parser.add_argument("--out", default="artifacts/bench/decode", help="output folder")
 
 
@@ -388,6 +407,10 @@ def measure_case(
 def run(args: argparse.Namespace) -> int:
     cfg = head_config(args)
     base = parse_kernel_config(args.config)
+    if args.ragged is not None:
+        from nsa_bench.decode_ragged import run_ragged
+
+        return run_ragged(args, cfg, base)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cases = [(b, s) for b in args.batch_sizes for s in args.seqlens]
