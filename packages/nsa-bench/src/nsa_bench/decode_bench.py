@@ -205,16 +205,21 @@ class DenseDecode:
 
 
 def nsa_step_ms(
-    state: DecodeState, kernel_cfg: DecodeKernelConfig, args: argparse.Namespace
+    state: DecodeState,
+    kernel_cfg: DecodeKernelConfig,
+    args: argparse.Namespace,
+    *,
+    tokens: int | None = None,
 ) -> tuple[float, DecodeGraph | None, Any]:
-    """The fused attention step: ms per step; the state's counters are restored afterwards."""
+    """The fused attention step: ms per step; the state's counters are restored afterwards.
+    ``tokens``: the batch's total tokens, for the plan's chunks (``DecodePlan``)."""
     from nsa_kernels.decode.graph import DecodeGraph
     from nsa_kernels.decode.step import DecodePlan, decode_step
 
     saved = state.snapshot_counters()
     inputs = random_inputs(state)
     if args.graph:
-        graph = DecodeGraph(state, config=kernel_cfg)
+        graph = DecodeGraph(state, config=kernel_cfg, tokens=tokens)
         graph.inputs.copy_(inputs)
         for _ in range(3):
             graph.replay()
@@ -222,7 +227,7 @@ def nsa_step_ms(
         outputs: Any = graph.outputs
     else:
         graph = None
-        plan = DecodePlan(state, kernel_cfg)
+        plan = DecodePlan(state, kernel_cfg, tokens=tokens)
         box: list[Any] = []
 
         def eager() -> None:

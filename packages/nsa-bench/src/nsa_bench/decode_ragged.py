@@ -10,7 +10,9 @@ B sequences with lengths spread evenly over [LO, HI] decode through nsa-kernels'
 - ``ragged_paged``: the spread lengths with the selected-branch K/V in pages of
   ``--page-size`` tokens from one pool, each sequence holding only its own pages, shuffled.
 
-``vs uniform`` is the uniform ms over the row's (>= 0.91: within 10%). ``replays`` graph steps
+Every plan sizes its split-K chunks for the batch's mean length (``DecodePlan(tokens=...)``),
+the grids covering the capacity. ``vs uniform`` is the uniform ms over the row's (>= 0.91:
+within 10%). ``replays`` graph steps
 of the paged state are then checked against as many eager steps from a copy of it, with the same
 inputs: ``replay mismatches`` counts the steps whose outputs, indices or reads differ in any bit.
 Rows go to ``ragged.csv``, ``ragged.json`` and ``ragged.md`` under ``--out``.
@@ -81,7 +83,9 @@ def _filled(
     return state
 
 
-def _mismatched_replays(state: DecodeState, kernel_cfg: DecodeKernelConfig, steps: int) -> int:
+def _mismatched_replays(
+    state: DecodeState, kernel_cfg: DecodeKernelConfig, steps: int, tokens: int
+) -> int:
     """Of ``steps`` graph replays from ``state`` and as many eager steps from a copy of it, the
     same inputs every step: how many steps differ in any bit (outputs, indices or reads)."""
     from nsa_bench.decode_bench import random_inputs
@@ -89,10 +93,10 @@ def _mismatched_replays(state: DecodeState, kernel_cfg: DecodeKernelConfig, step
     from nsa_kernels.decode.step import DecodePlan, decode_step
 
     eager_state = state.clone()
-    graph = DecodeGraph(state, config=kernel_cfg)
+    graph = DecodeGraph(state, config=kernel_cfg, tokens=tokens)
     inputs = random_inputs(state)
     graph.inputs.copy_(inputs)
-    plan = DecodePlan(eager_state, kernel_cfg)
+    plan = DecodePlan(eager_state, kernel_cfg, tokens=tokens)
     mismatches = torch.zeros((), dtype=torch.int64, device="cuda")
     for _ in range(steps):
         got = graph.replay()
@@ -131,7 +135,7 @@ def run_ragged(args: argparse.Namespace, cfg: NSAConfig, kernel_cfg: DecodeKerne
         capacity = max(case_lengths) + extra
         _progress(f"{name}: B={batch}, tokens {sum(case_lengths)}, capacity {capacity}")
         state = _filled(cfg, case_lengths, capacity, dtype, pages)
-        ms, _, outputs = nsa_step_ms(state, kernel_cfg, args)
+        ms, graph, outputs = nsa_step_ms(state, kernel_cfg, args, tokens=sum(case_lengths))
         reads = int(outputs.reads.sum())
         row: dict[str, Any] = {
             "layout": name,
@@ -144,15 +148,18 @@ def run_ragged(args: argparse.Namespace, cfg: NSAConfig, kernel_cfg: DecodeKerne
             "reads_last_step": reads,
             "replays": None,
             "replay_mismatches": None,
+            "plan": "" if graph is None else graph.plan.describe(),
             "device": torch.cuda.get_device_name(),
         }
         if pages is not None and args.replays:
             _progress(f"{name}: {args.replays} graph replays against eager steps")
             row["replays"] = args.replays
-            row["replay_mismatches"] = _mismatched_replays(state, kernel_cfg, args.replays)
+            row["replay_mismatches"] = _mismatched_replays(
+                state, kernel_cfg, args.replays, sum(case_lengths)
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
-        del state, outputs
+        del state, outputs, graph
         torch.cuda.empty_cache()
     base = rows[0]["ms_step"]
     for row in rows:
@@ -164,7 +171,7 @@ def run_ragged(args: argparse.Namespace, cfg: NSAConfig, kernel_cfg: DecodeKerne
 
 COLUMNS = (
     "layout", "B", "lengths", "tokens", "page_size", "sel_cache_mib", "ms_step", "vs_uniform",
-    "reads_last_step", "replays", "replay_mismatches", "device",
+    "reads_last_step", "replays", "replay_mismatches", "plan", "device",
 )  # fmt: skip
 
 

@@ -210,6 +210,36 @@ def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:
     assert torch.equal(thin.indices, thin_again.indices)
 
 
+def test_a_plan_sized_for_the_tokens_held_agrees_with_one_sized_for_the_capacity(
+    request: pytest.FixtureRequest,
+) -> None:
+    """A ragged batch in a state sized far past its tokens: a plan told the tokens it holds
+    cuts the compressed keys and the scoring into smaller chunks, and gives the indices and
+    reads of the capacity-sized plan exactly, the outputs within float32 rounding."""
+    gen = _gen(request)
+    cfg = small_config(3)
+    lengths = [10, 70, 130]
+    stream = Stream.random(cfg, 3, 140, gen, dtype=F32, device=DEV)
+    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 4096)
+    by_capacity = DecodePlan(base)
+    by_tokens = DecodePlan(base, tokens=sum(lengths))
+    assert by_tokens.cmp_chunk_tiles < by_capacity.cmp_chunk_tiles
+    inputs = stream.inputs_at(lengths)
+    # Each plan on its own copy of the state (a plan's workspace is shared by its steps only).
+    outs = [decode_step(base.clone(), inputs, plan=plan) for plan in (by_capacity, by_tokens)]
+    assert torch.equal(outs[0].indices, outs[1].indices)
+    assert torch.equal(outs[0].reads, outs[1].reads)
+    assert rel_err(outs[1].o, outs[0].o) <= 1e-6
+
+
+@pytest.mark.parametrize("tokens", [0, 3 * 4096 + 1], ids=["none", "past_the_capacity"])
+def test_a_plan_refuses_tokens_the_state_cannot_hold(tokens: int) -> None:
+    cfg = small_config(1)
+    state = DecodeState.empty(cfg, 3, 4096, device=DEV, dtype=F32)
+    with pytest.raises(ValueError, match="tokens"):
+        DecodePlan(state, tokens=tokens)
+
+
 def test_matches_layer_prefill_and_decode(request: pytest.FixtureRequest) -> None:
     """LayerDecoder from NSAAttention.prefill's cache (equal lengths): each step's output
     equals NSAAttention.decode's (projections, RoPE at the device-side position, fused step,

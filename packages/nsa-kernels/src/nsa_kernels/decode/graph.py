@@ -64,6 +64,7 @@ class DecodeGraph:
         phi_k, phi_v: the learned phi for ``config.phi == "mlp"`` (captured with the step).
         config: tiles and splits (see :class:`DecodeKernelConfig`).
         warmup: eager steps before capture (at least 1: the first launch compiles).
+        tokens: the batch's total tokens, to size the split-K chunks (see :class:`DecodePlan`).
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class DecodeGraph:
         phi_v: BlockPhi | None = None,
         config: DecodeKernelConfig | None = None,
         warmup: int = 2,
+        tokens: int | None = None,
     ) -> None:
         check_state(state)
         check_phi(state.config, phi_k, phi_v)
@@ -81,7 +83,7 @@ class DecodeGraph:
         if state.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA state, got {state.device}")
         self.state = state
-        self.plan = DecodePlan(state, config)
+        self.plan = DecodePlan(state, config, tokens=tokens)
         self.inputs = StepInputs.zeros(state)
         self._phi_k, self._phi_v = phi_k, phi_v
         self.graph, self.outputs = capture_decode_step(state, self._run, warmup)

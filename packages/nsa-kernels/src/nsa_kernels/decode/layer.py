@@ -45,6 +45,7 @@ class LayerDecoder:
         config: the fused step's tiles and splits.
         graph: capture projections + step + output projection as one CUDA graph (CUDA only).
         warmup: eager steps before capture, undone afterwards (the first launch compiles).
+        tokens: the batch's total tokens, to size the split-K chunks (see ``DecodePlan``).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class LayerDecoder:
         config: DecodeKernelConfig | None = None,
         graph: bool = False,
         warmup: int = 2,
+        tokens: int | None = None,
     ) -> None:
         check_module(module)
         check_state(state)
@@ -72,7 +74,7 @@ class LayerDecoder:
             raise ValueError(f"CUDA graphs need a CUDA state, got {state.device}")
         self.module = module
         self.state = state
-        self.plan = DecodePlan(state, config)
+        self.plan = DecodePlan(state, config, tokens=tokens)
         self._phi_k: BlockPhi | None = None if module.phi_k is None else block_phi(module.phi_k)
         self._phi_v: BlockPhi | None = None if module.phi_v is None else block_phi(module.phi_v)
         self._w_in, self._b_in, self._splits = self._stack_input_projections(module)

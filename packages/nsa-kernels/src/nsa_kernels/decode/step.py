@@ -27,7 +27,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nsa_core import NSAConfig
+from nsa_core import NSAConfig, num_cmp_blocks
+from nsa_core.checks import check_int
 from nsa_kernels.common.tile_config import check_config
 from nsa_kernels.common.triton_inputs import (
     MAX_HEAD_DIM,
@@ -205,11 +206,25 @@ class DecodePlan:
 
     The workspace (partial states, tile maxima, band sums, top-n candidates) is reused by every
     step run with this plan; steps on one stream run in order, so sharing it is safe there.
+
+    ``tokens``: the tokens the batch holds in total, where the caller knows it (a ragged batch
+    sized for its longest sequence). The split-K chunks of the compressed keys and of scoring
+    are then sized for the mean length rather than for the capacity: each chunk is a fixed
+    share of work, a long sequence takes more chunks, and no program of the step's longest
+    sequence runs twice as long as the others'. The grids still cover the capacity.
     """
 
-    def __init__(self, state: DecodeState, config: DecodeKernelConfig | None = None) -> None:
+    def __init__(
+        self,
+        state: DecodeState,
+        config: DecodeKernelConfig | None = None,
+        *,
+        tokens: int | None = None,
+    ) -> None:
         check_state(state)
         check_config(config, DecodeKernelConfig)
+        if tokens is not None:
+            check_int("tokens", tokens, 1, state.batch * state.capacity)
         cfg = state.config
         kc = config or DecodeKernelConfig()
         for name, least in (
@@ -253,7 +268,11 @@ class DecodePlan:
         self.extra = (cfg.sel_block - cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
         tiles = max(1, _cdiv(state.cmp_capacity, self.key_tile))
         per_seq = max(2, (2 * slots) // bh - self.window_chunks)
-        self.cmp_chunk_tiles = kc.cmp_chunk_tiles or max(1, _cdiv(tiles, per_seq))
+        # The length the chunks are sized for: the capacity, or the mean the caller gave.
+        sized = state.capacity if tokens is None else _cdiv(tokens, state.batch)
+        sized_blocks = num_cmp_blocks(sized, cfg.cmp_block, cfg.cmp_stride)
+        sized_tiles = max(1, _cdiv(sized_blocks, self.key_tile))
+        self.cmp_chunk_tiles = kc.cmp_chunk_tiles or max(1, _cdiv(sized_tiles, per_seq))
         self.cmp_chunks = _cdiv(state.cmp_capacity, self.key_tile * self.cmp_chunk_tiles)
         self.cmp_chunk = self.key_tile * self.cmp_chunk_tiles
         self.tiles = tiles
@@ -269,7 +288,8 @@ class DecodePlan:
 
         # Scoring: chunks of selection blocks, few enough that the merge stays small.
         num_sel = _cdiv(state.capacity, cfg.sel_block)
-        self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(num_sel, 32)))
+        sized_sel = _cdiv(sized, cfg.sel_block)
+        self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(sized_sel, 32)))
         self.score_chunks = _cdiv(num_sel, self.score_chunk)
         self.n_pad = _pow2(n)
 
