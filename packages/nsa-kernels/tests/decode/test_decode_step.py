@@ -221,8 +221,10 @@ def test_a_plan_sized_for_the_tokens_held_agrees_with_one_sized_for_the_capacity
     lengths = [10, 70, 130]
     stream = Stream.random(cfg, 3, 140, gen, dtype=F32, device=DEV)
     base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 4096)
-    by_capacity = DecodePlan(base)
-    by_tokens = DecodePlan(base, tokens=sum(lengths))
+    # Four program slots: the chunks' sizes as on a small GPU, the same on every device.
+    slots = DecodeKernelConfig(program_slots=4)
+    by_capacity = DecodePlan(base, slots)
+    by_tokens = DecodePlan(base, slots, tokens=sum(lengths))
     assert by_tokens.cmp_chunk_tiles < by_capacity.cmp_chunk_tiles
     inputs = stream.inputs_at(lengths)
     # Each plan on its own copy of the state (a plan's workspace is shared by its steps only).
