@@ -77,6 +77,47 @@ def test_a_page_table_needs_int32_rows_of_the_batch() -> None:
         DecodeState.empty(small_config(1), 2, 16, device="cpu", dtype=F32, pages=pages)
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_beam_reorder_gives_each_row_its_source_sequence(paged: bool) -> None:
+    """Rows take sequences 2, 0, 0, 1 (one taken twice, one by none, a cycle): every row then
+    holds exactly what its source held, dense or in its own pages of a shuffled pool."""
+    cfg = small_config(2)
+    lengths = [9, 30, 61, 0]
+    gen = torch.Generator().manual_seed(4)
+    stream = Stream.random(cfg, 4, 64, gen, dtype=F32, device="cpu")
+    shuffle = torch.Generator().manual_seed(5)
+    pages = None
+    if paged:
+        pages = PageTable.for_capacities([70] * 4, 8, device="cpu", generator=shuffle)
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 70, pages=pages)
+    before = [state.to_cache(b) for b in range(4)]
+    beam_idx = torch.tensor([2, 0, 0, 1])
+    state.reorder(beam_idx)
+    assert state.lengths() == [lengths[src] for src in beam_idx.tolist()]
+    for r, src in enumerate(beam_idx.tolist()):
+        assert_same_cache(state.to_cache(r), before[src], 0.0, f"row {r} <- {src}")
+
+
+def test_beam_reorder_refuses_what_it_cannot_do_and_leaves_the_state() -> None:
+    cfg = small_config(1)
+    gen = torch.Generator().manual_seed(6)
+    stream = Stream.random(cfg, 2, 40, gen, dtype=F32, device="cpu")
+    pages = PageTable.for_capacities([16, 40], 8, device="cpu")
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, [10, 33], 40, pages=pages)
+    saved = state.clone()
+    for bad, error, message in (
+        (torch.tensor([1, 1]), ValueError, "row 0 has pages for 16 tokens, too few for the 33"),
+        (torch.tensor([0, 2]), ValueError, r"values must be in \[0, 2\)"),
+        (torch.tensor([0]), ValueError, r"beam_idx must be \[B=2\]"),
+        (torch.tensor([0, 1], dtype=torch.int32), TypeError, "int64 tensor, got torch.int32"),
+        ([0, 1], TypeError, "int64 tensor, got list"),
+    ):
+        with pytest.raises(error, match=message):
+            state.reorder(bad)  # type: ignore[arg-type]
+        for name in ("k_sel", "v_sel", "k_cmp", "k_win", "cache_seqlens", "num_cmp"):
+            assert torch.equal(getattr(state, name), getattr(saved, name)), name
+
+
 def test_from_cache_round_trip() -> None:
     """A prefill's NSACache -> DecodeState -> NSACache is the identity."""
     cfg = small_config(2)

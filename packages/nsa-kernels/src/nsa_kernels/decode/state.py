@@ -353,6 +353,52 @@ class DecodeState:
                 "after that left them unchanged"
             )
 
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: sequence r takes the tokens and counters sequence ``beam_idx[r]`` held
+        (int64 [B], values in [0, B); a sequence may be taken by several rows or by none).
+
+        Dense buffers are gathered along the batch. A paged state keeps every row's own pages
+        and copies the source's tokens into them (a page belongs to one sequence: sharing a
+        prefix's pages would need copy-on-write), so row r needs pages for every token
+        ``beam_idx[r]`` holds; that is checked first, and a refusal leaves the state as it was.
+        Reads the lengths on the host (a device sync) when paged.
+        """
+        if not isinstance(beam_idx, torch.Tensor) or beam_idx.dtype != torch.int64:
+            got = beam_idx.dtype if isinstance(beam_idx, torch.Tensor) else type(beam_idx).__name__
+            raise TypeError(f"beam_idx must be an int64 tensor, got {got}")
+        if beam_idx.shape != (self.batch,):
+            raise ValueError(f"beam_idx must be [B={self.batch}], got {shape(beam_idx)}")
+        if beam_idx.device != self.cache_seqlens.device:
+            raise ValueError(f"beam_idx is on {beam_idx.device}, the state on {self.device}")
+        if bool(((beam_idx < 0) | (beam_idx >= self.batch)).any()):
+            raise ValueError(f"beam_idx values must be in [0, {self.batch})")
+        moves: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.pages is not None:
+            lengths = self.lengths()
+            for r, src in enumerate(beam_idx.tolist()):
+                n = lengths[src]
+                held = int((self.pages.block_table[r] >= 0).sum()) * self.pages.page_size
+                if held < n:
+                    raise ValueError(
+                        f"row {r} has pages for {held} tokens, too few for the {n} of "
+                        f"sequence {src}"
+                    )
+                moves.append((self.pages.rows(r, 0, n), self.pages.rows(src, 0, n)))
+        per_sequence = [
+            f.name for f in fields(self) if f.name not in ("config", "capacity", "pages")
+        ]
+        if self.pages is not None:
+            per_sequence = [name for name in per_sequence if name not in ("k_sel", "v_sel")]
+            for pool in (self.k_sel, self.v_sel):
+                flat = pool.flatten(0, 1)
+                # Every source read before any row is written: rows may take each other's tokens.
+                taken = [flat[src_rows] for _, src_rows in moves]
+                for (dst_rows, _), tokens in zip(moves, taken, strict=True):
+                    flat[dst_rows] = tokens
+        for name in per_sequence:
+            buf = getattr(self, name)
+            buf.copy_(buf.index_select(0, beam_idx))
+
     def snapshot_counters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of (cache_seqlens, num_cmp, overflow).
 
