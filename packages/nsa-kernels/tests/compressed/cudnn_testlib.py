@@ -23,18 +23,28 @@ def model_attend(
     """What the backend asks of cuDNN, in float64: each of Hq query heads over kv head
     ``h // (Hq / Hk)``, the top-left causal mask if ``causal``, ``bias`` added to the scores."""
     CALLS.append((causal, bias is not None, q.shape[0]))
+    s, _, vv = _scores(q, k, v, bias, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.softmax(s, dim=-1) @ vv
+    return o.to(q.dtype), lse.float().detach()
+
+
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(s, k, v) in float64: the masked, biased scores [B, Hq, Tq, Tk] of :func:`model_attend`
+    and its keys and values repeated to the query heads."""
     group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
     if causal:
         tq, tk = s.shape[-2:]
         later = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(later, float("-inf"))
     if bias is not None:
         s = s + bias.double()
-    lse = torch.logsumexp(s, dim=-1)
-    o = torch.softmax(s, dim=-1) @ v.double()
-    return o.to(q.dtype), lse.float().detach()
+    return s, kk, vv
 
 
 def reference_lse(
@@ -76,14 +86,7 @@ def model_attend_backward(
     records nothing): p = exp(s - lse), dv = p^T do, ds = p (do v^T - rowsum(do o)),
     dq = scale ds k, dk = scale ds^T q; a kv head's gradients sum over its query heads."""
     group = q.shape[1] // k.shape[1]
-    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    s = (q.double() @ kk.transpose(-1, -2)) * scale
-    if causal:
-        tq, tk = s.shape[-2:]
-        later = torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(later, float("-inf"))
-    if bias is not None:
-        s = s + bias.double()
+    s, kk, vv = _scores(q, k, v, bias, causal, scale)
     p = torch.exp(s - lse.double()[..., None])
     do64 = do.double()
     delta = (do64 * o.double()).sum(-1, keepdim=True)
