@@ -6,7 +6,7 @@ For ``nsa_attention`` at the layer bench's shape (bf16, B=1, HQ=64, H=4, dk=dv=1
 l, d, l', n, w), eager and ``torch.compile(fullgraph=True)``: the wall time of one call (median
 of 10, after warm-up), the GPU's busy time inside it (the union of its kernels' intervals: the
 rest is the GPU waiting for the host), and the kernels by total time, side by side. Written to
-DIR/profile_T_mode.txt and printed.
+DIR/profile_T_MODE.txt (MODE fwd or fwdbwd) and printed.
 """
 
 from __future__ import annotations
@@ -122,7 +122,9 @@ def main() -> None:
         lines.append(f"| `{name}` | {eager_ms:.3f} | {compiled_ms:.3f} |")
     text = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"profile_{args.seqlen}_{args.mode}.txt").write_text(text + "\n")
+    # "fwd+bwd" as "fwdbwd": a file name of plain characters.
+    name = f"profile_{args.seqlen}_{args.mode.replace('+', '')}.txt"
+    (args.out / name).write_text(text + "\n")
     print(text)
 
 
