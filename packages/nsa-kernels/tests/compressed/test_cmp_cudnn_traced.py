@@ -87,6 +87,23 @@ def test_the_ops_pass_torch_library_opcheck(
     torch.library.opcheck(torch.ops.nsa.folded_runs_backward.default, backward_args)
 
 
+def test_the_backward_op_lays_its_gradients_out_as_its_fake_promises() -> None:
+    """Inputs laid out heads-first ([B, H, T, D] in memory, not contiguous as [B, T, H, D]):
+    opcheck compares the real outputs' strides with the fake ones'."""
+    inputs = _inputs(1, 45, 0, 2, 2, 8, 4, 9)
+    q, k, v = (x.detach().transpose(1, 2).contiguous().transpose(1, 2) for x in inputs)
+    assert not q.is_contiguous()
+    args = (q, k, v, 8, 4, 8**-0.5, 0, "model", False)
+    with torch.no_grad():
+        lse, *runs = torch.ops.nsa.folded_runs(*args)
+    grads = [torch.randn_like(run) for run in runs]
+    backward_args = (grads, q, k, v, lse, runs, *args[3:])
+    torch.library.opcheck(torch.ops.nsa.folded_runs_backward.default, backward_args)
+    dq, dk, dv = torch.ops.nsa.folded_runs_backward(*backward_args)
+    for got, x in zip((dq, dk, dv), (q, k, v), strict=True):
+        assert got.stride() == torch.empty_like(x).stride()
+
+
 def test_a_traced_call_takes_the_ops_and_equals_eager() -> None:
     q, k, v = _inputs(2, 53, 13, 2, 2, 8, 4, 17)
     call = CompressedCall(

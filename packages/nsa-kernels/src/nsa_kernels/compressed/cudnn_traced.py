@@ -131,7 +131,9 @@ def folded_runs_backward(
     call = _call(cmp_block, cmp_stride, scale, q_start)
     split = cudnn.checked_split(q, k_cmp, call)
     if contain and runs and not HostFlag.send(all_finite_flag(k_cmp, v_cmp)).read():
-        return cudnn.contained_backward(q, k_cmp, v_cmp, lse, runs, grads, split.blind, call)
+        grads_in = cudnn.contained_backward(q, k_cmp, v_cmp, lse, runs, grads, split.blind, call)
+        dq, dk, dv = (_laid_out_as(g, x) for g, x in zip(grads_in, (q, k_cmp, v_cmp), strict=True))
+        return dq, dk, dv
     backward = TRACED_ATTENDS[attend][1]
     dq = torch.empty_like(q)
     dq[:, : split.blind] = 0
@@ -153,7 +155,16 @@ def folded_runs_backward(
         dq[:, first : first + n] = dq_run
         dk[:, :keys] += dk_run
         dv[:, :keys] += dv_run
-    return dq, dk.to(k_cmp.dtype), dv.to(v_cmp.dtype)
+    return dq, _laid_out_as(dk, k_cmp), _laid_out_as(dv, v_cmp)
+
+
+def _laid_out_as(grad: Tensor, x: Tensor) -> Tensor:
+    """``grad`` in x's dtype and in ``torch.empty_like(x)``'s layout, which the fake outputs
+    promise (a compiled graph reads the op's outputs with those strides)."""
+    out = torch.empty_like(x)
+    if grad.dtype == x.dtype and grad.stride() == out.stride():
+        return grad
+    return out.copy_(grad)
 
 
 @folded_runs_backward.register_fake
