@@ -22,20 +22,22 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from nsa_bench.cli import register_kernels
+from nsa_bench.cli_args import block_geometry
+from nsa_bench.layer.inputs import make_inputs
+from nsa_bench.layer.rows import LayerShape
 from nsa_core import NSAConfig, nsa_attention
 
-CONFIG = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
+
+def _shape(t: int) -> LayerShape:
+    """The layer bench's shape: bf16, B=1, HQ=64, H=4, dk=dv=128, NSAConfig's (the paper's)
+    l, d, l', n, w."""
+    paper = NSAConfig(num_q_heads=64, num_kv_heads=4, head_dim_qk=128, head_dim_v=128)
+    return LayerShape(1, t, 64, 4, 128, 128, "bf16", **block_geometry(paper))
 
 
-def _inputs(t: int, grad: bool) -> list[torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def draw(*shape: int) -> torch.Tensor:
-        x = torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
-        return x.requires_grad_(grad)
-
-    gates = torch.rand(1, t, 64, 3, device="cuda", generator=gen, dtype=torch.bfloat16)
-    return [draw(1, t, 64, 128), draw(1, t, 4, 128), draw(1, t, 4, 128), gates.requires_grad_(grad)]
+def _inputs(shape: LayerShape, grad: bool) -> list[torch.Tensor]:
+    drawn = make_inputs(shape, torch.device("cuda"), seed=0)
+    return [x.requires_grad_(grad) for x in (drawn.q, drawn.k, drawn.v, drawn.gates)]
 
 
 def _step(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: bool) -> None:
@@ -90,10 +92,12 @@ def main() -> None:
     args = parser.parse_args()
     register_kernels()
     grad = args.mode == "fwd+bwd"
-    inputs = _inputs(args.seqlen, grad)
+    shape = _shape(args.seqlen)
+    config = shape.config()
+    inputs = _inputs(shape, grad)
 
     def eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        return nsa_attention(q, k, v, g, CONFIG)
+        return nsa_attention(q, k, v, g, config)
 
     compiled = torch.compile(eager, fullgraph=True)
     results = {}
