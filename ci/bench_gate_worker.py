@@ -179,7 +179,7 @@ def decode_row(spec: RowSpec) -> Call:
 
     batch, length = spec.x_value, spec.context
     capacity = length + DECODE_REPLAYS + 64  # a call's replays and the graph's warm-up steps
-    state = filled_state(_config(), batch, length, capacity, torch.bfloat16)
+    state = filled_state(_config(), [length] * batch, capacity, torch.bfloat16)
     graph = DecodeGraph(state)
     graph.inputs.copy_(random_inputs(state))
     saved = state.snapshot_counters()

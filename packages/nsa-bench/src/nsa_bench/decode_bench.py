@@ -36,7 +36,7 @@ import itertools
 import json
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     # The decode kernels load Triton; the CLI imports this module to build its parser.
     from nsa_kernels.decode.graph import DecodeGraph
     from nsa_kernels.decode.layer import LayerDecoder
-    from nsa_kernels.decode.state import DecodeState
+    from nsa_kernels.decode.state import DecodeState, PageTable
     from nsa_kernels.decode.step import DecodeKernelConfig, StepInputs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,19 +81,25 @@ def parse_kernel_config(text: str) -> DecodeKernelConfig:
 
 
 def filled_state(
-    cfg: NSAConfig, batch: int, length: int, capacity: int, dtype: torch.dtype
+    cfg: NSAConfig,
+    lengths: Sequence[int],
+    capacity: int,
+    dtype: torch.dtype,
+    pages: PageTable | None = None,
 ) -> DecodeState:
-    """A state whose B sequences hold ``length`` random tokens (random K~/V~ as well)."""
+    """A state whose sequence b holds ``lengths[b]`` random tokens (random K~/V~ as well);
+    ``pages``: its selected K/V in pages (``DecodeState.empty``)."""
     from nsa_kernels.decode.state import DecodeState
 
-    state = DecodeState.empty(cfg, batch, capacity, device="cuda", dtype=dtype)
+    state = DecodeState.empty(cfg, len(lengths), capacity, device="cuda", dtype=dtype, pages=pages)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for buf in (state.k_sel, state.v_sel, state.k_win, state.v_win, state.k_raw, state.v_raw):
         buf.normal_(generator=gen)
     state.k_cmp.normal_(generator=gen)
     state.v_cmp.normal_(generator=gen)
-    state.cache_seqlens.fill_(length)
-    state.num_cmp.fill_(num_cmp_blocks(length, cfg.cmp_block, cfg.cmp_stride))
+    state.cache_seqlens.copy_(torch.tensor(list(lengths), dtype=torch.int32))
+    blocks = [num_cmp_blocks(n, cfg.cmp_block, cfg.cmp_stride) for n in lengths]
+    state.num_cmp.copy_(torch.tensor(blocks, dtype=torch.int32))
     return state
 
 
@@ -345,7 +351,7 @@ def measure_case(
     dtype = DTYPES[args.dtype]
     # Every timing advances the sequences and restores them; the capacity holds the longest run.
     capacity = length + args.iters * (args.repeats + 1) + 64
-    state = filled_state(cfg, batch, length, capacity, dtype)
+    state = filled_state(cfg, [length] * batch, capacity, dtype)
     grid = {**(SWEEP if args.sweep else {}), **(CHUNK_SWEEP if args.sweep_chunks else {})}
     candidates = sweep_configs(base, grid) if grid else [base]
     timed = []

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nsa_bench.env import collect
-from nsa_core import NSAConfig, num_cmp_blocks
+from nsa_core import NSAConfig
 
 if TYPE_CHECKING:
     from nsa_kernels.decode.state import DecodeState, PageTable
@@ -65,24 +65,6 @@ def _progress(text: str) -> None:
     print(f"[decode --ragged] {text}", file=sys.stderr, flush=True)
 
 
-def _filled(
-    cfg: NSAConfig, lengths: list[int], capacity: int, dtype: torch.dtype, pages: PageTable | None
-) -> DecodeState:
-    """A state holding ``lengths[b]`` random tokens in sequence b (random K~/V~ as well)."""
-    from nsa_kernels.decode.state import DecodeState
-
-    state = DecodeState.empty(cfg, len(lengths), capacity, device="cuda", dtype=dtype, pages=pages)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for buf in (state.k_sel, state.v_sel, state.k_win, state.v_win, state.k_raw, state.v_raw):
-        buf.normal_(generator=gen)
-    state.k_cmp.normal_(generator=gen)
-    state.v_cmp.normal_(generator=gen)
-    state.cache_seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
-    blocks = [num_cmp_blocks(n, cfg.cmp_block, cfg.cmp_stride) for n in lengths]
-    state.num_cmp.copy_(torch.tensor(blocks, dtype=torch.int32))
-    return state
-
-
 def _mismatched_replays(
     state: DecodeState, kernel_cfg: DecodeKernelConfig, steps: int, tokens: int
 ) -> int:
@@ -109,7 +91,7 @@ def _mismatched_replays(
 
 
 def run_ragged(args: argparse.Namespace, cfg: NSAConfig, kernel_cfg: DecodeKernelConfig) -> int:
-    from nsa_bench.decode_bench import DTYPES, nsa_step_ms
+    from nsa_bench.decode_bench import DTYPES, filled_state, nsa_step_ms
     from nsa_kernels.decode.state import PageTable
 
     batch, lo, hi = args.ragged
@@ -134,7 +116,7 @@ def run_ragged(args: argparse.Namespace, cfg: NSAConfig, kernel_cfg: DecodeKerne
     for name, case_lengths, pages in layouts:
         capacity = max(case_lengths) + extra
         _progress(f"{name}: B={batch}, tokens {sum(case_lengths)}, capacity {capacity}")
-        state = _filled(cfg, case_lengths, capacity, dtype, pages)
+        state = filled_state(cfg, case_lengths, capacity, dtype, pages)
         ms, graph, outputs = nsa_step_ms(state, kernel_cfg, args, tokens=sum(case_lengths))
         reads = int(outputs.reads.sum())
         row: dict[str, Any] = {
