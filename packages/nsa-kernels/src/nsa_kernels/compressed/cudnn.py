@@ -181,15 +181,34 @@ def _rows(
 ) -> tuple[Tensor, Tensor]:
     """The full rows, q [B, R*d, HQ, dk], in one folded call, slots into the heads:
     (o [B, R, d, HQ, dv], lse [B, R, d, HQ])."""
-    batch, _, hq, dk = q.shape
-    rows, keys = split.rows, split.row_keys + split.rows - 1
-    qf = q.reshape(batch, rows, d * hq, dk).transpose(1, 2)
-    kf = k[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
-    vf = v[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
+    batch, _, hq, _ = q.shape
+    rows, keys = split.rows, row_span_keys(split)
     bias = offset_bias(split, keys, q)
-    o, lse = attend(qf, kf, vf, bias, bias is None, scale)
+    o, lse = attend(
+        fold_rows(q, rows, d), slot_keys(k, keys, d), slot_keys(v, keys, d), bias, bias is None,
+        scale,
+    )  # fmt: skip
     o = o.transpose(1, 2).reshape(batch, rows, d, hq, o.shape[-1])
     return o, lse.reshape(batch, d, hq, rows).permute(0, 3, 1, 2)
+
+
+def row_span_keys(split: RowSplit) -> int:
+    """The blocks the full rows of ``split`` see together: the last row's."""
+    return split.row_keys + split.rows - 1
+
+
+def fold_rows(x: Tensor, rows: int, d: int) -> Tensor:
+    """x [B, R*d, HQ, D] (query order) -> [B, d*HQ, R, D]: a row's d slots into the heads,
+    (slot, query head) ordered, as the folded attention call takes q, o and do."""
+    batch, _, hq, dim = x.shape
+    return x.reshape(batch, rows, d * hq, dim).transpose(1, 2)
+
+
+def slot_keys(x: Tensor, keys: int, d: int) -> Tensor:
+    """The first ``keys`` blocks of x [B, N, H, D], repeated once per slot: [B, d*H, keys, D],
+    heads (slot, kv head) ordered, so that GQA pairs query head ``s*HQ + h`` with kv head
+    ``s*H + h // G``."""
+    return x[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
 
 
 def _rows_in_batch(
@@ -200,7 +219,7 @@ def _rows_in_batch(
     the heads; with a gradient the batch layout's backward was the slower
     (docs/performance.md)."""
     _, _, hq, dk = q.shape
-    rows, keys = split.rows, split.row_keys + split.rows - 1
+    rows, keys = split.rows, row_span_keys(split)
     qf = q[0].reshape(rows, d, hq, dk).permute(1, 2, 0, 3)
     kf = k[0, :keys].transpose(0, 1).expand(d, -1, -1, -1)
     vf = v[0, :keys].transpose(0, 1).expand(d, -1, -1, -1)
@@ -380,7 +399,7 @@ def contained_backward(
 def checked_split(q: Tensor, k_cmp: Tensor, call: CompressedCall) -> RowSplit:
     """The :class:`RowSplit` of q's queries, k_cmp holding every block they see."""
     split = row_split(q.shape[1], call.q_start, call.cmp_block, call.cmp_stride)
-    last_keys = max(split.head_keys, split.row_keys + split.rows - 1, split.tail_keys)
+    last_keys = max(split.head_keys, row_span_keys(split), split.tail_keys)
     if last_keys > k_cmp.shape[1]:
         raise ValueError(f"queries see {last_keys} blocks, k_cmp holds {k_cmp.shape[1]}")
     return split

@@ -195,18 +195,15 @@ def _rows_backward(
     """The full rows, part [B, R*d, HQ, dk], folded as in the forward with the slots in the
     heads: (dq [B, R*d, HQ, dk], keys, dk, dv [B, keys, H, D] float32, the slots summed)."""
     batch, _, hq, dk_dim = part.shape
-    rows, keys = split.rows, split.row_keys + split.rows - 1
-
-    def fold(x: Tensor) -> Tensor:  # [B, R*d, HQ, D] -> [B, d*HQ, R, D]
-        return x.reshape(batch, rows, d * hq, x.shape[-1]).transpose(1, 2)
-
-    kf = k[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
-    vf = v[:, :keys].repeat(1, 1, d, 1).transpose(1, 2)
+    rows, keys = split.rows, cudnn.row_span_keys(split)
+    # lse [B, R*d, HQ] as the folded call left it: [B, d*HQ, R].
     lse_f = lse.reshape(batch, rows, d * hq).transpose(1, 2)
     bias = cudnn.offset_bias(split, keys, part)
     dqf, dkf, dvf = backward(
-        fold(grad.contiguous()), fold(part), kf, vf, fold(o), lse_f, bias, bias is None, scale
-    )
+        cudnn.fold_rows(grad.contiguous(), rows, d), cudnn.fold_rows(part, rows, d),
+        cudnn.slot_keys(k, keys, d), cudnn.slot_keys(v, keys, d), cudnn.fold_rows(o, rows, d),
+        lse_f, bias, bias is None, scale,
+    )  # fmt: skip
     dq = dqf.transpose(1, 2).reshape(batch, rows * d, hq, dk_dim)
     h = k.shape[2]
 
