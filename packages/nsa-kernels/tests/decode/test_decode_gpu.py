@@ -189,6 +189,29 @@ def test_graph_replay_equals_eager_1000_steps(request: pytest.FixtureRequest) ->
     _run_pair(state, stream, lengths, steps, graph, eager, DecodePlan(eager))
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs sm_90 or later",
+)
+def test_pdl_chained_graph_replays_equal_unchained_eager_steps(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The step's launches chained by PDL (each waits for the one before on the device),
+    replayed from one graph for 1000 tokens, give the bits of unchained eager steps."""
+    gen = _gen(request)
+    cfg = paper_config()
+    lengths = [1, 300, 2000]
+    steps = 1000
+    stream = Stream.random(cfg, 3, max(lengths) + steps, gen, dtype=BF16, device="cuda")
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, max(lengths) + steps)
+    eager = state.clone()
+    graph = DecodeGraph(state, config=DecodeKernelConfig(pdl=1))
+    plan = DecodePlan(eager, DecodeKernelConfig(pdl=2))
+    assert graph.plan.pdl
+    assert not plan.pdl
+    _run_pair(state, stream, lengths, steps, graph, eager, plan)
+
+
 def test_graph_with_learned_phi(request: pytest.FixtureRequest) -> None:
     """The learned phi runs inside the graph; 100 replays match 100 eager steps."""
     gen = _gen(request)

@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from nsa_core import NSAAttention, NSAConfig  # noqa: E402
 from nsa_core.reference import CompressMLP  # noqa: E402
+from nsa_kernels.common.launch_chain import pdl_supported  # noqa: E402
 from nsa_kernels.decode import (  # noqa: E402
     DecodeKernelConfig,
     DecodePlan,
@@ -382,3 +383,22 @@ def test_half_precision(request: pytest.FixtureRequest) -> None:
         e, t = check_step(cfg, stream, positions, out, BOUND[torch.float16], state=state)
         exact, ties = exact + e, ties + t
     assert exact >= 0.9 * (exact + ties)
+
+
+def test_a_plan_chains_its_launches_by_pdl_only_where_the_device_supports_it() -> None:
+    """pdl=0 chooses programmatic dependent launch on sm_90+ GPUs only (never in the
+    interpreter), pdl=2 turns it off, pdl=1 is refused where it cannot run."""
+    cfg = small_config(1)
+    state = DecodeState.empty(cfg, 1, 256, device=DEV, dtype=F32)
+    supported = pdl_supported(state.device)
+    if state.device.type != "cuda":
+        assert not supported
+    assert DecodePlan(state).pdl == supported
+    assert not DecodePlan(state, DecodeKernelConfig(pdl=2)).pdl
+    if supported:
+        assert DecodePlan(state, DecodeKernelConfig(pdl=1)).pdl
+    else:
+        with pytest.raises(ValueError, match="programmatic dependent launch needs"):
+            DecodePlan(state, DecodeKernelConfig(pdl=1))
+    with pytest.raises(ValueError, match="pdl=3"):
+        DecodePlan(state, DecodeKernelConfig(pdl=3))

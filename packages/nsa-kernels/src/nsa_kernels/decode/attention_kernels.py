@@ -23,6 +23,7 @@ contiguous: q ``[B, HQ, dk]``, cache buffers ``[B, rows, H, D]``.
 import triton
 import triton.language as tl
 
+from nsa_kernels.common.launch_chain import wait_for_prior_launch
 from nsa_kernels.common.online_softmax import online_softmax_step
 from nsa_kernels.decode.topn_kernels import merge_topn
 
@@ -131,6 +132,7 @@ def cmp_window_kernel(
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
     R: tl.constexpr, EXTRA: tl.constexpr, LCMP: tl.constexpr, DSTRIDE: tl.constexpr,
     SEL: tl.constexpr, WINDOW: tl.constexpr, WC: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """The branches that need no selection: grid (B*H, cmp_chunks + window chunks).
 
@@ -143,6 +145,7 @@ def cmp_window_kernel(
     Both kinds share one loop over BN keys ("x": block index or position) so the program holds
     one copy of the attention tile.
     """
+    wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     b = bh // H
@@ -198,6 +201,7 @@ def selected_kernel(
     slots, sel_slot0,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr, JS: tl.constexpr,
     score_chunks, NSCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Selected branch: grid (B*H, splits); split s attends to the chosen blocks of ranks
     ``[s*BPS, (s+1)*BPS)``.
@@ -208,6 +212,7 @@ def selected_kernel(
     K/V are pages of PAGE tokens (``block_table [B, pages_per_seq]``), else rows
     ``b * capacity + p``.
     """
+    wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     b = bh // H

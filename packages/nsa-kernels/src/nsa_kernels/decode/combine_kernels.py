@@ -15,6 +15,8 @@ no key gives 0 (docs/spec.md, "Compressed branch": never NaN).
 import triton
 import triton.language as tl
 
+from nsa_kernels.common.launch_chain import wait_for_prior_launch
+
 
 @triton.jit
 def _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots):
@@ -90,6 +92,7 @@ def combine_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     KT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """o = g0 * o_cmp + g1 * o_sel + g2 * o_win for HPC query heads of one kv head.
 
@@ -104,6 +107,7 @@ def combine_kernel(
     ``g_branch * exp2(m - M_branch) / L_branch`` and sums, so the step's latency is two rounds
     of loads whatever the number of branches. A branch with L = 0 saw no key and gives 0.
     """
+    wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     b = bh // H

@@ -29,6 +29,7 @@ import torch
 
 from nsa_core import NSAConfig, num_cmp_blocks
 from nsa_core.checks import check_int
+from nsa_kernels.common.launch_chain import launch_options, pdl_supported
 from nsa_kernels.common.tile_config import check_config
 from nsa_kernels.common.triton_inputs import (
     MAX_HEAD_DIM,
@@ -181,6 +182,9 @@ class DecodeKernelConfig:
         warps: warps of the attention programs.
         stages: pipeline stages of the attention loops (0: 2, or 1 for float32 tiles wider than
             128 + 128 columns, which need too much shared memory on sm_86/sm_89 with 2).
+        pdl: the five launches chained by programmatic dependent launch (each starts while the
+            one before ends and waits for it on the device; nsa_kernels.common.launch_chain):
+            1 on (refused where unsupported), 2 off, 0 on where the device supports it (sm_90+).
     """
 
     key_tile: int = 0
@@ -194,6 +198,7 @@ class DecodeKernelConfig:
     program_slots: int = 0
     warps: int = 0
     stages: int = 0
+    pdl: int = 0
 
 
 def _check_pow2(name: str, value: int, least: int) -> None:
@@ -306,6 +311,17 @@ class DecodePlan:
         wide_fp32 = state.dtype == torch.float32 and self.block_k + self.block_v > 256
         self.stages = kc.stages or (1 if wide_fp32 else 2)
         self.dot_precision = dot_precision(state.dtype)
+        if kc.pdl not in (0, 1, 2):
+            raise ValueError(f"pdl={kc.pdl} must be 0 (choose), 1 (on) or 2 (off)")
+        supported = pdl_supported(device)
+        if kc.pdl == 1 and not supported:
+            raise ValueError(
+                "pdl=1: programmatic dependent launch needs a CUDA device of compute capability"
+                " 9.0 or more, compiled kernels (not the interpreter) and triton >= 3.4"
+            )
+        self.pdl = supported if kc.pdl == 0 else kc.pdl == 1
+        # Every launch of the step takes these: the kernels' PDL constexpr and the launch flag.
+        self.chain: dict[str, bool] = {"PDL": self.pdl, **launch_options(self.pdl)}
 
         g, dv = self.group, cfg.head_dim_v
 
@@ -338,7 +354,8 @@ class DecodePlan:
             f"cmp_chunks={self.cmp_chunks},window_chunk={self.window_chunk},"
             f"window_chunks={self.window_chunks},sel_tile={self.sel_tile},"
             f"sel_splits={self.sel_splits},score_chunk={self.score_chunk},"
-            f"score_chunks={self.score_chunks},warps={self.warps},stages={self.stages}"
+            f"score_chunks={self.score_chunks},warps={self.warps},stages={self.stages},"
+            f"pdl={int(self.pdl)}"
         )
 
 
@@ -408,6 +425,7 @@ def decode_step(
         plan.tickets,
         phi_k=phi_k,
         phi_v=phi_v,
+        chain=plan.chain,
     )
     q = x["q"]
     o = torch.empty(batch, hq, dv, device=state.device, dtype=state.dtype)
@@ -427,13 +445,13 @@ def decode_step(
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, BN=p.key_tile,
         R=p.ranges_per_sel, EXTRA=p.extra, LCMP=cfg.cmp_block, DSTRIDE=cfg.cmp_stride,
         SEL=cfg.sel_block, WINDOW=cfg.window, WC=p.window_chunk,
-        DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common,
+        DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common, **p.chain,
     )  # fmt: skip
     score_topn_kernel[(batch * h, p.score_chunks)](
         p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
         cmp_chunk=p.cmp_chunk, tiles=p.tiles, ranges=p.ranges, score_chunks=p.score_chunks,
         NCP=_pow2(max(p.cmp_chunks, 1)), BN=p.key_tile, R=p.ranges_per_sel, EXTRA=p.extra,
-        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common,
+        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common, **p.chain,
     )  # fmt: skip
     selected_kernel[(batch * h, p.sel_splits)](
         q, state.k_sel, state.v_sel, p.cand, state.cache_seqlens, indices,
@@ -444,13 +462,13 @@ def decode_step(
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
         SEL=cfg.sel_block, BL=p.sel_tile, NSUB=p.sel_sub, BPS=p.blocks_per_split,
         JS=p.score_chunk, NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,
-        DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common,
+        DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common, **p.chain,
     )  # fmt: skip
     combine_kernel[(batch * h, _cdiv(p.group, p.combine_heads))](
         p.part_m, p.part_l, p.part_acc, p.part_n, x["gates"], o, state.num_cmp, reads,
         batch, cmp_chunks=p.cmp_chunks, win_chunks=p.window_chunks,
         cmp_chunk=p.cmp_chunk, HQ=hq, HPC=p.combine_heads, HB=_pow2(p.combine_heads),
         DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=p.combine_warps,
-        H=h, G=p.group, slots=p.slots,
+        H=h, G=p.group, slots=p.slots, **p.chain,
     )  # fmt: skip
     return StepOutputs(o=o, indices=indices, reads=reads)

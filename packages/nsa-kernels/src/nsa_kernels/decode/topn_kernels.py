@@ -28,6 +28,8 @@ of all chunks' candidates, exactly the n best overall.
 import triton
 import triton.language as tl
 
+from nsa_kernels.common.launch_chain import wait_for_prior_launch
+
 # The kernels spell these out: 2^31 - 1 (the largest block key), 0x7F800000 (+inf's bits),
 # 0xFFFFFFFF (the block half of a key). A constexpr on the left of a tensor operator stays a
 # constexpr under the interpreter, so plain literals keep both backends equal.
@@ -119,6 +121,7 @@ def score_topn_kernel(
     score_chunks,
     N: tl.constexpr,
     NP: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Scores of selection blocks ``[c*JS, (c+1)*JS)`` of one (sequence, kv head) and their n best.
 
@@ -126,6 +129,7 @@ def score_topn_kernel(
     lse comes from the compressed partials ``part_m/part_l [B*H, slots, G]`` (the first
     ceil(N_cmp / cmp_chunk) slots), combined in slot order.
     """
+    wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     b = bh // H

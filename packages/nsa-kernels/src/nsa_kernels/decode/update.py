@@ -12,10 +12,13 @@ allocates them so) and every new-token input contiguous ``[B, H, D]``.
 # No `from __future__ import annotations`: the triton 3.0/3.1 interpreter reads a string
 # annotation as a runtime argument, so `BG: tl.constexpr` would stop being a constant.
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
 
+from nsa_kernels.common.launch_chain import wait_for_prior_launch
 from nsa_kernels.decode.state import BlockPhi, DecodeState
 
 
@@ -129,6 +132,7 @@ def append_kernel(
     BL: tl.constexpr,
     DSTRIDE: tl.constexpr,
     AVG: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Append the token of sequence b = ``program_id(0) // H``, kv head h, keys (axis 1 = 0) or
     values (1), at the sequence's position; the sequence's last program advances its counters.
@@ -145,6 +149,7 @@ def append_kernel(
     has read them, writes the new counters and resets the ticket. One program per sequence, as
     before, left most of the GPU idle at small batches (the whole step is latency-bound there).
     """
+    wait_for_prior_launch(PDL)
     pid = tl.program_id(0).to(tl.int64)
     b = pid // H
     h = pid % H
@@ -201,6 +206,7 @@ def append_token(
     *,
     phi_k: BlockPhi | None = None,
     phi_v: BlockPhi | None = None,
+    chain: Mapping[str, bool] | None = None,
 ) -> None:
     """Append one token per sequence to ``state`` at its own position, on the device.
 
@@ -211,6 +217,7 @@ def append_token(
             sequence's programs that have read its counters (see ``append_kernel``).
         phi_k, phi_v: a learned phi (``config.phi == "mlp"``): run on the device every step on
             the l newest raw tokens, the result written only where a block completed.
+        chain: the launch's PDL keywords, the first of a step's chain (DecodePlan.chain).
     """
     cfg = state.config
     h, dk, dv = cfg.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_v
@@ -226,7 +233,7 @@ def append_token(
         PAGE=page_size(state), H=h, DK=dk, BK=_pow2(dk), DV=dv, BV=_pow2(dv),
         WINDOW=cfg.window, LCMP=cfg.cmp_block, BL=_pow2(cfg.cmp_block),
         DSTRIDE=cfg.cmp_stride, AVG=avg,
-        num_warps=4,
+        num_warps=4, **(chain or {}),
     )  # fmt: skip
     if not avg:
         if phi_k is None or phi_v is None:
