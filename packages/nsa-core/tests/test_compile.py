@@ -98,9 +98,10 @@ def test_new_lengths_take_no_new_graph_under_dynamic_shapes() -> None:
 
 
 def test_a_bf16_inductor_forward_rounding_as_eager_picks_eagers_blocks() -> None:
-    """In bf16 Inductor keeps fused intermediates in float32 where eager rounds them; under
-    ``emulate_precision_casts`` it rounds as eager does, so top-n picks the blocks eager picks
-    even among many near-tied blocks, and the output equals eager within the bf16 bound."""
+    """On CPU the attention core is torch ops that Inductor fuses, keeping bf16 intermediates in
+    float32 where eager rounds them; under ``emulate_precision_casts`` it rounds as eager does,
+    so top-n picks the blocks eager picks even among many near-tied blocks, and the output
+    equals eager within the bf16 bound."""
     # 64 blocks of 16 for top-4 at T=1024: without the setting the compiled output differs
     # from eager's by about 3e-2, three times the bf16 bound.
     config = NSAConfig(
@@ -120,3 +121,25 @@ def test_a_bf16_inductor_forward_rounding_as_eager_picks_eagers_blocks() -> None
     with torch.no_grad(), torch._inductor.config.patch(emulate_precision_casts=True):
         compiled = torch.compile(layer, fullgraph=True)
         assert rel_err(compiled(x), layer(x)) <= 1e-2  # docs/spec.md: bf16 against the reference
+
+
+def test_a_compiled_layer_takes_its_rope_angles_from_eagers_code() -> None:
+    """Inductor's pow, cos and sin differ from eager's in the last bit of some angles; traced,
+    the cos/sin tables come from the op ``nsa::rope_angles`` (eager's code), so a compiled layer
+    rotates q and k exactly as eager does."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    ops: set[str] = set()
+
+    def record(gm: torch.fx.GraphModule, _: object) -> object:
+        ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    layer = _layer()
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=record), fullgraph=True)
+    with torch.no_grad():
+        compiled(_x(64))
+    assert "nsa.rope_angles.default" in ops
+    positions = torch.arange(64)
+    for wide in (False, True):
+        torch.library.opcheck(torch.ops.nsa.rope_angles.default, (positions, 16, 1e4, wide))

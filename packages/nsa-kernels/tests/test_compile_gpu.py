@@ -6,10 +6,10 @@ graph.
 
 A traced call takes the routes an eager call takes: from 16k on that is cuDNN's folded
 compressed runs, as the custom ops of nsa_kernels.compressed.cudnn_traced.
-At 64k the whole layer is compiled with ``emulate_precision_casts``: by default Inductor keeps
-its fused bf16 projections' intermediates in float32 where eager rounds them to bf16, so q, k
-and the gates differ by a rounding, and among 1024 blocks a row's top-16 then changes where
-scores nearly tie, which moves the output by more than any rounding bound (docs/integration.md).
+The layer's RoPE tables come from eager's code under compile too (the op ``nsa::rope_angles``):
+with Inductor's own pow, cos and sin about 3% of bf16 q and k values differed by one unit at
+64k, and among 1024 blocks a row's top-16 then changed where scores nearly tie, which moved
+the output by 2.3e-2 (ci/compile_drift.py shows each intermediate's drift).
 """
 
 from __future__ import annotations
@@ -90,19 +90,16 @@ def test_the_compiled_attention_equals_eager(t: int, train: bool) -> None:
 
 
 @COMPILES
-@pytest.mark.parametrize(
-    ("t", "eager_rounding"), [(8192, False), (65536, True)], ids=["8k", "64k-eager-rounding"]
-)
+@pytest.mark.parametrize("t", [8192, 65536], ids=["8k", "64k"])
 @pytest.mark.parametrize("train", [False, True], ids=["forward", "training step"])
-def test_the_compiled_layer_equals_eager(t: int, eager_rounding: bool, train: bool) -> None:
+def test_the_compiled_layer_equals_eager(t: int, train: bool) -> None:
     torch._dynamo.reset()
     layer = _layer(0)
     compiled = torch.compile(layer, fullgraph=True)
     x = _x(t, 1).requires_grad_(train)
     dy = _x(t, 2)
     bound = BOUND[torch.bfloat16]
-    rounding = torch._inductor.config.patch(emulate_precision_casts=eager_rounding)
-    with torch.set_grad_enabled(train), rounding:
+    with torch.set_grad_enabled(train):
         eager_y = layer(x)
         if train:
             eager_y.backward(dy)
