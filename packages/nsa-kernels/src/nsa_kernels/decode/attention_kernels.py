@@ -132,12 +132,12 @@ def _entry(values, bs, b):
 @triton.jit
 def work_item(i, num_cmp_ptr, batch, cmp_chunks, chunk_blocks, window_chunks,
               H: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """(bh, slot, has_work) of program ``i`` of the compressed/window launch, longest work first.
+    """(bh, slot, live) of program ``i`` of the compressed/window launch, longest work first.
 
     Programs start in the order of their index, so the items are laid out as: every full
     compressed chunk (``chunk_blocks`` visible blocks; sequence-major, then slot, then kv
     head), then each sequence's partial last chunk, then the window chunks (slot-major), then
-    programs with no work (has_work False). In a ragged batch the long sequences' chunks then start
+    programs with no work (live False). In a ragged batch the long sequences' chunks then start
     first instead of after every sequence's earlier slots, and no chunk of a long sequence is
     left for the end of the step. Slots keep their meaning: a sequence's compressed chunk c
     sits in slot c, its window chunk c in slot ``cmp_chunks + c``.
@@ -157,20 +157,20 @@ def work_item(i, num_cmp_ptr, batch, cmp_chunks, chunk_blocks, window_chunks,
         r = i - (_entry(full_end, bs, b) - _entry(full_items, bs, b))
         bh = b.to(tl.int64) * H + r % H
         slot = r // H
-        has_work = i >= 0
+        live = i >= 0
     elif i < total_full + total_part:
         j = i - total_full
         b = tl.sum((part_end <= j).to(tl.int32), axis=0)
         h = j - (_entry(part_end, bs, b) - _entry(part_items, bs, b))
         bh = b.to(tl.int64) * H + h
         slot = _entry(full, bs, b)
-        has_work = i >= 0
+        live = i >= 0
     else:
         j = i - total_full - total_part
         bh = (j % bh_all).to(tl.int64)
         slot = cmp_chunks + j // bh_all
-        has_work = j < bh_all * window_chunks
-    return bh, slot, has_work
+        live = j < bh_all * window_chunks
+    return bh, slot, live
 
 
 @triton.jit
@@ -197,10 +197,10 @@ def cmp_window_kernel(
     one copy of the attention tile.
     """
     wait_for_prior_launch(PDL)
-    bh, slot, has_work = work_item(
+    bh, slot, live = work_item(
         tl.program_id(0), num_cmp_ptr, batch, cmp_chunks, chunk_tiles * BN, window_chunks, H, BP
     )
-    if not has_work:
+    if not live:
         return
     b = bh // H
     h = bh % H
