@@ -124,56 +124,6 @@ def _store_band_sums(
 
 
 @triton.jit
-def _entry(values, bs, b):
-    """values[b] of a [BP] vector, as a scalar."""
-    return tl.sum(tl.where(bs == b, values, 0), axis=0)
-
-
-@triton.jit
-def work_item(i, num_cmp_ptr, batch, cmp_chunks, chunk_blocks, window_chunks,
-              H: tl.constexpr, BP: tl.constexpr):  # fmt: skip
-    """(bh, slot, live) of program ``i`` of the compressed/window launch, longest work first.
-
-    Programs start in the order of their index, so the items are laid out as: every full
-    compressed chunk (``chunk_blocks`` visible blocks; sequence-major, then slot, then kv
-    head), then each sequence's partial last chunk, then the window chunks (slot-major), then
-    programs with no work (live False). In a ragged batch the long sequences' chunks then start
-    first instead of after every sequence's earlier slots, and no chunk of a long sequence is
-    left for the end of the step. Slots keep their meaning: a sequence's compressed chunk c
-    sits in slot c, its window chunk c in slot ``cmp_chunks + c``.
-    """
-    bs = tl.arange(0, BP)
-    n_cmp = tl.load(num_cmp_ptr + bs, mask=bs < batch, other=0)
-    full = n_cmp // chunk_blocks
-    full_items = full * H
-    full_end = tl.cumsum(full_items, axis=0)
-    part_items = tl.where(n_cmp % chunk_blocks > 0, H, 0)
-    part_end = tl.cumsum(part_items, axis=0)
-    total_full = tl.sum(full_items, axis=0)
-    total_part = tl.sum(part_items, axis=0)
-    bh_all = batch * H
-    if i < total_full:
-        b = tl.sum((full_end <= i).to(tl.int32), axis=0)
-        r = i - (_entry(full_end, bs, b) - _entry(full_items, bs, b))
-        bh = b.to(tl.int64) * H + r % H
-        slot = r // H
-        live = i >= 0
-    elif i < total_full + total_part:
-        j = i - total_full
-        b = tl.sum((part_end <= j).to(tl.int32), axis=0)
-        h = j - (_entry(part_end, bs, b) - _entry(part_items, bs, b))
-        bh = b.to(tl.int64) * H + h
-        slot = _entry(full, bs, b)
-        live = i >= 0
-    else:
-        j = i - total_full - total_part
-        bh = (j % bh_all).to(tl.int64)
-        slot = cmp_chunks + j // bh_all
-        live = j < bh_all * window_chunks
-    return bh, slot, live
-
-
-@triton.jit
 def cmp_window_kernel(
     q_ptr, k_cmp, v_cmp, k_win, v_win, seqlens_ptr, num_cmp_ptr,
     tile_m_ptr, u_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
@@ -182,10 +132,9 @@ def cmp_window_kernel(
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
     R: tl.constexpr, EXTRA: tl.constexpr, LCMP: tl.constexpr, DSTRIDE: tl.constexpr,
     SEL: tl.constexpr, WINDOW: tl.constexpr, WC: tl.constexpr, DOT_PREC: tl.constexpr,
-    batch, window_chunks, BP: tl.constexpr, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """The branches that need no selection: grid (B*H*(cmp_chunks + window chunks),), program
-    i serving the (bh, slot) of :func:`work_item` (BP: B rounded up to a power of two).
+    """The branches that need no selection: grid (B*H, cmp_chunks + window chunks).
 
     Slot ``s < cmp_chunks``: compressed blocks ``[s*chunk_tiles*BN, (s+1)*chunk_tiles*BN)``
     that are visible (``i < num_cmp[b]``, after this step's append), leaving the score terms of
@@ -197,11 +146,8 @@ def cmp_window_kernel(
     one copy of the attention tile.
     """
     wait_for_prior_launch(PDL)
-    bh, slot, live = work_item(
-        tl.program_id(0), num_cmp_ptr, batch, cmp_chunks, chunk_tiles * BN, window_chunks, H, BP
-    )
-    if not live:
-        return
+    bh = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1)
     b = bh // H
     h = bh % H
     q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)

@@ -436,7 +436,7 @@ def decode_step(
     # Sizes that vary with the capacity go in as runtime integers (one compiled kernel serves
     # every capacity); only tile shapes are compile-time constants.
     common = {"H": h, "G": p.group, "BG": p.block_g, "slots": p.slots}
-    cmp_window_kernel[(batch * h * (p.cmp_chunks + p.window_chunks),)](
+    cmp_window_kernel[(batch * h, p.cmp_chunks + p.window_chunks)](
         q, state.k_cmp, state.v_cmp, state.k_win, state.v_win,
         state.cache_seqlens, state.num_cmp,
         p.tile_m, p.band, p.part_m, p.part_l, p.part_acc, p.part_n,
@@ -445,7 +445,6 @@ def decode_step(
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, BN=p.key_tile,
         R=p.ranges_per_sel, EXTRA=p.extra, LCMP=cfg.cmp_block, DSTRIDE=cfg.cmp_stride,
         SEL=cfg.sel_block, WINDOW=cfg.window, WC=p.window_chunk,
-        batch=batch, window_chunks=p.window_chunks, BP=_pow2(batch),
         DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common, **p.chain,
     )  # fmt: skip
     score_topn_kernel[(batch * h, p.score_chunks)](
