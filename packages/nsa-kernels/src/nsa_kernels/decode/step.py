@@ -355,7 +355,7 @@ class DecodePlan:
             f"window_chunks={self.window_chunks},sel_tile={self.sel_tile},"
             f"sel_splits={self.sel_splits},score_chunk={self.score_chunk},"
             f"score_chunks={self.score_chunks},warps={self.warps},stages={self.stages},"
-            f"pdl={int(self.pdl)}"
+            f"pdl={1 if self.pdl else 2}"
         )
 
 
