@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP
 pytest.importorskip("triton")
 
 from nsa_core import NSAAttention, NSAConfig  # noqa: E402
-from nsa_core.reference import CompressMLP  # noqa: E402
+from nsa_core.reference import CompressMLP, apply_rope  # noqa: E402
 from nsa_kernels.common.launch_chain import pdl_supported  # noqa: E402
 from nsa_kernels.decode import (  # noqa: E402
     DecodeKernelConfig,
@@ -293,6 +293,30 @@ def test_layer_projections_equal_branch_inputs(request: pytest.FixtureRequest) -
     for name, ref in pairs.items():
         err = rel_err(getattr(got, name), ref[:, 0])
         assert err <= BOUND[F32], f"{name}: rel err {err:.3g}"
+
+
+def test_layer_rope_equals_the_reference_rotation_bit_for_bit(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The decoder's one RoPE launch (frequencies computed once, angles from the int32 lengths
+    on the device) turns q and the branch keys exactly as nsa_core's reference apply_rope."""
+    gen = _gen(request)
+    cfg = small_config(3)
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    layer = NSAAttention(cfg, hidden_size=24, bias=True).to(DEV)
+    for dtype in (F32, torch.float16):
+        state = DecodeState.empty(cfg, 2, 4096, device=DEV, dtype=dtype)
+        decoder = LayerDecoder(layer.to(dtype), state)
+        x = torch.randn(2, 24, generator=gen).to(DEV, dtype)
+        positions = torch.tensor([[5], [4093]], device=DEV, dtype=torch.int32)
+        got = decoder.project(x, positions)
+        hq, h, dk = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim_qk
+        with torch.no_grad():
+            projected = torch.nn.functional.linear(x, decoder._w_in, decoder._b_in)
+            keys = projected[:, : (hq + 3 * h) * dk].reshape(2, 1, hq + 3 * h, dk)
+            want = apply_rope(keys, positions.long(), cfg.rope_theta)[:, 0]
+        rotated = torch.cat([got.q, got.k_cmp, got.k_sel, got.k_win], dim=1)
+        assert torch.equal(rotated, want), dtype
 
 
 def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None:

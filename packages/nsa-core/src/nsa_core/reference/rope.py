@@ -29,13 +29,19 @@ def rope_angles(
     return _angles(positions, head_dim, theta, wide)
 
 
+def rope_inv_freq(
+    head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[D/2] the frequencies theta^(-2i/D) in ``dtype`` (float32 or float64), as rope_angles
+    computes them: an angle is ``position.to(dtype) * rope_inv_freq(...)[i]``."""
+    return theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+
+
 def _angles(
     positions: torch.Tensor, head_dim: int, theta: float, wide: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     work = torch.float64 if wide else torch.float32
-    inv_freq = theta ** (
-        -torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim
-    )
+    inv_freq = rope_inv_freq(head_dim, theta, positions.device, work)
     angles = positions.to(work).unsqueeze(-1) * inv_freq
     return torch.cos(angles), torch.sin(angles)
 

@@ -10,9 +10,12 @@ The result equals ``NSAAttention.decode`` on the same cache within the spec's to
 (docs/spec.md, "Decode"); the fused step's index contract is that of step.py.
 
 The projections that read x (q, the six branch K/V, the gate MLP's first layer) run as one
-GEMM over their weights stacked at construction, and RoPE turns q and the three branch keys in
-one call: at one token per sequence the step is latency-bound, and every launch counts. The
-stacked weights are a copy: build a new decoder after changing the layer's weights.
+GEMM over their weights stacked at construction, and RoPE turns q and the three branch keys,
+adjacent columns of that GEMM's output, in one Triton launch (nsa_kernels.rope) on angles from
+the frequencies computed once: at one token per sequence the step is latency-bound, and every
+launch counts (the reference's RoPE is about sixteen small launches). The rotation equals the
+reference's bit for bit. The stacked weights are a copy: build a new decoder after changing
+the layer's weights.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 from nsa_core import NSAAttention
 from nsa_core.checks import check_int, check_rank, check_same_place, shape
-from nsa_core.reference.rope import apply_rope
+from nsa_core.reference.rope import rope_inv_freq
 from nsa_kernels.common.entry_checks import check_bool
 from nsa_kernels.decode.graph import capture_decode_step
 from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
@@ -34,6 +37,7 @@ from nsa_kernels.decode.step import (
     check_state,
     decode_step,
 )
+from nsa_kernels.rope.function import rotate
 
 
 class LayerDecoder:
@@ -78,6 +82,8 @@ class LayerDecoder:
         self._phi_k: BlockPhi | None = None if module.phi_k is None else block_phi(module.phi_k)
         self._phi_v: BlockPhi | None = None if module.phi_v is None else block_phi(module.phi_v)
         self._w_in, self._b_in, self._splits = self._stack_input_projections(module)
+        cfg = module.config
+        self._inv_freq = rope_inv_freq(cfg.head_dim_qk, cfg.rope_theta, state.device)
         self.x = torch.zeros(
             state.batch, module.hidden_size, device=state.device, dtype=state.dtype
         )
@@ -129,15 +135,18 @@ class LayerDecoder:
         return weight, bias, [layer.weight.shape[0] for layer in layers]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> StepInputs:
-        """The step's inputs for x [B, hidden] at ``positions`` [B, 1]: NSAAttention's
-        ``branch_inputs`` (same math) in one GEMM and one RoPE call."""
+        """The step's inputs for x [B, hidden] at integer ``positions`` [B, 1]: NSAAttention's
+        ``branch_inputs`` (same math, the rotation bit for bit) in one GEMM and one RoPE
+        launch."""
         cfg = self.module.config
         batch, hq, h = x.shape[0], cfg.num_q_heads, cfg.num_kv_heads
         dk, dv = cfg.head_dim_qk, cfg.head_dim_v
-        parts = torch.split(F.linear(x, self._w_in, self._b_in), self._splits, dim=-1)
-        q, k_cmp, k_sel, k_win, v_cmp, v_sel, v_win, gate_in = parts
-        keys = torch.cat([q, k_cmp, k_sel, k_win], dim=-1).view(batch, 1, hq + 3 * h, dk)
-        keys = apply_rope(keys, positions, cfg.rope_theta)[:, 0]  # [B, HQ + 3H, dk]
+        projected = F.linear(x, self._w_in, self._b_in)
+        _, _, _, _, v_cmp, v_sel, v_win, gate_in = torch.split(projected, self._splits, dim=-1)
+        # q and the three branch keys are the first columns: one view, no copy.
+        keys = projected[:, : (hq + 3 * h) * dk].view(batch, 1, hq + 3 * h, dk)
+        angles = positions.to(torch.float32).unsqueeze(-1) * self._inv_freq  # [B, 1, dk/2]
+        keys = rotate(keys, torch.cos(angles), torch.sin(angles), inverse=False)[:, 0]
         q_rot, k_cmp, k_sel, k_win = torch.split(keys, [hq, h, h, h], dim=1)
         gate = self.module.gate
         gates = torch.sigmoid(gate[2](gate[1](gate_in))).view(batch, hq, 3)
@@ -156,7 +165,7 @@ class LayerDecoder:
         """y [B, hidden] and the step's outputs for the token in :attr:`x`."""
         module, state = self.module, self.state
         with torch.no_grad():
-            positions = state.cache_seqlens.to(torch.int64)[:, None]  # [B, 1], on the device
+            positions = state.cache_seqlens[:, None]  # [B, 1], on the device
             step_inputs = self.project(self.x, positions)
             out = decode_step(
                 state, step_inputs, phi_k=self._phi_k, phi_v=self._phi_v, plan=self.plan
