@@ -11,21 +11,25 @@ The result equals ``NSAAttention.decode`` on the same cache within the spec's to
 
 The projections that read x (q, the six branch K/V, the gate MLP's first layer) run as one
 GEMM over their weights stacked at construction, and RoPE turns q and the three branch keys,
-adjacent columns of that GEMM's output, in one Triton launch (nsa_kernels.rope) on angles from
-the frequencies computed once: at one token per sequence the step is latency-bound, and every
-launch counts (the reference's RoPE is about sixteen small launches). The rotation equals the
-reference's bit for bit. The stacked weights are a copy: build a new decoder after changing
+adjacent columns of that GEMM's output, in one Triton launch (nsa_kernels.rope) that reads
+each sequence's angles from cos/sin tables over positions 0..capacity (the reference's
+``rope_angles``, computed once per device, head dim, theta and capacity, and shared by the
+decoders that ask for the same): at one token per sequence the step is latency-bound, and
+every launch counts (the reference's RoPE is about sixteen small launches). The rotation equals
+the reference's bit for bit. The stacked weights are a copy: build a new decoder after changing
 the layer's weights.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from nsa_core import NSAAttention
 from nsa_core.checks import check_int, check_rank, check_same_place, shape
-from nsa_core.reference.rope import rope_inv_freq
+from nsa_core.reference.rope import rope_angles
 from nsa_kernels.common.entry_checks import check_bool
 from nsa_kernels.decode.graph import capture_decode_step
 from nsa_kernels.decode.state import BlockPhi, DecodeState, block_phi
@@ -83,7 +87,9 @@ class LayerDecoder:
         self._phi_v: BlockPhi | None = None if module.phi_v is None else block_phi(module.phi_v)
         self._w_in, self._b_in, self._splits = self._stack_input_projections(module)
         cfg = module.config
-        self._inv_freq = rope_inv_freq(cfg.head_dim_qk, cfg.rope_theta, state.device)
+        self._cos, self._sin = rope_tables(
+            state.device, cfg.head_dim_qk, cfg.rope_theta, state.capacity
+        )
         self.x = torch.zeros(
             state.batch, module.hidden_size, device=state.device, dtype=state.dtype
         )
@@ -135,9 +141,9 @@ class LayerDecoder:
         return weight, bias, [layer.weight.shape[0] for layer in layers]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor) -> StepInputs:
-        """The step's inputs for x [B, hidden] at integer ``positions`` [B, 1]: NSAAttention's
-        ``branch_inputs`` (same math, the rotation bit for bit) in one GEMM and one RoPE
-        launch."""
+        """The step's inputs for x [B, hidden] at integer ``positions`` [B, 1] in [0, capacity]:
+        NSAAttention's ``branch_inputs`` (same math, the rotation bit for bit) in one GEMM and
+        one RoPE launch."""
         cfg = self.module.config
         batch, hq, h = x.shape[0], cfg.num_q_heads, cfg.num_kv_heads
         dk, dv = cfg.head_dim_qk, cfg.head_dim_v
@@ -145,8 +151,8 @@ class LayerDecoder:
         _, _, _, _, v_cmp, v_sel, v_win, gate_in = torch.split(projected, self._splits, dim=-1)
         # q and the three branch keys are the first columns: one view, no copy.
         keys = projected[:, : (hq + 3 * h) * dk].view(batch, 1, hq + 3 * h, dk)
-        angles = positions.to(torch.float32).unsqueeze(-1) * self._inv_freq  # [B, 1, dk/2]
-        keys = rotate(keys, torch.cos(angles), torch.sin(angles), inverse=False)[:, 0]
+        rows = positions.to(torch.int32).contiguous()  # no copy for the step's own lengths
+        keys = rotate(keys, self._cos, self._sin, inverse=False, positions=rows)[:, 0]
         q_rot, k_cmp, k_sel, k_win = torch.split(keys, [hq, h, h, h], dim=1)
         gate = self.module.gate
         gates = torch.sigmoid(gate[2](gate[1](gate_in))).view(batch, hq, 3)
@@ -195,6 +201,17 @@ class LayerDecoder:
             return self._run()
         self._graph.replay()
         return self._y, self._out
+
+
+@functools.lru_cache(maxsize=8)
+def rope_tables(
+    device: torch.device, head_dim: int, theta: float, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [capacity + 1, head_dim / 2] float32: the reference's angles (``rope_angles``)
+    of positions 0..capacity (a full sequence's step still turns its token at ``capacity``)."""
+    positions = torch.arange(capacity + 1, device=device)
+    cos, sin = rope_angles(positions, head_dim, theta, torch.float32)
+    return cos.contiguous(), sin.contiguous()
 
 
 def check_module(module: object) -> None:

@@ -46,8 +46,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """x [B, T, H, D] turned by cos, sin [B | 1, T, D/2] float32 (inverse: the other way)."""
+def rotate(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    inverse: bool,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [B, T, H, D] turned by cos, sin [B | 1, T, D/2] float32 (inverse: the other way).
+
+    With ``positions`` (int32 [B, T], contiguous), cos and sin are tables [P, D/2] float32 with
+    unit stride in D/2, and token (b, t) takes their row ``positions[b, t]`` (< P, unchecked).
+    """
     if x.stride(-1) != 1:
         x = x.contiguous()
     batch, tokens, heads, dim = x.shape
@@ -60,9 +70,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool)
         x, out, cos, sin,
         x.stride(0), x.stride(1), x.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+        0 if positions is not None or cos.shape[0] == 1 else cos.stride(0),
+        cos.stride(0) if positions is not None else cos.stride(1),
+        cos if positions is None else positions,
         tokens, heads,
-        HALF=dim // 2, BH=bh, BD=bd, INVERSE=inverse,
+        HALF=dim // 2, BH=bh, BD=bd, INVERSE=inverse, TABLE=positions is not None,
         num_warps=NUM_WARPS, enable_fp_fusion=False, writes=(out,),
     )  # fmt: skip
     return out

@@ -43,17 +43,21 @@ def rope_kernel(
     stride_oh,
     stride_cb,
     stride_ct,
+    pos_ptr,
     tokens,
     heads,
     HALF: tl.constexpr,
     BH: tl.constexpr,
     BD: tl.constexpr,
     INVERSE: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """out [BH heads, D] of one token (b, t) = x rotated by the token's angles.
 
     x, out [B, T, H, D] with unit stride in D; cos, sin [B | 1, T, D/2] float32 with unit stride
-    in D/2 (stride_cb = 0: one row of angles for every batch row). Grid: (B * T, cdiv(H, BH)).
+    in D/2 (stride_cb = 0: one row of angles for every batch row). With TABLE, cos and sin are
+    tables [P, D/2] (row stride stride_ct) and token (b, t) takes row ``pos[b * T + t]`` (pos
+    int32 [B, T], contiguous). Grid: (B * T, cdiv(H, BH)).
     """
     row = tl.program_id(0)
     b = row // tokens
@@ -62,7 +66,10 @@ def rope_kernel(
     c = tl.arange(0, BD)
     c_ok = c < HALF
     ok = (h < heads)[:, None] & c_ok[None, :]
-    angle_at = b.to(tl.int64) * stride_cb + t.to(tl.int64) * stride_ct + c
+    if TABLE:
+        angle_at = tl.load(pos_ptr + row).to(tl.int64) * stride_ct + c
+    else:
+        angle_at = b.to(tl.int64) * stride_cb + t.to(tl.int64) * stride_ct + c
     cos = tl.load(cos_ptr + angle_at, mask=c_ok, other=0.0)[None, :]
     sin = tl.load(sin_ptr + angle_at, mask=c_ok, other=0.0)[None, :]
     if INVERSE:
