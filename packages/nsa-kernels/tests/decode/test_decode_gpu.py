@@ -175,29 +175,23 @@ def _run_pair(
     assert torch.equal(state.num_cmp, eager.num_cmp)
 
 
-def test_graph_replay_equals_eager_1000_steps(request: pytest.FixtureRequest) -> None:
-    """One captured graph replayed for 1000 tokens gives the bits of 1000 eager steps."""
-    gen = _gen(request)
-    cfg = paper_config()
-    lengths = [1, 300, 2000]
-    steps = 1000
-    stream = Stream.random(cfg, 3, max(lengths) + steps, gen, dtype=BF16, device="cuda")
-    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, max(lengths) + steps)
-    eager = state.clone()
-    graph = DecodeGraph(state)
-    assert state.lengths() == lengths, "capture and warm-up must leave the state as it was"
-    _run_pair(state, stream, lengths, steps, graph, eager, DecodePlan(eager))
-
-
-@pytest.mark.skipif(
+PDL_ON_HOPPER = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
     reason="programmatic dependent launch needs sm_90 or later",
 )
-def test_pdl_chained_graph_replays_equal_unchained_eager_steps(
-    request: pytest.FixtureRequest,
+
+
+@pytest.mark.parametrize(
+    ("graph_pdl", "eager_pdl"),
+    [(0, 0), pytest.param(1, 2, marks=PDL_ON_HOPPER)],
+    ids=["default_plans", "pdl_graph_unchained_eager"],
+)
+def test_graph_replay_equals_eager_1000_steps(
+    graph_pdl: int, eager_pdl: int, request: pytest.FixtureRequest
 ) -> None:
-    """The step's launches chained by PDL (each waits for the one before on the device),
-    replayed from one graph for 1000 tokens, give the bits of unchained eager steps."""
+    """One captured graph replayed for 1000 tokens gives the bits of 1000 eager steps; also
+    with the graph's launches chained by PDL (each waits for the one before on the device)
+    against eager steps launched one after another."""
     gen = _gen(request)
     cfg = paper_config()
     lengths = [1, 300, 2000]
@@ -205,10 +199,12 @@ def test_pdl_chained_graph_replays_equal_unchained_eager_steps(
     stream = Stream.random(cfg, 3, max(lengths) + steps, gen, dtype=BF16, device="cuda")
     state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, max(lengths) + steps)
     eager = state.clone()
-    graph = DecodeGraph(state, config=DecodeKernelConfig(pdl=1))
-    plan = DecodePlan(eager, DecodeKernelConfig(pdl=2))
-    assert graph.plan.pdl
-    assert not plan.pdl
+    graph = DecodeGraph(state, config=DecodeKernelConfig(pdl=graph_pdl))
+    plan = DecodePlan(eager, DecodeKernelConfig(pdl=eager_pdl))
+    if graph_pdl:
+        assert graph.plan.pdl
+        assert not plan.pdl
+    assert state.lengths() == lengths, "capture and warm-up must leave the state as it was"
     _run_pair(state, stream, lengths, steps, graph, eager, plan)
 
 

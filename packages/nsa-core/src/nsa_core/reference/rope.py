@@ -17,8 +17,8 @@ def rope_angles(
     float32 (float64 for float64 ``dtype``): every backend rotates by these values. Traced by
     torch.compile, the tables come from the op ``nsa::rope_angles``, which runs this same eager
     code: Inductor's own pow, cos and sin differ from eager's in the last bit of some angles,
-    which after the rotation moves about 3% of bf16 q and k values by one unit (at T = 64k),
-    enough to change top-n picks where block scores nearly tie.
+    which moves rotated bf16 q and k values by one unit and changes top-n picks where block
+    scores nearly tie.
     """
     if head_dim % 2 != 0:
         raise ValueError(f"rotary head_dim must be even, got {head_dim}")
@@ -29,19 +29,13 @@ def rope_angles(
     return _angles(positions, head_dim, theta, wide)
 
 
-def rope_inv_freq(
-    head_dim: int, theta: float, device: torch.device, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """[D/2] the frequencies theta^(-2i/D) in ``dtype`` (float32 or float64), as rope_angles
-    computes them: an angle is ``position.to(dtype) * rope_inv_freq(...)[i]``."""
-    return theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
-
-
 def _angles(
     positions: torch.Tensor, head_dim: int, theta: float, wide: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     work = torch.float64 if wide else torch.float32
-    inv_freq = rope_inv_freq(head_dim, theta, positions.device, work)
+    inv_freq = theta ** (
+        -torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim
+    )
     angles = positions.to(work).unsqueeze(-1) * inv_freq
     return torch.cos(angles), torch.sin(angles)
 

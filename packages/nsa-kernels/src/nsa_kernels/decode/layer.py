@@ -15,7 +15,7 @@ adjacent columns of that GEMM's output, in one Triton launch (nsa_kernels.rope) 
 each sequence's angles from cos/sin tables over positions 0..capacity (the reference's
 ``rope_angles``, computed once per device, head dim, theta and capacity, and shared by the
 decoders that ask for the same): at one token per sequence the step is latency-bound, and
-every launch counts (the reference's RoPE is about sixteen small launches). The rotation equals
+every launch counts (the reference's RoPE is many small launches). The rotation equals
 the reference's bit for bit. The stacked weights are a copy: build a new decoder after changing
 the layer's weights.
 """
