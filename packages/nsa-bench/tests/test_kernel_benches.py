@@ -201,6 +201,23 @@ def test_decode_kernel_config_and_sweep() -> None:
     assert all(c.cmp_chunk_tiles == cfg.cmp_chunk_tiles for c in configs)
 
 
+def test_decode_sweep_grid_names_fields_and_values() -> None:
+    grid = decode_bench.parse_sweep_grid("sel_splits=2,4; cmp_chunk_tiles=8")
+    assert grid == {"sel_splits": (2, 4), "cmp_chunk_tiles": (8,)}
+    configs = decode_bench.sweep_configs(decode_bench.parse_kernel_config("warps=8"), grid)
+    assert [(c.sel_splits, c.cmp_chunk_tiles, c.warps) for c in configs] == [
+        (2, 8, 8),
+        (4, 8, 8),
+    ]
+    assert decode_bench.parse_sweep_grid("") == {}
+    with pytest.raises(ValueError, match="unknown DecodeKernelConfig field 'splits'"):
+        decode_bench.parse_sweep_grid("splits=2")
+    with pytest.raises(ValueError, match="sel_splits: values must be integers"):
+        decode_bench.parse_sweep_grid("sel_splits=2,x")
+    with pytest.raises(ValueError, match="warps: no values"):
+        decode_bench.parse_sweep_grid("warps=")
+
+
 def test_decode_targets_judge_the_measured_rows() -> None:
     rows: list[dict[str, object]] = [
         {"B": 1, "S": 4096, "ms_step": 0.02, "speedup": 1.5},

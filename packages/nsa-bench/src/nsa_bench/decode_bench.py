@@ -24,7 +24,8 @@ times eager steps. ``speedup`` is the better dense baseline over ``ms_step``,
 ``artifacts/bench/decode``): ``decode.csv``, ``decode.json`` (rows, environment, arguments,
 targets), ``decode.png`` (ms against S, one panel per B; needs matplotlib) and ``decode.md``,
 printed last. ``--sweep`` / ``--sweep-chunks`` try tiles, warps, stages and compressed chunk
-sizes per shape and keep the best; ``--config "key_tile=32,warps=8"`` fixes one;
+sizes per shape and keep the best, ``--sweep-grid "sel_splits=2,4;warps=4,8"`` any grid of
+config fields; ``--config "key_tile=32,warps=8"`` fixes one;
 ``--profile`` prints a per-kernel table (eager steps under torch.profiler).
 """
 
@@ -78,6 +79,26 @@ def parse_kernel_config(text: str) -> DecodeKernelConfig:
             raise ValueError(f"unknown DecodeKernelConfig field {name!r}; known: {sorted(names)}")
         values[name] = int(raw)
     return DecodeKernelConfig(**values)
+
+
+def parse_sweep_grid(text: str) -> dict[str, tuple[int, ...]]:
+    """``"sel_splits=2,4;warps=4,8"`` -> {field: values} of DecodeKernelConfig fields."""
+    from nsa_kernels.decode.step import DecodeKernelConfig
+
+    names = {f.name for f in fields(DecodeKernelConfig)}
+    grid: dict[str, tuple[int, ...]] = {}
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        name, _, raw = item.partition("=")
+        name = name.strip()
+        if name not in names:
+            raise ValueError(f"unknown DecodeKernelConfig field {name!r}; known: {sorted(names)}")
+        try:
+            grid[name] = tuple(int(v) for v in raw.split(",") if v.strip())
+        except ValueError:
+            raise ValueError(f"{name}: values must be integers, got {raw!r}") from None
+        if not grid[name]:
+            raise ValueError(f"{name}: no values")
+    return grid
 
 
 def filled_state(
@@ -299,6 +320,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep-chunks", action="store_true", help="try compressed chunk sizes (cmp_chunk_tiles)"
     )
+    parser.add_argument(
+        "--sweep-grid",
+        default="",
+        metavar="FIELD=A,B;...",
+        help="try every combination of these DecodeKernelConfig values, e.g. "
+        '"sel_splits=2,4;cmp_chunk_tiles=8,16" (with --sweep/--sweep-chunks: their grids too)',
+    )
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the dense baselines")
     parser.add_argument("--no-layer", action="store_true", help="skip the layer steps")
@@ -327,6 +355,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     runs this after its CUDA check: the config's type comes with the Triton kernels)."""
     head_config(args)
     check_tile_configs("--config", parse_kernel_config, [args.config])
+    check_tile_configs("--sweep-grid", parse_sweep_grid, [args.sweep_grid])
 
 
 CSV_COLUMNS = (
@@ -352,7 +381,11 @@ def measure_case(
     # Every timing advances the sequences and restores them; the capacity holds the longest run.
     capacity = length + args.iters * (args.repeats + 1) + 64
     state = filled_state(cfg, [length] * batch, capacity, dtype)
-    grid = {**(SWEEP if args.sweep else {}), **(CHUNK_SWEEP if args.sweep_chunks else {})}
+    grid = {
+        **(SWEEP if args.sweep else {}),
+        **(CHUNK_SWEEP if args.sweep_chunks else {}),
+        **parse_sweep_grid(args.sweep_grid),
+    }
     candidates = sweep_configs(base, grid) if grid else [base]
     timed = []
     for kernel_cfg in candidates:

@@ -235,6 +235,36 @@ def test_a_plan_sized_for_the_tokens_held_agrees_with_one_sized_for_the_capacity
     assert rel_err(outs[1].o, outs[0].o) <= 1e-6
 
 
+@pytest.mark.parametrize("stale", [float("nan"), 1.0e4], ids=["nan", "large"])
+def test_workspace_values_left_by_earlier_steps_do_not_reach_a_step(
+    stale: float, request: pytest.FixtureRequest
+) -> None:
+    """The kernels load the workspace by its bounds, not by this step's lengths, and drop what
+    this step did not write: partials, tile maxima and band sums full of NaN or of values far
+    above any real one, with huge read counts, give the same bits as a zeroed workspace."""
+    gen = _gen(request)
+    cfg = small_config(3)
+    lengths = [10, 70, 130]
+    stream = Stream.random(cfg, 3, 140, gen, dtype=F32, device=DEV)
+    # A capacity far past the lengths: most compressed chunks hold no block this step.
+    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 512)
+    inputs = stream.inputs_at(lengths)
+    outs = []
+    for fill in (0.0, stale):
+        state = base.clone()
+        plan = DecodePlan(state, THIN)
+        assert plan.cmp_chunks * plan.cmp_chunk > 2 * int(state.num_cmp.max())
+        for buf in (plan.part_m, plan.part_l, plan.part_acc, plan.tile_m, plan.band):
+            buf.fill_(fill)
+        plan.part_n.fill_(0 if fill == 0.0 else 1 << 20)
+        outs.append(decode_step(state, inputs, plan=plan))
+    zeros, stale_out = outs
+    assert torch.equal(zeros.indices, stale_out.indices)
+    assert torch.equal(zeros.reads, stale_out.reads)
+    assert torch.equal(zeros.o, stale_out.o)
+    check_step(cfg, stream, lengths, stale_out, BOUND[F32])
+
+
 @pytest.mark.parametrize("tokens", [0, 3 * 4096 + 1], ids=["none", "past_the_capacity"])
 def test_a_plan_refuses_tokens_the_state_cannot_hold(tokens: int) -> None:
     cfg = small_config(1)

@@ -199,7 +199,7 @@ def selected_kernel(
     PAGE: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     slots, sel_slot0,
-    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr, JS: tl.constexpr,
+    SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr,
     score_chunks, NSCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
@@ -217,13 +217,14 @@ def selected_kernel(
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
+    # q, the length and the candidates load at once: none waits for another.
+    q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
     length = tl.load(seqlens_ptr + b)
     t = length - 1
-    chosen = merge_topn(cand_ptr, bh, tl.cdiv(t // SEL + 1, JS), score_chunks, NSCP, N, NP)
+    chosen = merge_topn(cand_ptr, bh, score_chunks, NSCP, N, NP)
     offs = tl.arange(0, NP)
     tl.store(indices_ptr + bh * N + offs, chosen, mask=offs < tl.where(split == 0, N, 0))
 
-    q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
     m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BG], dtype=tl.float32)
     acc = tl.zeros([BG, BV], dtype=tl.float32)

@@ -180,6 +180,7 @@ class DecodeKernelConfig:
         program_slots: programs the device runs at once, for the split choices (default: the
             SM count on CUDA).
         warps: warps of the attention programs.
+        score_warps: warps of the scoring programs (0: 4).
         stages: pipeline stages of the attention loops (0: 2, or 1 for float32 tiles wider than
             128 + 128 columns, which need too much shared memory on sm_86/sm_89 with 2).
         pdl: the five launches chained by programmatic dependent launch (each starts while the
@@ -197,6 +198,7 @@ class DecodeKernelConfig:
     combine_heads: int = 0
     program_slots: int = 0
     warps: int = 0
+    score_warps: int = 0
     stages: int = 0
     pdl: int = 0
 
@@ -237,6 +239,7 @@ class DecodePlan:
             ("sel_tile", 16),
             ("score_chunk", 16),
             ("combine_tile", 1),
+            ("score_warps", 1),
         ):
             _check_pow2(name, getattr(kc, name), least)
         _check_geometry(cfg)
@@ -267,12 +270,13 @@ class DecodePlan:
 
         # Compressed branch: tiles of key_tile blocks, chunks of cmp_chunk_tiles tiles. With the
         # window programs, about two programs per SM in one wave (no partial second wave), and
-        # at least two chunks per (sequence, kv head) so that long sequences stream in parallel.
+        # at least eight chunks per (sequence, kv head): at large batches several waves of short
+        # chunks keep more loads in flight than one wave of long ones (docs/results).
         # Tiles of 32 keys above dk = 128 keep a program's registers from spilling (sm_90).
         self.ranges_per_sel = cfg.sel_block // cfg.cmp_stride  # R: blocks starting in one l'
         self.extra = (cfg.sel_block - cfg.cmp_stride + cfg.cmp_block - 1) // cfg.sel_block
         tiles = max(1, _cdiv(state.cmp_capacity, self.key_tile))
-        per_seq = max(2, (2 * slots) // bh - self.window_chunks)
+        per_seq = max(8, (2 * slots) // bh - self.window_chunks)
         # The length the chunks are sized for: the capacity, or the mean the caller gave.
         sized = state.capacity if tokens is None else _cdiv(tokens, state.batch)
         sized_blocks = num_cmp_blocks(sized, cfg.cmp_block, cfg.cmp_stride)
@@ -305,6 +309,7 @@ class DecodePlan:
         combine_floats = self.combine_tile * _pow2(self.combine_heads) * self.block_v
         self.combine_warps = 4 if combine_floats > 4096 else 2
         self.warps = kc.warps or 4
+        self.score_warps = kc.score_warps or 4
         # Two stages of float32 K/V tiles wider than 128 + 128 ask for up to 116 KiB of shared
         # memory in the compressed/window kernel: more than an sm_86/sm_89 SM has (99 KiB).
         # One stage fits every supported architecture.
@@ -354,7 +359,8 @@ class DecodePlan:
             f"cmp_chunks={self.cmp_chunks},window_chunk={self.window_chunk},"
             f"window_chunks={self.window_chunks},sel_tile={self.sel_tile},"
             f"sel_splits={self.sel_splits},score_chunk={self.score_chunk},"
-            f"score_chunks={self.score_chunks},warps={self.warps},stages={self.stages},"
+            f"score_chunks={self.score_chunks},warps={self.warps},"
+            f"score_warps={self.score_warps},stages={self.stages},"
             f"pdl={1 if self.pdl else 2}"
         )
 
@@ -451,7 +457,9 @@ def decode_step(
         p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
         cmp_chunk=p.cmp_chunk, tiles=p.tiles, ranges=p.ranges, score_chunks=p.score_chunks,
         NCP=_pow2(max(p.cmp_chunks, 1)), BN=p.key_tile, R=p.ranges_per_sel, EXTRA=p.extra,
-        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common, **p.chain,
+        EP=_pow2(p.extra + 1),
+        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=p.score_warps,
+        **common, **p.chain,
     )  # fmt: skip
     selected_kernel[(batch * h, p.sel_splits)](
         q, state.k_sel, state.v_sel, p.cand, state.cache_seqlens, indices,
@@ -461,14 +469,15 @@ def decode_step(
         score_chunks=p.score_chunks,
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
         SEL=cfg.sel_block, BL=p.sel_tile, NSUB=p.sel_sub, BPS=p.blocks_per_split,
-        JS=p.score_chunk, NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,
+        NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,
         DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common, **p.chain,
     )  # fmt: skip
     combine_kernel[(batch * h, _cdiv(p.group, p.combine_heads))](
         p.part_m, p.part_l, p.part_acc, p.part_n, x["gates"], o, state.num_cmp, reads,
         batch, cmp_chunks=p.cmp_chunks, win_chunks=p.window_chunks,
         cmp_chunk=p.cmp_chunk, HQ=hq, HPC=p.combine_heads, HB=_pow2(p.combine_heads),
-        DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=p.combine_warps,
+        DV=dv, BV=p.block_v, KT=p.combine_tile, ONE_TILE=p.combine_tile >= p.slots,
+        num_warps=p.combine_warps,
         H=h, G=p.group, slots=p.slots, **p.chain,
     )  # fmt: skip
     return StepOutputs(o=o, indices=indices, reads=reads)
