@@ -239,9 +239,9 @@ def test_a_plan_sized_for_the_tokens_held_agrees_with_one_sized_for_the_capacity
 def test_workspace_values_left_by_earlier_steps_do_not_reach_a_step(
     stale: float, request: pytest.FixtureRequest
 ) -> None:
-    """The kernels load the workspace by its bounds, not by this step's lengths, and drop what
-    this step did not write: partials, tile maxima and band sums full of NaN or of values far
-    above any real one, with huge read counts, give the same bits as a zeroed workspace."""
+    """A step reads only the workspace entries it wrote: partials, tile maxima and band sums
+    left full of NaN or of values far above any real one, with huge read counts, give the same
+    bits as a zeroed workspace."""
     gen = _gen(request)
     cfg = small_config(3)
     lengths = [10, 70, 130]

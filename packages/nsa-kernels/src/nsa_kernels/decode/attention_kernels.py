@@ -229,27 +229,26 @@ def selected_kernel(
     l_i = tl.zeros([BG], dtype=tl.float32)
     acc = tl.zeros([BG, BV], dtype=tl.float32)
     count = length * 0
-    for i in range(BPS):
-        rank = split * BPS + i
+    # One loop over (block, sub-tile), not two nested ones: Triton pipelines the innermost loop
+    # only, so the next block's K/V loads go out while this one is attended.
+    for it in range(BPS * NSUB):
+        rank = split * BPS + it // NSUB
         block = tl.sum(tl.where(offs == rank, chosen, 0), axis=0)
         block = tl.where(rank < N, block, -1)
-        for sub in range(NSUB):
-            in_block = sub * BL + tl.arange(0, BL)
-            pos = tl.maximum(block, 0) * SEL + in_block
-            # block as a block tensor: triton 3.9's interpreter turns scalar & block into int32.
-            live = ((block + tl.zeros_like(in_block)) >= 0) & (in_block < SEL) & (pos <= t)
-            if PAGE > 0:
-                page = tl.load(
-                    block_table_ptr + b * pages_per_seq + pos // PAGE, mask=live, other=0
-                )
-                rows = page.to(tl.int64) * PAGE + pos % PAGE
-            else:
-                rows = b * capacity + pos
-            _, m_i, l_i, acc = _attend_tile(
-                q, k_sel, v_sel, rows, live, h, m_i, l_i, acc, qk_scale,
-                H, DK, BK, DV, BV, DOT_PREC,
-            )  # fmt: skip
-            count += tl.sum(live.to(tl.int32), axis=0)
+        in_block = (it % NSUB) * BL + tl.arange(0, BL)
+        pos = tl.maximum(block, 0) * SEL + in_block
+        # block as a block tensor: triton 3.9's interpreter turns scalar & block into int32.
+        live = ((block + tl.zeros_like(in_block)) >= 0) & (in_block < SEL) & (pos <= t)
+        if PAGE > 0:
+            page = tl.load(block_table_ptr + b * pages_per_seq + pos // PAGE, mask=live, other=0)
+            rows = page.to(tl.int64) * PAGE + pos % PAGE
+        else:
+            rows = b * capacity + pos
+        _, m_i, l_i, acc = _attend_tile(
+            q, k_sel, v_sel, rows, live, h, m_i, l_i, acc, qk_scale,
+            H, DK, BK, DV, BV, DOT_PREC,
+        )  # fmt: skip
+        count += tl.sum(live.to(tl.int32), axis=0)
     _store_partial(
         part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, sel_slot0 + split,
         m_i, l_i, acc, count, slots, G, BG, DV, BV,

@@ -65,26 +65,8 @@ def _slot_tile(
     branch = _slot_branch(k, n_cmp_used, cmp_chunks, win_chunks, slots)
     row = (bh * slots + k[:, None]) * G + heads[None, :]
     have = (branch >= 0)[:, None] & head_ok[None, :]
-    # Masked by the bounds only, so that the load need not wait for the lengths.
-    m = tl.load(part_m_ptr + row, mask=(k < slots)[:, None] & head_ok[None, :], other=-1.0e30)
-    return k, branch, row, have, tl.where(have, m, -1.0e30)
-
-
-@triton.jit
-def _slot_acc(part_acc_ptr, k0, bh, heads, head_ok, slots, G: tl.constexpr, DV: tl.constexpr,
-              BV: tl.constexpr, KT: tl.constexpr):  # fmt: skip
-    """acc [KT, HB, BV] of slots k0 .. k0 + KT - 1, masked by the buffer's bounds only (so
-    that the load need not wait for the step's lengths): slots not written this step hold
-    earlier values, which the caller drops where not ``have``."""
-    k = k0 + tl.arange(0, KT)
-    row = (bh * slots + k[:, None]) * G + heads[None, :]
-    vcol = tl.arange(0, BV)
-    in_bounds = (k < slots)[:, None] & head_ok[None, :]
-    return tl.load(
-        part_acc_ptr + row[:, :, None] * DV + vcol[None, None, :],
-        mask=in_bounds[:, :, None] & (vcol < DV)[None, None, :],
-        other=0.0,
-    )
+    m = tl.load(part_m_ptr + row, mask=have, other=-1.0e30)
+    return k, branch, row, have, m
 
 
 @triton.jit
@@ -110,7 +92,6 @@ def combine_kernel(
     DV: tl.constexpr,
     BV: tl.constexpr,
     KT: tl.constexpr,
-    ONE_TILE: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     """o = g0 * o_cmp + g1 * o_sel + g2 * o_win for HPC query heads of one kv head.
@@ -125,8 +106,6 @@ def combine_kernel(
     branch's max M and sum L; the second weighs every slot's acc by
     ``g_branch * exp2(m - M_branch) / L_branch`` and sums, so the step's latency is two rounds
     of loads whatever the number of branches. A branch with L = 0 saw no key and gives 0.
-    With ONE_TILE (KT >= slots) the acc tile is loaded before the first pass, with the lengths,
-    so that the step's latency is one round of loads.
     """
     wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
@@ -141,8 +120,6 @@ def combine_kernel(
     g_cmp = tl.load(gate + 0, mask=head_ok, other=0.0).to(tl.float32)
     g_sel = tl.load(gate + 1, mask=head_ok, other=0.0).to(tl.float32)
     g_win = tl.load(gate + 2, mask=head_ok, other=0.0).to(tl.float32)
-    if ONE_TILE:
-        part_first = _slot_acc(part_acc_ptr, 0, bh, heads, head_ok, slots, G, DV, BV, KT)
     n_cmp_used = tl.cdiv(tl.load(num_cmp_ptr + b), cmp_chunk)
 
     m_cmp = tl.full([HB], -1.0e30, dtype=tl.float32)
@@ -158,9 +135,8 @@ def combine_kernel(
         k, branch, row, have, m = _slot_tile(
             part_m_ptr, k0, bh, heads, head_ok, n_cmp_used, cmp_chunks, win_chunks, slots, G, KT
         )
-        in_bounds = (k < slots)[:, None] & head_ok[None, :]
-        denom = tl.where(have, tl.load(part_l_ptr + row, mask=in_bounds, other=0.0), 0.0)
-        n = tl.where(branch >= 0, tl.load(part_n_ptr + bh * slots + k, mask=k < slots), 0)
+        denom = tl.load(part_l_ptr + row, mask=have, other=0.0)
+        n = tl.load(part_n_ptr + bh * slots + k, mask=branch >= 0, other=0)
         m_cmp, l_cmp = _online_max_sum(m_cmp, l_cmp, m, denom, branch == 0)
         m_win, l_win = _online_max_sum(m_win, l_win, m, denom, branch == 1)
         m_sel, l_sel = _online_max_sum(m_sel, l_sel, m, denom, branch == 2)
@@ -178,11 +154,11 @@ def combine_kernel(
         _, branch, row, have, m = _slot_tile(
             part_m_ptr, k0, bh, heads, head_ok, n_cmp_used, cmp_chunks, win_chunks, slots, G, KT
         )
-        if ONE_TILE:
-            part = part_first
-        else:
-            part = _slot_acc(part_acc_ptr, k0, bh, heads, head_ok, slots, G, DV, BV, KT)
-        part = tl.where(have[:, :, None], part, 0.0)
+        part = tl.load(
+            part_acc_ptr + row[:, :, None] * DV + vcol[None, None, :],
+            mask=have[:, :, None] & (vcol < DV)[None, None, :],
+            other=0.0,
+        )
         is_cmp = (branch == 0)[:, None]
         is_win = (branch == 1)[:, None]
         top = tl.where(is_cmp, m_cmp[None, :], tl.where(is_win, m_win[None, :], m_sel[None, :]))

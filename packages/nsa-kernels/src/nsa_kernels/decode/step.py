@@ -180,7 +180,6 @@ class DecodeKernelConfig:
         program_slots: programs the device runs at once, for the split choices (default: the
             SM count on CUDA).
         warps: warps of the attention programs.
-        score_warps: warps of the scoring programs (0: 4).
         stages: pipeline stages of the attention loops (0: 2, or 1 for float32 tiles wider than
             128 + 128 columns, which need too much shared memory on sm_86/sm_89 with 2).
         pdl: the five launches chained by programmatic dependent launch (each starts while the
@@ -198,7 +197,6 @@ class DecodeKernelConfig:
     combine_heads: int = 0
     program_slots: int = 0
     warps: int = 0
-    score_warps: int = 0
     stages: int = 0
     pdl: int = 0
 
@@ -239,7 +237,6 @@ class DecodePlan:
             ("sel_tile", 16),
             ("score_chunk", 16),
             ("combine_tile", 1),
-            ("score_warps", 1),
         ):
             _check_pow2(name, getattr(kc, name), least)
         _check_geometry(cfg)
@@ -309,7 +306,6 @@ class DecodePlan:
         combine_floats = self.combine_tile * _pow2(self.combine_heads) * self.block_v
         self.combine_warps = 4 if combine_floats > 4096 else 2
         self.warps = kc.warps or 4
-        self.score_warps = kc.score_warps or 4
         # Two stages of float32 K/V tiles wider than 128 + 128 ask for up to 116 KiB of shared
         # memory in the compressed/window kernel: more than an sm_86/sm_89 SM has (99 KiB).
         # One stage fits every supported architecture.
@@ -359,8 +355,7 @@ class DecodePlan:
             f"cmp_chunks={self.cmp_chunks},window_chunk={self.window_chunk},"
             f"window_chunks={self.window_chunks},sel_tile={self.sel_tile},"
             f"sel_splits={self.sel_splits},score_chunk={self.score_chunk},"
-            f"score_chunks={self.score_chunks},warps={self.warps},"
-            f"score_warps={self.score_warps},stages={self.stages},"
+            f"score_chunks={self.score_chunks},warps={self.warps},stages={self.stages},"
             f"pdl={1 if self.pdl else 2}"
         )
 
@@ -457,9 +452,7 @@ def decode_step(
         p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
         cmp_chunk=p.cmp_chunk, tiles=p.tiles, ranges=p.ranges, score_chunks=p.score_chunks,
         NCP=_pow2(max(p.cmp_chunks, 1)), BN=p.key_tile, R=p.ranges_per_sel, EXTRA=p.extra,
-        EP=_pow2(p.extra + 1),
-        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=p.score_warps,
-        **common, **p.chain,
+        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common, **p.chain,
     )  # fmt: skip
     selected_kernel[(batch * h, p.sel_splits)](
         q, state.k_sel, state.v_sel, p.cand, state.cache_seqlens, indices,
@@ -476,8 +469,7 @@ def decode_step(
         p.part_m, p.part_l, p.part_acc, p.part_n, x["gates"], o, state.num_cmp, reads,
         batch, cmp_chunks=p.cmp_chunks, win_chunks=p.window_chunks,
         cmp_chunk=p.cmp_chunk, HQ=hq, HPC=p.combine_heads, HB=_pow2(p.combine_heads),
-        DV=dv, BV=p.block_v, KT=p.combine_tile, ONE_TILE=p.combine_tile >= p.slots,
-        num_warps=p.combine_warps,
+        DV=dv, BV=p.block_v, KT=p.combine_tile, num_warps=p.combine_warps,
         H=h, G=p.group, slots=p.slots, **p.chain,
     )  # fmt: skip
     return StepOutputs(o=o, indices=indices, reads=reads)

@@ -113,7 +113,6 @@ def score_topn_kernel(
     BN: tl.constexpr,
     R: tl.constexpr,
     EXTRA: tl.constexpr,
-    EP: tl.constexpr,
     SEL: tl.constexpr,
     JS: tl.constexpr,
     score_chunks,
@@ -125,8 +124,7 @@ def score_topn_kernel(
 
     Grid: (B*H, score_chunks). Writes ``cand[bh, c, :NP]`` (keys, module docstring). The head's
     lse comes from the compressed partials ``part_m/part_l [B*H, slots, G]`` (the first
-    ceil(N_cmp / cmp_chunk) slots), combined in slot order. EP: EXTRA + 1 rounded up to a power
-    of two.
+    ceil(N_cmp / cmp_chunk) slots), combined in slot order.
     """
     wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
@@ -137,47 +135,47 @@ def score_topn_kernel(
     t = length - 1
     jt = t // SEL
 
-    # Every load here is masked by the buffers' bounds only, not by this step's lengths, so that
-    # they all go out at once instead of after the lengths arrive. Entries past the lengths hold
-    # earlier steps' values (or were never written); tl.where drops them below.
-    g = tl.arange(0, BG)
-    g_in = g < G
-    k = tl.arange(0, NCP)
-    stat = (bh * slots + k[:, None]) * G + g[None, :]
-    in_bounds = (k < slots)[:, None] & g_in[None, :]
-    m_k = tl.load(part_m_ptr + stat, mask=in_bounds, other=-1.0e30)
-    l_k = tl.load(part_l_ptr + stat, mask=in_bounds, other=0.0)
-    # The EXTRA + 1 bands as a leading axis [EP, BG, JS]: range rng = j - e.
-    e = tl.arange(0, EP)[:, None, None]
-    gg = g[None, :, None]
-    j = c * JS + tl.arange(0, JS)
-    rng = j[None, None, :] - e
-    band_in = (e <= EXTRA) & (gg < G) & (rng >= 0) & (rng < ranges)
-    u = tl.load(u_ptr + ((bh * (EXTRA + 1) + e) * G + gg) * ranges + rng, mask=band_in, other=0.0)
-    tile = (rng * R) // BN
-    m_t = tl.load(tile_m_ptr + (bh * tiles + tile) * G + gg, mask=band_in, other=0.0)
+    # A chunk past the sequence's last block writes -1 keys and skips the scoring: in a ragged
+    # batch, most chunks of the short sequences.
+    best = tl.full([NP], -1, tl.int64)
+    if c * JS <= jt:
+        g = tl.arange(0, BG)
+        g_in = g < G
+        k = tl.arange(0, NCP)
+        stat = (bh * slots + k[:, None]) * G + g[None, :]
+        have = (k < tl.cdiv(n_cmp, cmp_chunk))[:, None] & g_in[None, :]
+        m_k = tl.load(part_m_ptr + stat, mask=have, other=-1.0e30)
+        l_k = tl.load(part_l_ptr + stat, mask=have, other=0.0)
+        m_all = tl.max(m_k, axis=0)
+        l_all = tl.sum(l_k * tl.exp2(m_k - m_all[None, :]), axis=0)
+        seen = l_all > 0.0
+        lse = tl.where(seen, m_all + tl.log2(tl.where(seen, l_all, 1.0)), 0.0)  # [BG], base 2
 
-    have = (k < tl.cdiv(n_cmp, cmp_chunk))[:, None] & g_in[None, :]
-    m_k = tl.where(have, m_k, -1.0e30)
-    l_k = tl.where(have, l_k, 0.0)
-    m_all = tl.max(m_k, axis=0)
-    l_all = tl.sum(l_k * tl.exp2(m_k - m_all[None, :]), axis=0)
-    seen = l_all > 0.0
-    lse = tl.where(seen, m_all + tl.log2(tl.where(seen, l_all, 1.0)), 0.0)  # [BG], base 2
+        j = c * JS + tl.arange(0, JS)
+        score = tl.zeros([JS], dtype=tl.float32)
+        for e in tl.static_range(EXTRA + 1):
+            rng = j - e
+            live = g_in[:, None] & ((rng >= 0) & (rng * R < n_cmp))[None, :]
+            u = tl.load(
+                u_ptr + ((bh * (EXTRA + 1) + e) * G + g[:, None]) * ranges + rng[None, :],
+                mask=live,
+                other=0.0,
+            )
+            tile = (rng * R) // BN
+            m_t = tl.load(
+                tile_m_ptr + (bh * tiles + tile[None, :]) * G + g[:, None], mask=live, other=0.0
+            )
+            score += tl.sum(tl.where(live, u * tl.exp2(m_t - lse[:, None]), 0.0), axis=0)
 
-    live = band_in & (rng * R < n_cmp)
-    term = tl.where(live, u * tl.exp2(m_t - lse[None, :, None]), 0.0)
-    score = tl.sum(tl.sum(term, axis=1), axis=0)  # [JS]: over heads, then bands
-
-    valid = j <= jt
-    forced = valid & ((j == 0) | (j == jt) | (j == jt - 1))
-    # Scores are sums of non-negative terms; a -0.0 would carry the sign bit, so zero it.
-    # Finite scores shift up by one so that a NaN or +inf (high half 0) ranks below them.
-    finite = score < float("inf")
-    bits = tl.where(score > 0.0, score.to(tl.int32, bitcast=True), 0) + 1
-    bits = tl.where(finite, bits, 0)
-    bits = tl.where(forced, 0x7F800001, bits)
-    key = (bits.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
-    key = tl.where(valid, key, -1)
-    best = topn_keys_by_rank(key, N, NP)
+        valid = j <= jt
+        forced = valid & ((j == 0) | (j == jt) | (j == jt - 1))
+        # Scores are sums of non-negative terms; a -0.0 would carry the sign bit, so zero it.
+        # Finite scores shift up by one so that a NaN or +inf (high half 0) ranks below them.
+        finite = score < float("inf")
+        bits = tl.where(score > 0.0, score.to(tl.int32, bitcast=True), 0) + 1
+        bits = tl.where(finite, bits, 0)
+        bits = tl.where(forced, 0x7F800001, bits)
+        key = (bits.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
+        key = tl.where(valid, key, -1)
+        best = topn_keys_by_rank(key, N, NP)
     tl.store(cand_ptr + (bh * score_chunks + c) * NP + tl.arange(0, NP), best)
