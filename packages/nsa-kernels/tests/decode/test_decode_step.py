@@ -142,19 +142,22 @@ def test_head_dims_192_128(request: pytest.FixtureRequest) -> None:
     _run_steps(cfg, [30, 61], 2, FAT, _gen(request), capacity=80)
 
 
-def test_wide_float32_tiles_run_one_stage(request: pytest.FixtureRequest) -> None:
+def test_stages_follow_the_tiles_and_the_batch() -> None:
     """float32 K/V tiles of 256 + 128 columns in two stages need more shared memory than an
-    sm_89 SM has (ci/compile_triton.py); such plans run one stage, the others keep two."""
-    gen = _gen(request)
-    for (dk, dv, dtype), stages in {
-        (192, 128, F32): 1,
-        (128, 128, F32): 2,
-        (192, 128, torch.float16): 2,
+    sm_89 SM has (ci/compile_triton.py): such plans run one stage. 16-bit tiles up to 128 + 128
+    columns run three stages once the batch holds 64 kv heads (B*H), two below; a stage count
+    asked for is kept."""
+    for (dk, dv, dtype, batch), stages in {
+        (192, 128, F32, 1): 1,
+        (192, 128, F32, 32): 1,
+        (128, 128, F32, 32): 2,
+        (192, 128, torch.float16, 32): 2,
+        (128, 128, torch.float16, 31): 2,
+        (128, 128, torch.float16, 32): 3,
     }.items():
         cfg = small_config(2, dk=dk, dv=dv)
-        stream = Stream.random(cfg, 1, 40, gen, dtype=dtype, device=DEV)
-        state = DecodeState.from_prefixes(cfg, stream.k, stream.v, [30], 40)
-        assert DecodePlan(state).stages == stages, (dk, dv, dtype)
+        state = DecodeState.empty(cfg, batch, 40, device=DEV, dtype=dtype)
+        assert DecodePlan(state).stages == stages, (dk, dv, dtype, batch)
         assert DecodePlan(state, DecodeKernelConfig(stages=2)).stages == 2, "asked for: kept"
 
 

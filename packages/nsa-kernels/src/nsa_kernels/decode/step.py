@@ -180,8 +180,9 @@ class DecodeKernelConfig:
         program_slots: programs the device runs at once, for the split choices (default: the
             SM count on CUDA).
         warps: warps of the attention programs.
-        stages: pipeline stages of the attention loops (0: 2, or 1 for float32 tiles wider than
-            128 + 128 columns, which need too much shared memory on sm_86/sm_89 with 2).
+        stages: pipeline stages of the attention loops (0: 3 for 16-bit tiles up to 128 + 128
+            columns when B*H >= 64, 1 for float32 tiles wider than that, which need too much
+            shared memory on sm_86/sm_89 with 2, else 2).
         pdl: the five launches chained by programmatic dependent launch (each starts while the
             one before ends and waits for it on the device; nsa_kernels.common.launch_chain):
             1 on (refused where unsupported), 2 off, 0 on where the device supports it (sm_90+).
@@ -309,8 +310,14 @@ class DecodePlan:
         # Two stages of float32 K/V tiles wider than 128 + 128 ask for up to 116 KiB of shared
         # memory in the compressed/window kernel: more than an sm_86/sm_89 SM has (99 KiB).
         # One stage fits every supported architecture.
-        wide_fp32 = state.dtype == torch.float32 and self.block_k + self.block_v > 256
-        self.stages = kc.stages or (1 if wide_fp32 else 2)
+        # A large batch is bound by bytes, and a third buffer keeps more loads in flight; a
+        # small one is bound by latency, where the third buffer measured slower (docs/results).
+        narrow = self.block_k + self.block_v <= 256
+        if state.dtype == torch.float32:
+            default_stages = 2 if narrow else 1
+        else:
+            default_stages = 3 if narrow and bh >= 64 else 2
+        self.stages = kc.stages or default_stages
         self.dot_precision = dot_precision(state.dtype)
         if kc.pdl not in (0, 1, 2):
             raise ValueError(f"pdl={kc.pdl} must be 0 (choose), 1 (on) or 2 (off)")
