@@ -365,13 +365,15 @@ def test_full_sequence_is_left_unchanged(request: pytest.FixtureRequest) -> None
         state.check_capacity()
 
 
+@pytest.mark.parametrize("kernel_cfg", [THIN, FAT], ids=["one_block_a_split", "four_a_split"])
 @pytest.mark.parametrize("page_size", [8, 32], ids=["pages_of_8", "pages_of_32"])
 def test_paged_steps_equal_dense_steps_bit_for_bit(
-    page_size: int, request: pytest.FixtureRequest
+    page_size: int, kernel_cfg: DecodeKernelConfig, request: pytest.FixtureRequest
 ) -> None:
     """A ragged batch whose selected K/V sit in pages of a shuffled pool (8 tokens: a selection
-    block spans two pages; 32: a page holds two blocks) steps exactly as the dense state: the
-    same outputs, indices and reads bit for bit, and the same caches after 6 steps."""
+    block spans two pages; 32: a page holds two blocks, and a split loads its blocks' pages
+    before its loop) steps exactly as the dense state: the same outputs, indices and reads bit
+    for bit, and the same caches after 6 steps."""
     gen = _gen(request)
     cfg = small_config(3)
     lengths = [0, 45, 117]
@@ -383,8 +385,8 @@ def test_paged_steps_equal_dense_steps_bit_for_bit(
     paged = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 130, pages=pages)
     for s in range(6):
         inputs = stream.inputs_at([n + s for n in lengths])
-        want = decode_step(dense, inputs, plan=DecodePlan(dense, THIN))
-        got = decode_step(paged, inputs, plan=DecodePlan(paged, THIN))
+        want = decode_step(dense, inputs, plan=DecodePlan(dense, kernel_cfg))
+        got = decode_step(paged, inputs, plan=DecodePlan(paged, kernel_cfg))
         for name in ("o", "indices", "reads"):
             assert torch.equal(getattr(got, name), getattr(want, name)), f"step {s}: {name}"
     assert paged.lengths() == dense.lengths() == [n + 6 for n in lengths]

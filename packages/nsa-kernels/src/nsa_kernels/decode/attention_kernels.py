@@ -200,6 +200,7 @@ def selected_kernel(
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
     slots, sel_slot0,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr,
+    BPSP: tl.constexpr,
     score_chunks, NSCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
@@ -210,7 +211,7 @@ def selected_kernel(
     less than a launch; split 0 writes them to ``indices [B, H, N]``. A block's tokens past the
     query (``p > t``) are masked (docs/spec.md, "Selected branch"). With PAGE > 0 the selected
     K/V are pages of PAGE tokens (``block_table [B, pages_per_seq]``), else rows
-    ``b * capacity + p``.
+    ``b * capacity + p``. BPSP: BPS rounded up to a power of two.
     """
     wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
@@ -229,6 +230,17 @@ def selected_kernel(
     l_i = tl.zeros([BG], dtype=tl.float32)
     acc = tl.zeros([BG, BV], dtype=tl.float32)
     count = length * 0
+    if PAGE > 0 and PAGE % SEL == 0:
+        # Every block lies in one page: this split's pages [BPSP] in one load before the loop,
+        # so that the loop's K/V loads depend on no load of their own.
+        mine = split * BPS + tl.arange(0, BPSP)
+        mine_blocks = tl.sum(tl.where(offs[None, :] == mine[:, None], chosen[None, :], 0), axis=1)
+        mine_live = (mine < N) & (mine < (split + 1) * BPS) & (mine_blocks >= 0)
+        mine_pages = tl.load(
+            block_table_ptr + b * pages_per_seq + tl.maximum(mine_blocks, 0) * SEL // PAGE,
+            mask=mine_live,
+            other=0,
+        )
     # One loop over (block, sub-tile), not two nested ones: Triton pipelines the innermost loop
     # only, so the next block's K/V loads go out while this one is attended.
     for it in range(BPS * NSUB):
@@ -239,7 +251,10 @@ def selected_kernel(
         pos = tl.maximum(block, 0) * SEL + in_block
         # block as a block tensor: triton 3.9's interpreter turns scalar & block into int32.
         live = ((block + tl.zeros_like(in_block)) >= 0) & (in_block < SEL) & (pos <= t)
-        if PAGE > 0:
+        if PAGE > 0 and PAGE % SEL == 0:
+            page = tl.sum(tl.where(tl.arange(0, BPSP) == it // NSUB, mine_pages, 0), axis=0)
+            rows = page.to(tl.int64) * PAGE + pos % PAGE
+        elif PAGE > 0:
             page = tl.load(block_table_ptr + b * pages_per_seq + pos // PAGE, mask=live, other=0)
             rows = page.to(tl.int64) * PAGE + pos % PAGE
         else:

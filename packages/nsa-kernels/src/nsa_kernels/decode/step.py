@@ -469,6 +469,7 @@ def decode_step(
         score_chunks=p.score_chunks,
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
         SEL=cfg.sel_block, BL=p.sel_tile, NSUB=p.sel_sub, BPS=p.blocks_per_split,
+        BPSP=_pow2(p.blocks_per_split),
         NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,
         DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common, **p.chain,
     )  # fmt: skip
