@@ -20,7 +20,7 @@ from decode_testlib import (
     check_step,
     small_config,
 )
-from kernel_testlib import BOUND, DEVICE, SKIP_REASON, rel_err
+from kernel_testlib import BOUND, DEVICE, INTERPRET, SKIP_REASON, rel_err
 
 pytestmark = [pytest.mark.triton, pytest.mark.skipif(DEVICE is None, reason=SKIP_REASON)]
 pytest.importorskip("triton")
@@ -191,6 +191,36 @@ def test_ties_go_to_the_lower_block(request: pytest.FixtureRequest) -> None:
         for h in range(cfg.num_kv_heads):
             assert out.indices[b, h].tolist() == want, (b, h, out.indices[b, h].tolist())
     check_step(cfg, stream, lengths, out, BOUND[F32])
+
+
+@pytest.mark.skipif(
+    not INTERPRET, reason="swaps a constexpr global, which only the interpreter reads per call"
+)
+def test_the_candidates_merge_the_same_with_and_without_topk(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The selected kernel merges the chunks' candidates with tl.topk where Triton has it and
+    with n max-reductions where it does not: the same indices, outputs and reads, bit for bit,
+    with many candidate chunks (thin scoring chunks)."""
+    import triton.language as tl
+
+    from nsa_kernels.decode import topn_kernels
+
+    gen = _gen(request)
+    cfg = small_config(3, num_selected=6)
+    lengths = [20, 97, 150]
+    stream = Stream.random(cfg, 3, 160, gen, dtype=F32, device=DEV)
+    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 160)
+    inputs = stream.inputs_at(lengths)
+    outs = []
+    for has_topk in (True, False):
+        monkeypatch.setattr(topn_kernels, "HAS_TOPK", tl.constexpr(has_topk))
+        state = base.clone()
+        outs.append(decode_step(state, inputs, plan=DecodePlan(state, THIN)))
+    with_topk, without = outs
+    for name in ("indices", "o", "reads"):
+        assert torch.equal(getattr(with_topk, name), getattr(without, name)), name
+    check_step(cfg, stream, lengths, with_topk, BOUND[F32])
 
 
 def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:

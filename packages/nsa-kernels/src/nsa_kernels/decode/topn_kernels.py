@@ -34,6 +34,10 @@ from nsa_kernels.common.launch_chain import wait_for_prior_launch
 # 0xFFFFFFFF (the block half of a key). A constexpr on the left of a tensor operator stays a
 # constexpr under the interpreter, so plain literals keep both backends equal.
 MAX_BLOCK = 2147483647
+# tl.topk (a partial bitonic sort: a few exchange rounds inside registers and warps) merges the
+# chunks' candidates in less time than N dependent max-reductions over all of them
+# (docs/results/2026-11-29-h200-decode-b32.md). Tritons without it take the reductions.
+HAS_TOPK = tl.constexpr(hasattr(tl, "topk"))
 
 
 @triton.jit
@@ -82,7 +86,12 @@ def merge_topn(
     keys = tl.load(
         cand_ptr + (bh * score_chunks + c) * NP + r, mask=(c < score_chunks) & (r < N), other=-1
     )
-    top = topn_keys(tl.reshape(keys, (NSCP * NP,)), N, NP)
+    flat = tl.reshape(keys, (NSCP * NP,))
+    if HAS_TOPK:
+        # The keys are distinct where >= 0, so the NP largest, descending, are topn_keys' too.
+        top = tl.where(tl.arange(0, NP) < N, tl.topk(flat, NP), -1)
+    else:
+        top = topn_keys(flat, N, NP)
     block = tl.where(top >= 0, 2147483647 - (top & 0xFFFFFFFF), 2147483647).to(tl.int32)
     # Ascending order by rank: entry i goes to slot #{blocks below it}; the missing ones
     # (2^31 - 1, all equal) rank after every chosen block and are written as -1.
