@@ -67,31 +67,33 @@ if TYPE_CHECKING:
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _config_field(name: str) -> str:
+    """``name`` if DecodeKernelConfig has that field, else ValueError listing the fields."""
+    from nsa_kernels.decode.step import DecodeKernelConfig
+
+    names = {f.name for f in fields(DecodeKernelConfig)}
+    if name not in names:
+        raise ValueError(f"unknown DecodeKernelConfig field {name!r}; known: {sorted(names)}")
+    return name
+
+
 def parse_kernel_config(text: str) -> DecodeKernelConfig:
     """``"key_tile=32,warps=8"`` -> DecodeKernelConfig (unnamed fields stay 0 = choose)."""
     from nsa_kernels.decode.step import DecodeKernelConfig
 
-    names = {f.name for f in fields(DecodeKernelConfig)}
     values: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, raw = item.partition("=")
-        if name not in names:
-            raise ValueError(f"unknown DecodeKernelConfig field {name!r}; known: {sorted(names)}")
-        values[name] = int(raw)
+        values[_config_field(name)] = int(raw)
     return DecodeKernelConfig(**values)
 
 
 def parse_sweep_grid(text: str) -> dict[str, tuple[int, ...]]:
     """``"sel_splits=2,4;warps=4,8"`` -> {field: values} of DecodeKernelConfig fields."""
-    from nsa_kernels.decode.step import DecodeKernelConfig
-
-    names = {f.name for f in fields(DecodeKernelConfig)}
     grid: dict[str, tuple[int, ...]] = {}
     for item in filter(None, (part.strip() for part in text.split(";"))):
         name, _, raw = item.partition("=")
-        name = name.strip()
-        if name not in names:
-            raise ValueError(f"unknown DecodeKernelConfig field {name!r}; known: {sorted(names)}")
+        name = _config_field(name.strip())
         try:
             grid[name] = tuple(int(v) for v in raw.split(",") if v.strip())
         except ValueError:

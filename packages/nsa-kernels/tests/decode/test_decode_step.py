@@ -34,6 +34,8 @@ from nsa_kernels.decode import (  # noqa: E402
     DecodeState,
     LayerDecoder,
     PageTable,
+    StepInputs,
+    StepOutputs,
     block_phi,
     decode_step,
 )
@@ -65,6 +67,25 @@ FAT = DecodeKernelConfig(
 
 def _gen(request: pytest.FixtureRequest) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _ragged_batch(
+    request: pytest.FixtureRequest,
+    cfg: NSAConfig,
+    lengths: list[int],
+    tokens: int,
+    capacity: int,
+) -> tuple[Stream, DecodeState, StepInputs]:
+    """``tokens`` random tokens a sequence; a state of ``capacity`` holding each sequence's
+    first ``lengths[b]``; the inputs of each sequence's next token."""
+    stream = Stream.random(cfg, len(lengths), tokens, _gen(request), dtype=F32, device=DEV)
+    state = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, capacity)
+    return stream, state, stream.inputs_at(lengths)
+
+
+def _assert_same_bits(got: StepOutputs, want: StepOutputs, where: str) -> None:
+    for name in ("o", "indices", "reads"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), f"{where}: {name}"
 
 
 def _run_steps(
@@ -206,32 +227,23 @@ def test_the_candidates_merge_the_same_with_and_without_topk(
 
     from nsa_kernels.decode import topn_kernels
 
-    gen = _gen(request)
     cfg = small_config(3, num_selected=6)
     lengths = [20, 97, 150]
-    stream = Stream.random(cfg, 3, 160, gen, dtype=F32, device=DEV)
-    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 160)
-    inputs = stream.inputs_at(lengths)
+    stream, base, inputs = _ragged_batch(request, cfg, lengths, 160, 160)
     outs = []
     for has_topk in (True, False):
         monkeypatch.setattr(topn_kernels, "HAS_TOPK", tl.constexpr(has_topk))
         state = base.clone()
         outs.append(decode_step(state, inputs, plan=DecodePlan(state, THIN)))
     with_topk, without = outs
-    for name in ("indices", "o", "reads"):
-        assert torch.equal(getattr(with_topk, name), getattr(without, name)), name
+    _assert_same_bits(without, with_topk, "without topk")
     check_step(cfg, stream, lengths, with_topk, BOUND[F32])
 
 
 def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:
     """Thin and fat splits give the same indices and outputs within float32 rounding, and the
     same split run twice from the same state gives the same bits (fixed combine order)."""
-    gen = _gen(request)
-    cfg = small_config(3)
-    lengths = [90, 33, 130]
-    stream = Stream.random(cfg, 3, 140, gen, dtype=F32, device=DEV)
-    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 140)
-    inputs = stream.inputs_at(lengths)
+    _, base, inputs = _ragged_batch(request, small_config(3), [90, 33, 130], 140, 140)
     outs = []
     for kernel_cfg in (THIN, FAT, THIN):
         state = base.clone()
@@ -250,17 +262,13 @@ def test_a_plan_sized_for_the_tokens_held_agrees_with_one_sized_for_the_capacity
     """A ragged batch in a state sized far past its tokens: a plan told the tokens it holds
     cuts the compressed keys and the scoring into smaller chunks, and gives the indices and
     reads of the capacity-sized plan exactly, the outputs within float32 rounding."""
-    gen = _gen(request)
-    cfg = small_config(3)
     lengths = [10, 70, 130]
-    stream = Stream.random(cfg, 3, 140, gen, dtype=F32, device=DEV)
-    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 4096)
+    _, base, inputs = _ragged_batch(request, small_config(3), lengths, 140, 4096)
     # Four program slots: the chunks' sizes as on a small GPU, the same on every device.
     slots = DecodeKernelConfig(program_slots=4)
     by_capacity = DecodePlan(base, slots)
     by_tokens = DecodePlan(base, slots, tokens=sum(lengths))
     assert by_tokens.cmp_chunk_tiles < by_capacity.cmp_chunk_tiles
-    inputs = stream.inputs_at(lengths)
     # Each plan on its own copy of the state (a plan's workspace is shared by its steps only).
     outs = [decode_step(base.clone(), inputs, plan=plan) for plan in (by_capacity, by_tokens)]
     assert torch.equal(outs[0].indices, outs[1].indices)
@@ -275,13 +283,10 @@ def test_workspace_values_left_by_earlier_steps_do_not_reach_a_step(
     """A step reads only the workspace entries it wrote: partials, tile maxima and band sums
     left full of NaN or of values far above any real one, with huge read counts, give the same
     bits as a zeroed workspace."""
-    gen = _gen(request)
     cfg = small_config(3)
     lengths = [10, 70, 130]
-    stream = Stream.random(cfg, 3, 140, gen, dtype=F32, device=DEV)
     # A capacity far past the lengths: most compressed chunks hold no block this step.
-    base = DecodeState.from_prefixes(cfg, stream.k, stream.v, lengths, 512)
-    inputs = stream.inputs_at(lengths)
+    stream, base, inputs = _ragged_batch(request, cfg, lengths, 140, 512)
     outs = []
     for fill in (0.0, stale):
         state = base.clone()
@@ -292,9 +297,7 @@ def test_workspace_values_left_by_earlier_steps_do_not_reach_a_step(
         plan.part_n.fill_(0 if fill == 0.0 else 1 << 20)
         outs.append(decode_step(state, inputs, plan=plan))
     zeros, stale_out = outs
-    assert torch.equal(zeros.indices, stale_out.indices)
-    assert torch.equal(zeros.reads, stale_out.reads)
-    assert torch.equal(zeros.o, stale_out.o)
+    _assert_same_bits(stale_out, zeros, "stale workspace")
     check_step(cfg, stream, lengths, stale_out, BOUND[F32])
 
 
@@ -417,8 +420,7 @@ def test_paged_steps_equal_dense_steps_bit_for_bit(
         inputs = stream.inputs_at([n + s for n in lengths])
         want = decode_step(dense, inputs, plan=DecodePlan(dense, kernel_cfg))
         got = decode_step(paged, inputs, plan=DecodePlan(paged, kernel_cfg))
-        for name in ("o", "indices", "reads"):
-            assert torch.equal(getattr(got, name), getattr(want, name)), f"step {s}: {name}"
+        _assert_same_bits(got, want, f"step {s}")
     assert paged.lengths() == dense.lengths() == [n + 6 for n in lengths]
     for b in range(3):
         assert_same_cache(paged.to_cache(b), dense.to_cache(b), 0.0, f"seq {b}")
