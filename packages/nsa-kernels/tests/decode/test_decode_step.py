@@ -8,6 +8,7 @@ contract of step.py, reads to the formula. l=8, d=4, l'=16, n=4, w=24 (decode_te
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -238,6 +239,34 @@ def test_the_candidates_merge_the_same_with_and_without_topk(
     with_topk, without = outs
     _assert_same_bits(without, with_topk, "without topk")
     check_step(cfg, stream, lengths, with_topk, BOUND[F32])
+
+
+@pytest.mark.parametrize("has_topk", [True, False])
+def test_long_scoring_chunks_choose_what_short_ones_do(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, has_topk: bool
+) -> None:
+    """A scoring chunk of at most 64 blocks ranks its keys by an all-pairs count; a longer one
+    sorts them (tl.topk, or n max-reductions where Triton lacks it). One chunk of 128 blocks a
+    sequence gives the indices, outputs and reads of chunks of 16, bit for bit."""
+    import triton.language as tl
+
+    from nsa_kernels.decode import topn_kernels
+
+    if not has_topk and not INTERPRET:
+        pytest.skip("swaps a constexpr global, which only the interpreter reads per call")
+    monkeypatch.setattr(topn_kernels, "HAS_TOPK", tl.constexpr(has_topk))
+    cfg = small_config(3, num_selected=6)
+    lengths = [20, 97, 300]
+    stream, base, inputs = _ragged_batch(request, cfg, lengths, 320, 320)
+    outs = []
+    for score_chunk in (16, 128):
+        state = base.clone()
+        plan = DecodePlan(state, dataclasses.replace(THIN, score_chunk=score_chunk))
+        outs.append(decode_step(state, inputs, plan=plan))
+    short, long = outs
+    assert (short.indices >= 0).sum(-1).max() == cfg.num_selected
+    _assert_same_bits(long, short, "one chunk of 128 blocks")
+    check_step(cfg, stream, lengths, long, BOUND[F32])
 
 
 def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:

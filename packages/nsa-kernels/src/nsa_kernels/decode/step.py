@@ -46,6 +46,8 @@ from nsa_kernels.decode.update import append_token, page_args, page_size
 
 LOG2E = 1.4426950408889634
 TOPN_REL_GAP = 1e-4
+# The longest default scoring chunk (selection blocks a program scores and ranks).
+SCORE_CHUNK_MAX = 512
 
 
 def _pow2(x: int) -> int:
@@ -174,7 +176,8 @@ class DecodeKernelConfig:
         sel_tile: selected keys per tile (a power of two >= 16).
         sel_splits: selected-branch programs per (sequence, kv head), each taking
             ceil(n / sel_splits) blocks.
-        score_chunk: selection blocks per scoring program (a power of two >= 16).
+        score_chunk: selection blocks per scoring program (a power of two >= 16); up to 64
+            a program ranks its keys by one all-pairs count, past that it sorts them.
         combine_tile: partial states merged per step of the combine loop (a power of two).
         combine_heads: query heads per combine program.
         program_slots: programs the device runs at once, for the split choices (default: the
@@ -293,10 +296,20 @@ class DecodePlan:
         self.blocks_per_split = _cdiv(n, min(splits, n))
         self.sel_splits = _cdiv(n, self.blocks_per_split)
 
-        # Scoring: chunks of selection blocks, few enough that the merge stays small.
+        # Scoring: chunks of selection blocks, few enough that the merge stays small. A small
+        # batch takes short chunks (about 32 a sequence, at least 64 blocks each) in one wave;
+        # a large one about two programs per SM in all, each ranking a longer chunk (at most
+        # SCORE_CHUNK_MAX blocks), whose candidates the selected kernel then merges in fewer
+        # rounds (docs/results).
         num_sel = _cdiv(state.capacity, cfg.sel_block)
         sized_sel = _cdiv(sized, cfg.sel_block)
-        self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(sized_sel, 32)))
+        score_per_seq = max(1, min(32, (2 * slots) // bh))
+        self.score_chunk = kc.score_chunk or min(
+            SCORE_CHUNK_MAX, max(64, _pow2(_cdiv(sized_sel, score_per_seq)))
+        )
+        # A chunk's [G, chunk] float32 tiles of band sums and maxima fit four warps' registers
+        # up to 256 blocks.
+        self.score_warps = 4 if self.score_chunk <= 256 else 8
         self.score_chunks = _cdiv(num_sel, self.score_chunk)
         self.n_pad = _pow2(n)
 
@@ -459,7 +472,8 @@ def decode_step(
         p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
         cmp_chunk=p.cmp_chunk, tiles=p.tiles, ranges=p.ranges, score_chunks=p.score_chunks,
         NCP=_pow2(max(p.cmp_chunks, 1)), BN=p.key_tile, R=p.ranges_per_sel, EXTRA=p.extra,
-        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=4, **common, **p.chain,
+        SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=p.score_warps,
+        **common, **p.chain,
     )  # fmt: skip
     selected_kernel[(batch * h, p.sel_splits)](
         q, state.k_sel, state.v_sel, p.cand, state.cache_seqlens, indices,
