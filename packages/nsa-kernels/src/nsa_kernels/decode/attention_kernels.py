@@ -230,9 +230,11 @@ def selected_kernel(
     l_i = tl.zeros([BG], dtype=tl.float32)
     acc = tl.zeros([BG, BV], dtype=tl.float32)
     count = length * 0
-    if PAGE > 0 and PAGE % SEL == 0:
-        # Every block lies in one page: this split's pages [BPSP] in one load before the loop,
-        # so that the loop's K/V loads depend on no load of their own.
+    # Pages of whole blocks (page size a multiple of l'): each block lies in one page.
+    WHOLE_PAGES: tl.constexpr = PAGE > 0 and PAGE % SEL == 0
+    if WHOLE_PAGES:
+        # This split's pages [BPSP] in one load before the loop, so that the loop's K/V loads
+        # depend on no load of their own.
         mine = split * BPS + tl.arange(0, BPSP)
         mine_blocks = tl.sum(tl.where(offs[None, :] == mine[:, None], chosen[None, :], 0), axis=1)
         mine_live = (mine < N) & (mine < (split + 1) * BPS) & (mine_blocks >= 0)
@@ -251,7 +253,7 @@ def selected_kernel(
         pos = tl.maximum(block, 0) * SEL + in_block
         # block as a block tensor: triton 3.9's interpreter turns scalar & block into int32.
         live = ((block + tl.zeros_like(in_block)) >= 0) & (in_block < SEL) & (pos <= t)
-        if PAGE > 0 and PAGE % SEL == 0:
+        if WHOLE_PAGES:
             page = tl.sum(tl.where(tl.arange(0, BPSP) == it // NSUB, mine_pages, 0), axis=0)
             rows = page.to(tl.int64) * PAGE + pos % PAGE
         elif PAGE > 0:

@@ -46,8 +46,6 @@ from nsa_kernels.decode.update import append_token, page_args, page_size
 
 LOG2E = 1.4426950408889634
 TOPN_REL_GAP = 1e-4
-# The longest default scoring chunk (selection blocks a program scores and ranks).
-SCORE_CHUNK_MAX = 512
 
 
 def _pow2(x: int) -> int:
@@ -296,17 +294,14 @@ class DecodePlan:
         self.blocks_per_split = _cdiv(n, min(splits, n))
         self.sel_splits = _cdiv(n, self.blocks_per_split)
 
-        # Scoring: chunks of selection blocks, few enough that the merge stays small. A small
-        # batch takes short chunks (about 32 a sequence, at least 64 blocks each) in one wave;
-        # a large one about two programs per SM in all, each ranking a longer chunk (at most
-        # SCORE_CHUNK_MAX blocks), whose candidates the selected kernel then merges in fewer
-        # rounds (docs/results).
+        # Scoring: chunks of selection blocks, few enough that the merge stays small (about 32
+        # a sequence, at least 64 blocks each). Past one (sequence, kv head) per two SMs the
+        # chunks take 128 blocks: half the programs, each sorting its keys, and half the
+        # candidates for the selected kernel to merge (docs/results).
         num_sel = _cdiv(state.capacity, cfg.sel_block)
         sized_sel = _cdiv(sized, cfg.sel_block)
-        score_per_seq = max(1, min(32, (2 * slots) // bh))
-        self.score_chunk = kc.score_chunk or min(
-            SCORE_CHUNK_MAX, max(64, _pow2(_cdiv(sized_sel, score_per_seq)))
-        )
+        least = 128 if 2 * bh > slots else 64
+        self.score_chunk = kc.score_chunk or max(least, _pow2(_cdiv(sized_sel, 32)))
         # A chunk's [G, chunk] float32 tiles of band sums and maxima fit four warps' registers
         # up to 256 blocks.
         self.score_warps = 4 if self.score_chunk <= 256 else 8
