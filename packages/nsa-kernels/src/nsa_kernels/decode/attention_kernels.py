@@ -124,16 +124,49 @@ def _store_band_sums(
 
 
 @triton.jit
-def _attend_range(
-    q, k_base, v_base, b, rows, ring, lo, hi, h, qk_scale, tile_m_ptr, u_ptr, bh, tiles, ranges,
-    H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, DK: tl.constexpr, BK: tl.constexpr,
-    DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr, R: tl.constexpr, EXTRA: tl.constexpr,
-    LCMP: tl.constexpr, DSTRIDE: tl.constexpr, SEL: tl.constexpr, BANDS: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+def cmp_window_kernel(
+    q_ptr, k_cmp, v_cmp, k_win, v_win, seqlens_ptr, num_cmp_ptr,
+    tile_m_ptr, u_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
+    cmp_rows, qk_scale, slots, cmp_chunks, chunk_tiles, tiles, ranges,
+    H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
+    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
+    R: tl.constexpr, EXTRA: tl.constexpr, LCMP: tl.constexpr, DSTRIDE: tl.constexpr,
+    SEL: tl.constexpr, WINDOW: tl.constexpr, WC: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Online softmax over keys x in [lo, hi) at rows ``b * rows + x % ring``, BN a tile:
-    (m, l [BG], acc [BG, BV], count). BANDS: compressed blocks, each tile leaving its score
-    terms (:func:`_store_band_sums`)."""
+    """The branches that need no selection: grid (B*H, cmp_chunks + window chunks).
+
+    Slot ``s < cmp_chunks``: compressed blocks ``[s*chunk_tiles*BN, (s+1)*chunk_tiles*BN)``
+    that are visible (``i < num_cmp[b]``, after this step's append), leaving the score terms of
+    every tile; it writes its partial only when it saw a block. Slot ``cmp_chunks + c``: window
+    positions ``[start + c*WC, start + (c+1)*WC)`` of ``[start, L)``, ``start = max(0, L - w)``,
+    token p at ring row ``p % w``; it always writes its partial (l = 0 when empty).
+
+    Both kinds share one loop over BN keys ("x": block index or position) so the program holds
+    one copy of the attention tile.
+    """
+    wait_for_prior_launch(PDL)
+    bh = tl.program_id(0).to(tl.int64)
+    slot = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
+    is_cmp = slot < cmp_chunks
+    if is_cmp:
+        lo = slot * chunk_tiles * BN
+        hi = tl.minimum(lo + chunk_tiles * BN, tl.load(num_cmp_ptr + b))
+        k_base = k_cmp
+        v_base = v_cmp
+        rows = cmp_rows
+        ring = 2147483647  # x % ring == x: compressed block i sits at row i
+    else:
+        length = tl.load(seqlens_ptr + b)
+        lo = tl.maximum(length - WINDOW, 0) + (slot - cmp_chunks) * WC
+        hi = tl.minimum(lo + WC, length)
+        k_base = k_win
+        v_base = v_win
+        rows = WINDOW
+        ring = WINDOW
     m_i = tl.full([BG], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BG], dtype=tl.float32)
     acc = tl.zeros([BG, BV], dtype=tl.float32)
@@ -146,45 +179,12 @@ def _attend_range(
             H, DK, BK, DV, BV, DOT_PREC,
         )  # fmt: skip
         count += tl.sum(live.to(tl.int32), axis=0)
-        if BANDS:
+        if is_cmp:
             _store_band_sums(
                 p, m_i, tile_m_ptr, u_ptr, bh, x0 // BN, tiles, ranges,
                 G, BG, BN, R, EXTRA, LCMP, DSTRIDE, SEL,
             )  # fmt: skip
-    return m_i, l_i, acc, count
-
-
-@triton.jit
-def cmp_kernel(
-    q_ptr, k_cmp, v_cmp, num_cmp_ptr,
-    tile_m_ptr, u_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
-    cmp_rows, qk_scale, slots, chunk_tiles, tiles, ranges,
-    H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
-    DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, BN: tl.constexpr,
-    R: tl.constexpr, EXTRA: tl.constexpr, LCMP: tl.constexpr, DSTRIDE: tl.constexpr,
-    SEL: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """The compressed branch: grid (B*H, cmp_chunks).
-
-    Slot ``s``: compressed blocks ``[s*chunk_tiles*BN, (s+1)*chunk_tiles*BN)`` that are visible
-    (``i < num_cmp[b]``, after this step's append), leaving the score terms of every tile; it
-    writes its partial only when it saw a block.
-    """
-    wait_for_prior_launch(PDL)
-    bh = tl.program_id(0).to(tl.int64)
-    slot = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
-    lo = slot * chunk_tiles * BN
-    hi = tl.minimum(lo + chunk_tiles * BN, tl.load(num_cmp_ptr + b))
-    # x % ring == x: compressed block i sits at row i.
-    m_i, l_i, acc, count = _attend_range(
-        q, k_cmp, v_cmp, b, cmp_rows, 2147483647, lo, hi, h, qk_scale, tile_m_ptr, u_ptr, bh,
-        tiles, ranges, H, G, BG, DK, BK, DV, BV, BN, R, EXTRA, LCMP, DSTRIDE, SEL, True,
-        DOT_PREC,
-    )  # fmt: skip
-    if lo < hi:
+    if (not is_cmp) or (lo < hi):
         _store_partial(
             part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, slot, m_i, l_i, acc, count,
             slots, G, BG, DV, BV,
@@ -193,32 +193,25 @@ def cmp_kernel(
 
 @triton.jit
 def selected_kernel(
-    q_ptr, k_sel, v_sel, k_win, v_win, cand_ptr, seqlens_ptr, indices_ptr,
+    q_ptr, k_sel, v_sel, cand_ptr, seqlens_ptr, indices_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
     block_table_ptr, pages_per_seq, capacity, qk_scale,
     PAGE: tl.constexpr, H: tl.constexpr, HQ: tl.constexpr, G: tl.constexpr, BG: tl.constexpr,
     DK: tl.constexpr, BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-    slots, sel_splits, win_slot0, sel_slot0,
+    slots, sel_slot0,
     SEL: tl.constexpr, BL: tl.constexpr, NSUB: tl.constexpr, BPS: tl.constexpr,
-    BPSP: tl.constexpr, WINDOW: tl.constexpr, WC: tl.constexpr, BN: tl.constexpr,
+    BPSP: tl.constexpr,
     score_chunks, NSCP: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Selected and sliding branches: grid (B*H, sel_splits + window chunks).
+    """Selected branch: grid (B*H, splits); split s attends to the chosen blocks of ranks
+    ``[s*BPS, (s+1)*BPS)``.
 
-    Split ``s < sel_splits`` attends to the chosen blocks of ranks ``[s*BPS, (s+1)*BPS)``. Every
-    split merges the chunk candidates itself (the same n blocks, ascending), which costs less
-    than a launch; split 0 writes them to ``indices [B, H, N]``. A block's tokens past the
+    Every split merges the chunk candidates itself (the same n blocks, ascending), which costs
+    less than a launch; split 0 writes them to ``indices [B, H, N]``. A block's tokens past the
     query (``p > t``) are masked (docs/spec.md, "Selected branch"). With PAGE > 0 the selected
     K/V are pages of PAGE tokens (``block_table [B, pages_per_seq]``), else rows
-    ``b * capacity + p``. BPSP: BPS rounded up to a power of two. Partial in slot
-    ``sel_slot0 + s``.
-
-    Program ``sel_splits + c``: window positions ``[start + c*WC, start + (c+1)*WC)`` of
-    ``[start, L)``, ``start = max(0, L - w)``, token p at ring row ``p % w``, in tiles of BN;
-    it always writes its partial, in slot ``win_slot0 + c`` (l = 0 when empty). The window
-    needs no selection, but its bytes run here, beside the selected branch's dependent loads,
-    rather than in the compressed launch, whose bytes bound it (docs/results).
+    ``b * capacity + p``. BPSP: BPS rounded up to a power of two.
     """
     wait_for_prior_launch(PDL)
     bh = tl.program_id(0).to(tl.int64)
@@ -228,40 +221,6 @@ def selected_kernel(
     # q, the length and the candidates load at once: none waits for another.
     q = _load_q(q_ptr, b, h, HQ, G, BG, DK, BK)
     length = tl.load(seqlens_ptr + b)
-    if split < sel_splits:
-        _selected_split(
-            q, k_sel, v_sel, cand_ptr, indices_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-            part_n_ptr, block_table_ptr, pages_per_seq, capacity, qk_scale, bh, b, h, split,
-            length, slots, sel_slot0, score_chunks, PAGE, H, G, BG, DK, BK, DV, BV, SEL, BL,
-            NSUB, BPS, BPSP, NSCP, N, NP, DOT_PREC,
-        )  # fmt: skip
-    else:
-        c = split - sel_splits
-        lo = tl.maximum(length - WINDOW, 0) + c * WC
-        hi = tl.minimum(lo + WC, length)
-        # No score terms (BANDS off): the band arguments are unused.
-        m_i, l_i, acc, count = _attend_range(
-            q, k_win, v_win, b, WINDOW, WINDOW, lo, hi, h, qk_scale, part_m_ptr, part_m_ptr, bh,
-            0, 0, H, G, BG, DK, BK, DV, BV, BN, 1, 0, 1, 1, SEL, False, DOT_PREC,
-        )  # fmt: skip
-        _store_partial(
-            part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr, bh, win_slot0 + c, m_i, l_i, acc,
-            count, slots, G, BG, DV, BV,
-        )  # fmt: skip
-
-
-@triton.jit
-def _selected_split(
-    q, k_sel, v_sel, cand_ptr, indices_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, part_n_ptr,
-    block_table_ptr, pages_per_seq, capacity, qk_scale, bh, b, h, split, length, slots,
-    sel_slot0, score_chunks,
-    PAGE: tl.constexpr, H: tl.constexpr, G: tl.constexpr, BG: tl.constexpr, DK: tl.constexpr,
-    BK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, SEL: tl.constexpr, BL: tl.constexpr,
-    NSUB: tl.constexpr, BPS: tl.constexpr, BPSP: tl.constexpr, NSCP: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, DOT_PREC: tl.constexpr,
-):  # fmt: skip
-    """Split ``split`` of the selected branch of (sequence b, kv head h), as
-    :func:`selected_kernel` describes."""
     t = length - 1
     chosen = merge_topn(cand_ptr, bh, score_chunks, NSCP, N, NP)
     offs = tl.arange(0, NP)

@@ -5,12 +5,11 @@ A step at each sequence's own position ``t = cache_seqlens[b]`` (docs/spec.md, "
 1. ``append_kernel`` (update.py): the token's K/V go into every cache; a block completed by the
    token is folded (phi); the lengths advance on the device. One program per (sequence, kv
    head, keys or values); the last of a sequence to read its counters advances them.
-2. ``cmp_kernel``: compressed attention split over chunks of compressed keys (leaving the band
-   sums that score selection blocks).
+2. ``cmp_window_kernel``: compressed attention split over chunks of compressed keys (leaving
+   the band sums that score selection blocks) and sliding attention split over window chunks.
 3. ``score_topn_kernel``: selection scores of chunks of selection blocks, each chunk's n best.
 4. ``selected_kernel``: the n blocks (forced {0, jt-1, jt}, then the best, ties to the lower j)
-   and the selected branch split over them; beside them, sliding attention split over window
-   chunks.
+   and the selected branch split over them.
 5. ``combine_kernel``: partial states merged in a fixed order, gated combine, reads.
 
 No host synchronisation, no host-side position: the launches and their arguments are the same
@@ -39,7 +38,7 @@ from nsa_kernels.common.triton_inputs import (
     dot_precision,
     num_sms,
 )
-from nsa_kernels.decode.attention_kernels import cmp_kernel, selected_kernel
+from nsa_kernels.decode.attention_kernels import cmp_window_kernel, selected_kernel
 from nsa_kernels.decode.combine_kernels import combine_kernel
 from nsa_kernels.decode.state import BlockPhi, DecodeState, check_phi
 from nsa_kernels.decode.topn_kernels import score_topn_kernel
@@ -317,7 +316,7 @@ class DecodePlan:
         self.combine_warps = 4 if combine_floats > 4096 else 2
         self.warps = kc.warps or 4
         # Two stages of float32 K/V tiles wider than 128 + 128 ask for up to 116 KiB of shared
-        # memory in the attention kernels: more than an sm_86/sm_89 SM has (99 KiB).
+        # memory in the compressed/window kernel: more than an sm_86/sm_89 SM has (99 KiB).
         # One stage fits every supported architecture.
         # A large batch is bound by bytes, and a third buffer keeps more loads in flight; a
         # small one is bound by latency, where the third buffer measured slower (docs/results).
@@ -453,15 +452,16 @@ def decode_step(
     # Sizes that vary with the capacity go in as runtime integers (one compiled kernel serves
     # every capacity); only tile shapes are compile-time constants.
     common = {"H": h, "G": p.group, "BG": p.block_g, "slots": p.slots}
-    cmp_kernel[(batch * h, p.cmp_chunks)](
-        q, state.k_cmp, state.v_cmp, state.num_cmp,
+    cmp_window_kernel[(batch * h, p.cmp_chunks + p.window_chunks)](
+        q, state.k_cmp, state.v_cmp, state.k_win, state.v_win,
+        state.cache_seqlens, state.num_cmp,
         p.tile_m, p.band, p.part_m, p.part_l, p.part_acc, p.part_n,
         state.k_cmp.shape[1], qk_scale,
-        chunk_tiles=p.cmp_chunk_tiles, tiles=p.tiles, ranges=p.ranges,
+        cmp_chunks=p.cmp_chunks, chunk_tiles=p.cmp_chunk_tiles, tiles=p.tiles, ranges=p.ranges,
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v, BN=p.key_tile,
         R=p.ranges_per_sel, EXTRA=p.extra, LCMP=cfg.cmp_block, DSTRIDE=cfg.cmp_stride,
-        SEL=cfg.sel_block, DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages,
-        **common, **p.chain,
+        SEL=cfg.sel_block, WINDOW=cfg.window, WC=p.window_chunk,
+        DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common, **p.chain,
     )  # fmt: skip
     score_topn_kernel[(batch * h, p.score_chunks)](
         p.band, p.tile_m, p.part_m, p.part_l, state.cache_seqlens, state.num_cmp, p.cand,
@@ -470,15 +470,15 @@ def decode_step(
         SEL=cfg.sel_block, JS=p.score_chunk, N=n, NP=p.n_pad, num_warps=p.score_warps,
         **common, **p.chain,
     )  # fmt: skip
-    selected_kernel[(batch * h, p.sel_splits + p.window_chunks)](
-        q, state.k_sel, state.v_sel, state.k_win, state.v_win, p.cand, state.cache_seqlens,
-        indices, p.part_m, p.part_l, p.part_acc, p.part_n,
+    selected_kernel[(batch * h, p.sel_splits)](
+        q, state.k_sel, state.v_sel, p.cand, state.cache_seqlens, indices,
+        p.part_m, p.part_l, p.part_acc, p.part_n,
         *page_args(state), state.capacity, qk_scale,
-        PAGE=page_size(state), sel_splits=p.sel_splits, win_slot0=p.cmp_chunks,
-        sel_slot0=p.cmp_chunks + p.window_chunks, score_chunks=p.score_chunks,
+        PAGE=page_size(state), sel_slot0=p.cmp_chunks + p.window_chunks,
+        score_chunks=p.score_chunks,
         HQ=hq, DK=dk, BK=p.block_k, DV=dv, BV=p.block_v,
         SEL=cfg.sel_block, BL=p.sel_tile, NSUB=p.sel_sub, BPS=p.blocks_per_split,
-        BPSP=_pow2(p.blocks_per_split), WINDOW=cfg.window, WC=p.window_chunk, BN=p.key_tile,
+        BPSP=_pow2(p.blocks_per_split),
         NSCP=_pow2(p.score_chunks), N=n, NP=p.n_pad,
         DOT_PREC=p.dot_precision, num_warps=p.warps, num_stages=p.stages, **common, **p.chain,
     )  # fmt: skip
