@@ -262,32 +262,33 @@ def test_the_candidates_merge_the_same_with_and_without_topk(
     check_step(cfg, stream, lengths, with_topk, BOUND[F32])
 
 
-@pytest.mark.parametrize("has_topk", [True, False])
-def test_long_scoring_chunks_choose_what_short_ones_do(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, has_topk: bool
+def test_every_ranking_of_the_scoring_chunks_chooses_the_same_blocks(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A scoring chunk of at most 64 blocks ranks its keys by an all-pairs count; a longer one
-    sorts them (tl.topk, or n max-reductions where Triton lacks it). One chunk of 128 blocks a
-    sequence gives the indices, outputs and reads of chunks of 16, bit for bit."""
+    """A scoring chunk sorts its keys with tl.topk where Triton has it; without it a chunk of
+    at most 64 blocks ranks them by an all-pairs count and a longer one takes n max-reductions.
+    Chunks of 16 and of 128 blocks, each way, give the same indices, outputs and reads, bit
+    for bit (the ways without tl.topk under the interpreter only: they swap a constexpr
+    global, which only the interpreter reads per call)."""
     import triton.language as tl
 
     from nsa_kernels.decode import topn_kernels
 
-    if not has_topk and not INTERPRET:
-        pytest.skip("swaps a constexpr global, which only the interpreter reads per call")
-    monkeypatch.setattr(topn_kernels, "HAS_TOPK", tl.constexpr(has_topk))
     cfg = small_config(3, num_selected=6)
     lengths = [20, 97, 300]
     stream, base, inputs = _ragged_batch(request, cfg, lengths, 320, 320)
-    outs = []
-    for score_chunk in (16, 128):
-        state = base.clone()
-        plan = DecodePlan(state, dataclasses.replace(THIN, score_chunk=score_chunk))
-        outs.append(decode_step(state, inputs, plan=plan))
-    short, long = outs
-    assert (short.indices >= 0).sum(-1).max() == cfg.num_selected
-    _assert_same_bits(long, short, "one chunk of 128 blocks")
-    check_step(cfg, stream, lengths, long, BOUND[F32])
+    outs = {}
+    for has_topk in (True, False) if INTERPRET else (topn_kernels.HAS_TOPK,):
+        monkeypatch.setattr(topn_kernels, "HAS_TOPK", tl.constexpr(has_topk))
+        for score_chunk in (16, 128):
+            state = base.clone()
+            plan = DecodePlan(state, dataclasses.replace(THIN, score_chunk=score_chunk))
+            outs[has_topk, score_chunk] = decode_step(state, inputs, plan=plan)
+    (first, want), *rest = outs.items()
+    assert (want.indices >= 0).sum(-1).max() == cfg.num_selected
+    for way, got in rest:
+        _assert_same_bits(got, want, f"(has topk, chunk) {way} against {first}")
+    check_step(cfg, stream, lengths, want, BOUND[F32])
 
 
 def test_splits_agree_and_repeat(request: pytest.FixtureRequest) -> None:

@@ -38,9 +38,10 @@ MAX_BLOCK = 2147483647
 # chunks' candidates in less time than N dependent max-reductions over all of them
 # (docs/results/2026-11-29-h200-decode-b32.md). Tritons without it take the reductions.
 HAS_TOPK = tl.constexpr(hasattr(tl, "topk"))
-# A scoring chunk of at most this many blocks ranks its keys by one all-pairs count ([JS, JS]
-# comparisons in registers); a longer one sorts them (tl.topk), or, without it, takes N
-# dependent max-reductions.
+# A scoring chunk sorts its keys with tl.topk too (faster than an all-pairs rank count at 64
+# blocks, docs/results). Without it, a chunk of at most RANK_MAX_KEYS blocks ranks its keys by
+# one all-pairs count ([JS, JS] comparisons in registers), a longer one takes N dependent
+# max-reductions.
 RANK_MAX_KEYS = tl.constexpr(64)
 
 
@@ -190,10 +191,10 @@ def score_topn_kernel(
         bits = tl.where(forced, 0x7F800001, bits)
         key = (bits.to(tl.int64) << 32) | (2147483647 - j).to(tl.int64)
         key = tl.where(valid, key, -1)
-        if JS <= RANK_MAX_KEYS:
-            best = topn_keys_by_rank(key, N, NP)
-        elif HAS_TOPK:
+        if HAS_TOPK:
             best = tl.where(tl.arange(0, NP) < N, tl.topk(key, NP), -1)
+        elif JS <= RANK_MAX_KEYS:
+            best = topn_keys_by_rank(key, N, NP)
         else:
             best = topn_keys(key, N, NP)
     tl.store(cand_ptr + (bh * score_chunks + c) * NP + tl.arange(0, NP), best)
