@@ -183,25 +183,22 @@ def test_stages_follow_the_tiles_and_the_batch() -> None:
         assert DecodePlan(state, DecodeKernelConfig(stages=2)).stages == 2, "asked for: kept"
 
 
-def test_scoring_chunks_follow_the_batch_and_the_length() -> None:
-    """Scoring chunks hold 64 selection blocks while the batch holds at most one kv head (B*H)
-    per two program slots, 128 past that, and more where a sequence would otherwise take more
-    than 32 chunks; a chunk asked for is kept."""
-    cfg = small_config(2)  # H = 2, l' = 16
-    slots = 64
+def test_scoring_chunks_follow_the_length() -> None:
+    """About 16 scoring chunks a sequence, at least 64 selection blocks each, whatever the
+    batch; a chunk asked for is kept."""
+    cfg = small_config(2)  # l' = 16
     for (batch, capacity), chunk in {
-        (16, 64 * 16): 64,
-        (17, 64 * 16): 128,
-        (1, 64 * 16 * 32): 64,
-        (1, 64 * 16 * 32 + 1): 128,
-        (1, 128 * 16 * 64): 256,
+        (1, 16 * 64 * 16): 64,
+        (40, 16 * 64 * 16): 64,
+        (1, 16 * 64 * 16 + 1): 128,
+        (1, 16 * 256 * 16): 256,
+        (2, 16 * 100): 64,
     }.items():
         state = DecodeState.empty(cfg, batch, capacity, device=DEV, dtype=F32)
-        plan = DecodePlan(state, DecodeKernelConfig(program_slots=slots))
+        plan = DecodePlan(state)
         assert plan.score_chunk == chunk, (batch, capacity)
         assert plan.score_chunks == -(-capacity // (16 * chunk))
-        asked = DecodePlan(state, DecodeKernelConfig(program_slots=slots, score_chunk=32))
-        assert asked.score_chunk == 32, "asked for: kept"
+        assert DecodePlan(state, DecodeKernelConfig(score_chunk=32)).score_chunk == 32, "kept"
 
 
 def test_learned_phi(request: pytest.FixtureRequest) -> None:

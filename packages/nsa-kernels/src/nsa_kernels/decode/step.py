@@ -294,14 +294,12 @@ class DecodePlan:
         self.blocks_per_split = _cdiv(n, min(splits, n))
         self.sel_splits = _cdiv(n, self.blocks_per_split)
 
-        # Scoring: chunks of selection blocks, few enough that the merge stays small (about 32
-        # a sequence, at least 64 blocks each). Past one (sequence, kv head) per two SMs the
-        # chunks take 128 blocks: half the programs, each sorting its keys, and half the
-        # candidates for the selected kernel to merge (docs/results).
+        # Scoring: about 16 chunks of selection blocks a sequence, at least 64 blocks each: the
+        # fastest of 64 and 128 at 64k and 128k for B = 1, 8 and 32 (docs/results). Fewer,
+        # longer chunks leave fewer candidates for the selected kernel to merge.
         num_sel = _cdiv(state.capacity, cfg.sel_block)
         sized_sel = _cdiv(sized, cfg.sel_block)
-        least = 128 if 2 * bh > slots else 64
-        self.score_chunk = kc.score_chunk or max(least, _pow2(_cdiv(sized_sel, 32)))
+        self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(sized_sel, 16)))
         # A chunk's [G, chunk] float32 tiles of band sums and maxima fit four warps' registers
         # up to 256 blocks.
         self.score_warps = 4 if self.score_chunk <= 256 else 8
