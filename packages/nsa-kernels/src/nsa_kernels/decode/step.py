@@ -174,8 +174,7 @@ class DecodeKernelConfig:
         sel_tile: selected keys per tile (a power of two >= 16).
         sel_splits: selected-branch programs per (sequence, kv head), each taking
             ceil(n / sel_splits) blocks.
-        score_chunk: selection blocks per scoring program (a power of two >= 16); up to 64
-            a program ranks its keys by one all-pairs count, past that it sorts them.
+        score_chunk: selection blocks per scoring program (a power of two >= 16).
         combine_tile: partial states merged per step of the combine loop (a power of two).
         combine_heads: query heads per combine program.
         program_slots: programs the device runs at once, for the split choices (default: the
