@@ -184,14 +184,15 @@ def test_stages_follow_the_tiles_and_the_batch() -> None:
 
 
 def test_scoring_chunks_follow_the_length() -> None:
-    """About 16 scoring chunks a sequence, at least 64 selection blocks each, whatever the
-    batch; a chunk asked for is kept."""
+    """16 to 32 scoring chunks a sequence (the power of two at or above 1/32 of its selection
+    blocks), at least 64 blocks each, whatever the batch; a chunk asked for is kept."""
     cfg = small_config(2)  # l' = 16
     for (batch, capacity), chunk in {
         (1, 16 * 64 * 16): 64,
         (40, 16 * 64 * 16): 64,
-        (1, 16 * 64 * 16 + 1): 128,
-        (1, 16 * 256 * 16): 256,
+        (1, 32 * 64 * 16): 64,
+        (1, 32 * 64 * 16 + 1): 128,
+        (1, 32 * 128 * 16): 128,
         (2, 16 * 100): 64,
     }.items():
         state = DecodeState.empty(cfg, batch, capacity, device=DEV, dtype=F32)

@@ -293,12 +293,14 @@ class DecodePlan:
         self.blocks_per_split = _cdiv(n, min(splits, n))
         self.sel_splits = _cdiv(n, self.blocks_per_split)
 
-        # Scoring: about 16 chunks of selection blocks a sequence, at least 64 blocks each: the
-        # fastest of 64 and 128 at 64k and 128k for B = 1, 8 and 32 (docs/results). Fewer,
-        # longer chunks leave fewer candidates for the selected kernel to merge.
+        # Scoring: 16 to 32 chunks of selection blocks a sequence (the power of two at or above
+        # 1/32 of its blocks), at least 64 blocks each. A state a little past 64k tokens takes
+        # 64-block chunks and one a little past 128k 128-block ones: the fastest of 64 and 128
+        # there for B = 1, 8 and 32 (docs/results). Longer chunks leave fewer candidates for the
+        # selected kernel to merge; too long, and scoring takes longer than the merge saves.
         num_sel = _cdiv(state.capacity, cfg.sel_block)
         sized_sel = _cdiv(sized, cfg.sel_block)
-        self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(sized_sel, 16)))
+        self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(sized_sel, 32)))
         # A chunk's [G, chunk] float32 tiles of band sums and maxima fit four warps' registers
         # up to 256 blocks.
         self.score_warps = 4 if self.score_chunk <= 256 else 8
