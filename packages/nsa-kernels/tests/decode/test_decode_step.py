@@ -234,40 +234,15 @@ def test_ties_go_to_the_lower_block(request: pytest.FixtureRequest) -> None:
     check_step(cfg, stream, lengths, out, BOUND[F32])
 
 
-@pytest.mark.skipif(
-    not INTERPRET, reason="swaps a constexpr global, which only the interpreter reads per call"
-)
-def test_the_candidates_merge_the_same_with_and_without_topk(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The selected kernel merges the chunks' candidates with tl.topk where Triton has it and
-    with n max-reductions where it does not: the same indices, outputs and reads, bit for bit,
-    with many candidate chunks (thin scoring chunks)."""
-    import triton.language as tl
-
-    from nsa_kernels.decode import topn_kernels
-
-    cfg = small_config(3, num_selected=6)
-    lengths = [20, 97, 150]
-    stream, base, inputs = _ragged_batch(request, cfg, lengths, 160, 160)
-    outs = []
-    for has_topk in (True, False):
-        monkeypatch.setattr(topn_kernels, "HAS_TOPK", tl.constexpr(has_topk))
-        state = base.clone()
-        outs.append(decode_step(state, inputs, plan=DecodePlan(state, THIN)))
-    with_topk, without = outs
-    _assert_same_bits(without, with_topk, "without topk")
-    check_step(cfg, stream, lengths, with_topk, BOUND[F32])
-
-
 def test_every_ranking_of_the_scoring_chunks_chooses_the_same_blocks(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A scoring chunk sorts its keys with tl.topk where Triton has it; without it a chunk of
-    at most 64 blocks ranks them by an all-pairs count and a longer one takes n max-reductions.
-    Chunks of 16 and of 128 blocks, each way, give the same indices, outputs and reads, bit
-    for bit (the ways without tl.topk under the interpreter only: they swap a constexpr
-    global, which only the interpreter reads per call)."""
+    """A scoring chunk sorts its keys with tl.topk where Triton has it, and the selected kernel
+    merges the chunks' candidates with it; without it a chunk of at most 64 blocks ranks its
+    keys by an all-pairs count, a longer one and the merge take n max-reductions. Chunks of 16
+    and of 128 blocks, each way, give the same indices, outputs and reads, bit for bit (the
+    ways without tl.topk under the interpreter only: they swap a constexpr global, which only
+    the interpreter reads per call)."""
     import triton.language as tl
 
     from nsa_kernels.decode import topn_kernels

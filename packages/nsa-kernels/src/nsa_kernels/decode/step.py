@@ -294,10 +294,9 @@ class DecodePlan:
         self.sel_splits = _cdiv(n, self.blocks_per_split)
 
         # Scoring: 16 to 32 chunks of selection blocks a sequence (the power of two at or above
-        # 1/32 of its blocks), at least 64 blocks each. A state a little past 64k tokens takes
-        # 64-block chunks and one a little past 128k 128-block ones: the fastest of 64 and 128
-        # there for B = 1, 8 and 32 (docs/results). Longer chunks leave fewer candidates for the
-        # selected kernel to merge; too long, and scoring takes longer than the merge saves.
+        # 1/32 of its blocks), at least 64 blocks each: the lengths measured fastest
+        # (docs/results). Longer chunks leave fewer candidates for the selected kernel to merge;
+        # too long, and scoring takes longer than the merge saves.
         num_sel = _cdiv(state.capacity, cfg.sel_block)
         sized_sel = _cdiv(sized, cfg.sel_block)
         self.score_chunk = kc.score_chunk or max(64, _pow2(_cdiv(sized_sel, 32)))

@@ -38,8 +38,8 @@ MAX_BLOCK = 2147483647
 # chunks' candidates in less time than N dependent max-reductions over all of them
 # (docs/results/2026-11-29-h200-decode-b32.md). Tritons without it take the reductions.
 HAS_TOPK = tl.constexpr(hasattr(tl, "topk"))
-# A scoring chunk sorts its keys with tl.topk too (faster than an all-pairs rank count at 64
-# blocks, docs/results). Without it, a chunk of at most RANK_MAX_KEYS blocks ranks its keys by
+# A scoring chunk sorts its keys with tl.topk too (measured faster than an all-pairs rank
+# count, docs/results). Without it, a chunk of at most RANK_MAX_KEYS blocks ranks its keys by
 # one all-pairs count ([JS, JS] comparisons in registers), a longer one takes N dependent
 # max-reductions.
 RANK_MAX_KEYS = tl.constexpr(64)
